@@ -1,0 +1,159 @@
+"""The controller's side: ask a model for a new limit or a trim and wait for its acknowledgement.
+
+Controllers write only the CONTROL block, serialised among themselves by flock on the segment;
+the allocator never takes that lock, so a controller can never stall an engine.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import layout as L
+from .legacy import write_legacy_limit
+from .reader import read_segment, resolve, list_models
+from .snapshot import ModelSnapshot
+
+POLL_S = 0.002
+DEFAULT_WAIT_S = 2.0
+
+
+class ControlError(RuntimeError):
+    """A request could not be made (not our segment, not live, bad value)."""
+
+
+class AckTimeout(TimeoutError):
+    """The model did not acknowledge in time; ``ack`` holds what it had acknowledged so far."""
+
+    def __init__(self, message: str, ack: "Ack"):
+        super().__init__(message)
+        self.ack = ack
+
+
+@dataclass(frozen=True)
+class Ack:
+    """A model's answer to a control request."""
+
+    name: str
+    kind: str  # limit or trim
+    status: str  # applied, deferred, conflict, none, trimmed, pending, legacy
+    revision: int
+    effective_limit: int | None = None
+    bytes_returned: int = 0
+    latency_s: float = 0.0
+
+
+def _open_for_control(path: Path) -> tuple[int, mmap.mmap]:
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ControlError(f"{path} is not a regular file")
+        if st.st_uid != os.getuid():
+            raise ControlError(f"{path.name} belongs to uid {st.st_uid}, not you (uid {os.getuid()}); refusing to write it")
+        if st.st_mode & 0o077:
+            raise ControlError(f"{path.name} is readable by others (mode {st.st_mode & 0o777:o}); refusing to trust it")
+        mm = mmap.mmap(fd, L.PAGE_MAP_OFF, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mm
+
+
+def _target(name_or_snapshot: str | ModelSnapshot) -> ModelSnapshot:
+    if isinstance(name_or_snapshot, ModelSnapshot):
+        return name_or_snapshot
+    return resolve(name_or_snapshot, list_models())
+
+
+def _wait(model: ModelSnapshot, done, wait: float, kind: str, pending: Ack, started: float) -> Ack:
+    deadline = started + wait
+    path = Path(model.path)
+    while True:
+        snap = read_segment(path)
+        ack = done(snap)
+        if ack is not None:
+            return ack
+        if snap.status != "live":
+            raise ControlError(f"{model.name} stopped answering (status {snap.status}) before acknowledging the {kind}")
+        if time.monotonic() >= deadline:
+            raise AckTimeout(f"{model.name} did not acknowledge the {kind} within {wait:g} s", pending)
+        time.sleep(POLL_S)
+
+
+def request_limit(name: str | ModelSnapshot, limit_bytes: int | None, *, wait: float = DEFAULT_WAIT_S) -> Ack:
+    """Set (or lift, with None) a model's limit; return its acknowledgement once it applied the revision.
+
+    ``wait=0`` returns at once with status ``pending``. Raises ControlError, AckTimeout, ModelNotFound.
+    """
+    if limit_bytes is not None and limit_bytes < 0:
+        raise ControlError("a limit cannot be negative")
+    model = _target(name)
+    if model.status == "legacy":
+        write_legacy_limit(Path(model.path), limit_bytes if limit_bytes is not None else 0)
+        return Ack(model.name, "limit", "legacy", 0, limit_bytes)
+    if model.status != "live":
+        raise ControlError(f"{model.name} is {model.status}: its process is gone, nothing would apply the limit")
+    started = time.monotonic()
+    fd, mm = _open_for_control(Path(model.path))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            revision = L.U64.unpack_from(mm, L.LIMIT_REV_OFF)[0] + 1
+            value = -1 if limit_bytes is None else limit_bytes
+            L.I64.pack_into(mm, L.LIMIT_OFF, value)
+            L.U64.pack_into(mm, L.LIMIT_CHECK_OFF, L.limit_check(value, revision))
+            L.U64.pack_into(mm, L.LIMIT_REV_OFF, revision)  # last: the allocator keys on it
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        mm.close()
+        os.close(fd)
+    pending = Ack(model.name, "limit", "pending", revision, limit_bytes)
+    if wait <= 0:
+        return pending
+
+    def done(snap: ModelSnapshot) -> Ack | None:
+        if snap.applied_revision >= revision:
+            return Ack(snap.name, "limit", snap.limit_status, snap.applied_revision, snap.limit_bytes,
+                       latency_s=time.monotonic() - started)
+        return None
+
+    return _wait(model, done, wait, "limit", pending, started)
+
+
+def request_trim(name: str | ModelSnapshot, *, wait: float = DEFAULT_WAIT_S) -> Ack:
+    """Ask a live model to unmap its reserved pages now; return the bytes it returned."""
+    model = _target(name)
+    if model.status == "legacy":
+        raise ControlError(f"{model.name} is an upstream kvcached segment: it cannot be trimmed from outside")
+    if model.status != "live":
+        raise ControlError(f"{model.name} is {model.status}: its process is gone, nothing to trim")
+    started = time.monotonic()
+    fd, mm = _open_for_control(Path(model.path))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            seq = L.U64.unpack_from(mm, L.TRIM_REQ_OFF)[0] + 1
+            L.U64.pack_into(mm, L.TRIM_REQ_OFF, seq)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        mm.close()
+        os.close(fd)
+    pending = Ack(model.name, "trim", "pending", seq)
+    if wait <= 0:
+        return pending
+
+    def done(snap: ModelSnapshot) -> Ack | None:
+        if snap.trim_ack_seq >= seq:
+            return Ack(snap.name, "trim", "trimmed", snap.trim_ack_seq, snap.limit_bytes,
+                       bytes_returned=snap.trim_bytes, latency_s=time.monotonic() - started)
+        return None
+
+    return _wait(model, done, wait, "trim", pending, started)

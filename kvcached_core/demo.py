@@ -1,0 +1,218 @@
+"""A demo fleet: simulated serving models on the host backend, in child processes.
+
+Each model runs an engine-like loop: requests arrive in bursts and idle phases, prefill
+allocates a prompt's blocks at once (reusing shared hot prefixes from the prefix cache),
+decode adds one block at a time, requests finish at different moments and their prompt blocks
+go to the prefix cache. Memory is real (host backend), so sizes are kept small.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+DEMO_MODELS = (
+    ("llama-3-8b", "vllm", 4),
+    ("qwen2-7b", "sglang", 4),
+    ("mistral-7b", "vllm", 2),
+    ("phi-3-mini", "custom", 2),
+    ("gemma-2-9b", "sglang", 4),
+    ("llama-3-70b", "vllm", 8),
+)
+KiB = 1024
+
+
+@dataclass
+class Request:
+    blocks: list[int]
+    prefix: list[int]  # cached prefix blocks taken back into use
+    decode_left: int
+    key: int | None
+    prompt_blocks: int = 0
+
+
+@dataclass
+class DemoEngine:
+    """The traffic of one model, deterministic for a seed."""
+
+    manager: object
+    rng: random.Random
+    max_running: int = 24
+    running: list[Request] = field(default_factory=list)
+    prefixes: dict[int, list[int]] = field(default_factory=dict)  # hot prefix key -> cached blocks
+
+    def step(self, phase: str) -> None:
+        m = self.manager
+        arrivals = {"burst": 3, "steady": 1, "idle": 0}[phase]
+        for _ in range(self.rng.randint(0, arrivals)):
+            if len(self.running) < self.max_running:
+                self._admit()
+        for req in list(self.running):
+            if req.decode_left <= 0:
+                self._finish(req)
+                continue
+            req.decode_left -= 1
+            if self.rng.random() < 0.35:  # a block fills every few tokens
+                got = m.alloc(1)
+                if got is None:
+                    self._finish(req)
+                    continue
+                req.blocks += got
+
+    def _admit(self) -> None:
+        m = self.manager
+        key = self.rng.randrange(6) if self.rng.random() < 0.6 else None
+        prefix: list[int] = []
+        if key is not None and key in self.prefixes:
+            prefix = self.prefixes.pop(key)
+            m.reuse(prefix)
+        prompt = self.rng.randint(1, 24)
+        blocks = m.alloc(prompt)
+        if blocks is None:
+            if prefix:
+                self._cache(key, prefix)
+            return
+        self.running.append(Request(blocks, prefix, self.rng.randint(5, 120), key, prompt))
+
+    def _cache(self, key: int | None, blocks: list[int]) -> None:
+        evicted = set(self.manager.mark_cached(blocks))
+        if key is not None and not (evicted & set(blocks)):
+            old = self.prefixes.pop(key, None)
+            if old:
+                self.manager.free(b for b in old if b in self.manager.cache)
+            self.prefixes[key] = blocks
+        else:
+            gone = [b for b in blocks if b not in evicted]
+            if gone:
+                self.manager.free(gone)
+        for k, cached in list(self.prefixes.items()):
+            if evicted & set(cached):
+                survivors = [b for b in cached if b not in evicted]
+                del self.prefixes[k]
+                if survivors:
+                    self.manager.free(survivors)
+
+    def _finish(self, req: Request) -> None:
+        self.running.remove(req)
+        keep = req.prefix + req.blocks[: req.prompt_blocks]
+        rest = req.blocks[req.prompt_blocks:]
+        if rest:
+            self.manager.free(rest)
+        if req.key is not None and keep:
+            self._cache(req.key, keep)
+        elif keep:
+            self.manager.free(keep)
+
+
+def _phase(t: float, period: float, offset: float) -> str:
+    x = ((t + offset) % period) / period
+    return "burst" if x < 0.3 else "steady" if x < 0.7 else "idle"
+
+
+def run_model(name: str, engine: str, layers: int, seed: int, duration: float | None, tick: float = 0.05) -> None:
+    """Child-process body: serve simulated traffic until ``duration`` or SIGTERM/SIGINT."""
+    from .manager import KVCacheManager
+
+    stop = {"now": False}
+
+    def _stop(*_: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    rng = random.Random(seed)
+    with KVCacheManager(name, num_blocks=4096, block_bytes=16 * KiB, num_layers=layers,
+                        num_kv_buffers=2, page_size=256 * KiB, engine=engine, name=name) as manager:
+        demo = DemoEngine(manager, rng)
+        start = time.monotonic()
+        period, offset = rng.uniform(12, 24), rng.uniform(0, 10)
+        while not stop["now"]:
+            now = time.monotonic() - start
+            if duration is not None and now >= duration:
+                break
+            demo.step(_phase(now, period, offset))
+            time.sleep(tick)
+
+
+class DemoFleet:
+    """Start N demo models as child processes; stop them (and their segments) on exit."""
+
+    def __init__(self, models: int = 3, seed: int = 0, duration: float | None = None, prefix: str = "demo") -> None:
+        if not 1 <= models <= 64:
+            raise ValueError("models must be between 1 and 64")
+        self.count, self.seed, self.duration, self.prefix = models, seed, duration, prefix
+        self.procs: list[subprocess.Popen] = []
+
+    def names(self) -> list[str]:
+        out = []
+        for i in range(self.count):
+            base = DEMO_MODELS[i % len(DEMO_MODELS)][0]
+            suffix = f"-{i // len(DEMO_MODELS)}" if i >= len(DEMO_MODELS) else ""
+            out.append(f"{self.prefix}-{base}{suffix}")
+        return out
+
+    def start(self) -> DemoFleet:
+        for i, name in enumerate(self.names()):
+            _base, engine, layers = DEMO_MODELS[i % len(DEMO_MODELS)]
+            cmd = [sys.executable, "-m", "kvcached_core.demo", name, engine, str(layers),
+                   str(self.seed * 1000 + i), "" if self.duration is None else str(self.duration)]
+            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+        return self
+
+    def wait_ready(self, timeout: float = 10.0) -> bool:
+        """Wait until every model's segment exists."""
+        from .names import segment_path
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(segment_path(n).exists() for n in self.names()):
+                return True
+            if not self.alive():
+                return False
+            time.sleep(0.05)
+        return False
+
+    def alive(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def wait(self) -> None:
+        for proc in self.procs:
+            proc.wait()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.01, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(1)
+        self._remove_leftovers()
+
+    def _remove_leftovers(self) -> None:
+        """A child killed hard cannot unlink its segment: do it for it."""
+        from .names import segment_path
+
+        for name in self.names():
+            try:
+                segment_path(name).unlink()
+            except (FileNotFoundError, ValueError):
+                pass
+
+    def __enter__(self) -> DemoFleet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":  # child process: NAME ENGINE LAYERS SEED [DURATION]
+    _name, _engine, _layers, _seed, _duration = (sys.argv[1:] + [""])[:5]
+    run_model(_name, _engine, int(_layers), int(_seed), float(_duration) if _duration else None)

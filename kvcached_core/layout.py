@@ -1,0 +1,115 @@
+"""The segment layout: the only contract between an allocator and its readers.
+
+One file per model, ``<KVCACHED_SHM_DIR>/kvc.<name>``, mode 0600, little-endian::
+
+    offset  size  region      written by     contents
+    0       512   HEADER      allocator      magic, layout version, sizes, identity (once)
+    512     64    CONTROL     controllers    limit bytes + revision + check, trim request seq
+    576     64    LIVENESS    allocator      heartbeat (ns), claimed bytes (capacity ledger)
+    640     8     SEQ         allocator      seqlock sequence (odd while a publish is under way)
+    648     184   COUNTERS    allocator      counters, acknowledgements, page-map sum, checksum
+    1024    4*N   PAGE MAP    allocator      one u32 per page (see ``PAGE_*``)
+    ...     R*64  RANKS       allocator      tensor-parallel ranks: pid, device, mapped bytes
+
+Readers never lock. A publish bumps SEQ to odd, writes the dirty page entries and the
+counters, stores ``checksum = crc32(counters) ^ (seq & 0xffffffff)`` and bumps SEQ to even.
+A reader accepts a copy only when SEQ was even and unchanged around the copy, the checksum
+matches and the page-map sum matches, so a torn copy is caught on weakly ordered CPUs too.
+Controllers serialise among themselves with flock on the file; the allocator never takes it.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+MAGIC = b"KVCSEG\x00\x01"
+LAYOUT_VERSION = 1
+
+HEADER = struct.Struct("<8sIIQQ64s128s32s16sqQIiiiQQIIIQQIQ")
+HEADER_FIELDS = (
+    "magic", "layout_version", "header_bytes", "total_bytes", "pages_total",
+    "name", "model", "engine", "backend",
+    "pid", "start_time", "uid", "device", "tp_rank", "tp_world",
+    "page_size", "block_bytes", "num_layers", "num_kv_buffers", "blocks_per_page",
+    "num_blocks", "created_ns", "ranks_max", "device_capacity",
+)
+HEADER_OFF = 0
+HEADER_SIZE = 512
+
+CONTROL = struct.Struct("<qQQQ")  # limit_bytes (-1 none), limit_revision, limit_check, trim_request_seq
+CONTROL_OFF = 512
+LIMIT_OFF = CONTROL_OFF
+LIMIT_REV_OFF = CONTROL_OFF + 8
+LIMIT_CHECK_OFF = CONTROL_OFF + 16
+TRIM_REQ_OFF = CONTROL_OFF + 24
+
+LIVENESS_OFF = 576
+HEARTBEAT_OFF = LIVENESS_OFF       # u64 ns, CLOCK_REALTIME
+CLAIMED_OFF = LIVENESS_OFF + 8     # u64 bytes this process holds against the device capacity
+
+SEQ_OFF = 640
+U64 = struct.Struct("<Q")
+I64 = struct.Struct("<q")
+
+COUNTERS = struct.Struct("<QQQQQQQQQQQiiqQQQqQQQQ")
+COUNTER_FIELDS = (
+    "pages_inuse", "pages_reserved", "blocks_used", "blocks_cached", "mapped_bytes",
+    "alloc_count", "free_count", "alloc_blocks", "free_blocks", "evicted_blocks", "updated_ns",
+    "limit_status", "closing", "effective_limit", "applied_revision",
+    "trim_ack_seq", "trim_bytes", "requested_limit", "trimmed_total", "idle_returned",
+    "ranks_active", "page_sum",
+)
+COUNTERS_OFF = SEQ_OFF + 8
+CHECKSUM_OFF = COUNTERS_OFF + COUNTERS.size
+PAGE_MAP_OFF = 1024
+assert CHECKSUM_OFF + 8 <= PAGE_MAP_OFF
+
+RANK = struct.Struct("<iiqQQQQQQ")  # rank, device, pid, start_time, mapped_bytes, acked_seq, 3 spare
+RANK_FIELDS = ("rank", "device", "pid", "start_time", "mapped_bytes", "acked_seq")
+
+# limit_status values, as written by the allocator.
+LIMIT_NONE, LIMIT_APPLIED, LIMIT_DEFERRED, LIMIT_CONFLICT = 0, 1, 2, 3
+LIMIT_STATUS_NAMES = {LIMIT_NONE: "none", LIMIT_APPLIED: "applied", LIMIT_DEFERRED: "deferred",
+                      LIMIT_CONFLICT: "conflict"}
+
+# One u32 per page: bit 31 mapped, bits 15..29 cached blocks, bits 0..14 used blocks.
+PAGE_MAPPED = 1 << 31
+PAGE_FIELD_MASK = 0x7FFF
+PAGE_CACHED_SHIFT = 15
+MAX_BLOCKS_PER_PAGE = PAGE_FIELD_MASK
+
+# Legacy (upstream kvcached) segments: three little-endian int64: total/limit, used, prealloc.
+LEGACY = struct.Struct("<qqq")
+LEGACY_SIZE = LEGACY.size
+
+
+def page_entry(mapped: bool, used: int, cached: int) -> int:
+    return (PAGE_MAPPED if mapped else 0) | (cached << PAGE_CACHED_SHIFT) | used
+
+
+def decode_page(entry: int) -> tuple[bool, int, int]:
+    """(mapped, used blocks, cached blocks) of one page-map entry."""
+    return bool(entry & PAGE_MAPPED), entry & PAGE_FIELD_MASK, (entry >> PAGE_CACHED_SHIFT) & PAGE_FIELD_MASK
+
+
+def ranks_offset(pages_total: int) -> int:
+    end = PAGE_MAP_OFF + 4 * pages_total
+    return (end + 63) // 64 * 64
+
+
+def total_size(pages_total: int, ranks_max: int) -> int:
+    return ranks_offset(pages_total) + RANK.size * ranks_max
+
+
+def counters_checksum(payload: bytes, seq: int) -> int:
+    return zlib.crc32(payload) ^ (seq & 0xFFFFFFFF)
+
+
+def limit_check(limit_bytes: int, revision: int) -> int:
+    """Ties a limit value to its revision so a half-written control request is never applied."""
+    return (zlib.crc32(I64.pack(limit_bytes) + U64.pack(revision)) | (revision << 32)) & 0xFFFFFFFFFFFFFFFF
+
+
+def decode_text(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")

@@ -1,0 +1,492 @@
+"""KVCacheManager: the elastic KV-cache allocator a serving engine calls."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable
+
+from . import config
+from . import layout as L
+from .backends import Backend, Geometry, make_backend
+from .names import InvalidName, sanitize, segment_path, validate
+from .pages import PageTable
+from .prefix_cache import PrefixCache
+from .segment import Identity, SegmentError, SegmentWriter
+
+WATCH_INTERVAL_S = 0.005
+HEARTBEAT_INTERVAL_S = 0.25
+
+
+class KVCacheManager:
+    """Hands out KV blocks from pages that are mapped on demand and returned when they empty.
+
+    ``alloc`` never raises for exhaustion: it returns None when the limit or the device says
+    no, with nothing changed. A background thread keeps the reserve pool between
+    ``KVCACHED_MIN_RESERVED_PAGES`` and ``KVCACHED_MAX_RESERVED_PAGES`` so ``alloc`` rarely
+    maps; a watcher thread applies limit and trim requests from other processes and answers
+    them in the model's segment.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        num_blocks: int,
+        block_bytes: int,
+        num_layers: int,
+        num_kv_buffers: int = 2,
+        page_size: int | None = None,
+        backend: str = "host",
+        device: int = 0,
+        engine: str = "custom",
+        block_tokens: int = 16,
+        name: str | None = None,
+        tp_rank: int = 0,
+        tp_world: int = 1,
+    ) -> None:
+        page_size = config.page_size_bytes() if page_size is None else page_size
+        for label, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes),
+                             ("num_layers", num_layers), ("num_kv_buffers", num_kv_buffers),
+                             ("page_size", page_size), ("block_tokens", block_tokens)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{label} must be a positive integer, got {value!r}")
+        if block_bytes > page_size:
+            fit = -(-block_bytes // (2 * 1024 * 1024)) * 2
+            raise ValueError(
+                f"a block of {block_bytes} bytes does not fit a page of {page_size} bytes: "
+                f"use page_size >= {block_bytes} (KVCACHED_PAGE_SIZE_MB={fit} fits)"
+            )
+        if page_size % block_bytes:
+            # Blocks never straddle pages; the tail of each page is simply unused.
+            pass
+        bpp = page_size // block_bytes
+        if bpp > L.MAX_BLOCKS_PER_PAGE:
+            raise ValueError(f"{bpp} blocks per page exceeds {L.MAX_BLOCKS_PER_PAGE}: use larger blocks or smaller pages")
+        self.model = model
+        self.engine = engine
+        self.block_bytes = block_bytes
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_buffers = num_kv_buffers
+        self.num_blocks = num_blocks
+        self.blocks_per_page = bpp
+        self.block_tokens = block_tokens
+        pages_total = -(-num_blocks // bpp)
+        self.geometry = Geometry(page_size, pages_total, num_layers, num_kv_buffers)
+        self.bundle_bytes = self.geometry.bundle_bytes
+        bounds = config.reserve_bounds()
+        self.min_reserved, self.max_reserved = bounds.min_pages, bounds.max_pages
+
+        self._lock = threading.RLock()
+        self._refill_wanted = threading.Condition(self._lock)
+        self._closed = False
+        self.pages = PageTable(pages_total, bpp, num_blocks)
+        self.cache = PrefixCache(bpp, config.max_cached_blocks(block_tokens))
+        self.backend: Backend = make_backend(backend, self.geometry, device)
+        try:
+            seg_name = self._choose_name(name, model)
+            self.segment = SegmentWriter(Identity(
+                name=seg_name, model=model, engine=engine, backend=self.backend.name, device=device,
+                page_size=page_size, block_bytes=block_bytes, num_layers=num_layers,
+                num_kv_buffers=num_kv_buffers, blocks_per_page=bpp, num_blocks=num_blocks,
+                pages_total=pages_total, tp_rank=tp_rank, tp_world=tp_world,
+                ranks_max=max(1, tp_world), device_capacity=self.backend.capacity_bytes(),
+            ))
+        except BaseException:
+            self.backend.close()
+            raise
+        self.name = self.segment.ident.name
+        self.backend.bind_claims(self.segment.set_claimed)
+
+        # Counters published with every state change.
+        self.alloc_count = self.free_count = self.alloc_blocks = self.free_blocks = 0
+        self.evicted_blocks = self.trimmed_total = self.idle_returned = 0
+        self.limit_pages: int | None = None
+        self.limit_status = L.LIMIT_NONE
+        self.requested_limit = -1
+        self.applied_revision = 0
+        self.trim_ack_seq = 0
+        self.trim_bytes = 0
+        self._dirty: set[int] = set()
+        self._refill_requested = False  # set by traffic; a trim or an idle model stays trimmed
+        self._publish()
+
+        self._threads = [
+            threading.Thread(target=self._refill_loop, name=f"kvc-refill-{self.name}", daemon=True),
+            threading.Thread(target=self._watch_loop, name=f"kvc-watch-{self.name}", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @staticmethod
+    def _choose_name(name: str | None, model: str) -> str:
+        explicit = name or config.ipc_name_override()
+        if explicit:
+            return validate(explicit)
+        base = sanitize(model)
+        if not segment_path(base).exists():
+            return base
+        try:
+            from .segment import _owned_stale
+
+            if _owned_stale(segment_path(base)):
+                return base
+        except InvalidName:
+            pass
+        return f"{base[:50]}-{os.getpid()}"
+
+    # -- engine API --------------------------------------------------------------------------
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` block ids, kept together on as few pages as possible; None if the limit or device says no."""
+        if n <= 0:
+            return []
+        with self._lock:
+            self._check_open()
+            ids = self._place(n)
+            if ids is None:
+                return None
+            self.alloc_count += 1
+            self.alloc_blocks += n
+            self._publish()
+            if len(self.pages.reserved) + self.pages.inflight < self.min_reserved:
+                self._refill_requested = True
+                self._refill_wanted.notify()
+            return ids
+
+    def free(self, ids: Iterable[int]) -> None:
+        """Return blocks (active or cached). Unknown or repeated ids raise ValueError and change nothing."""
+        ids = list(ids)
+        with self._lock:
+            self._check_open()
+            self._validate_used(ids)
+            for block in ids:
+                if block in self.cache:
+                    self.cache.remove(block)
+                self._release_block(block)
+            self.free_count += 1
+            self.free_blocks += len(ids)
+            self._publish()
+
+    def try_to_reserve(self, n: int) -> bool:
+        """Make sure ``n`` blocks can be allocated without mapping; maps now if needed."""
+        with self._lock:
+            self._check_open()
+            short = n - self.pages.free_in_mapped()
+            if short <= 0:
+                return True
+            pages = -(-short // self.blocks_per_page)
+            got = self._grow(pages, force=True)
+            self._publish()
+            return got >= pages
+
+    def free_reserved(self) -> int:
+        """Shrink the reserve pool back to its minimum; returns bytes unmapped."""
+        with self._lock:
+            surplus = len(self.pages.reserved) - self.min_reserved
+            freed = self._unmap_reserved(surplus) if surplus > 0 else 0
+            self._publish()
+            return freed
+
+    def available_size(self) -> int:
+        """Blocks that could still be allocated now, within the limit and the device's free memory."""
+        with self._lock:
+            in_mapped = self.pages.free_in_mapped()
+            mappable = len(self.pages.unmapped)
+            if self.limit_pages is not None:
+                mappable = min(mappable, max(0, self.limit_pages - self._mapped_or_mapping()))
+            device_pages = self.backend.free_bytes() // self.bundle_bytes
+            return in_mapped + min(mappable, device_pages) * self.blocks_per_page
+
+    def trim(self) -> int:
+        """Unmap every reserved page now; returns the bytes given back."""
+        with self._lock:
+            freed = self._unmap_reserved(len(self.pages.reserved))
+            self.backend.trim_pool(0)
+            self.trimmed_total += freed
+            self._publish()
+            return freed
+
+    def set_limit(self, limit_bytes: int | None) -> str:
+        """Cap mapped bytes (rounded down to whole page bundles); returns applied, deferred or none."""
+        if limit_bytes is not None and limit_bytes < 0:
+            raise ValueError("a limit cannot be negative")
+        with self._lock:
+            self._apply_limit(limit_bytes)
+            self._publish()
+            return L.LIMIT_STATUS_NAMES[self.limit_status]
+
+    # -- prefix cache ------------------------------------------------------------------------
+    def mark_cached(self, ids: Iterable[int]) -> list[int]:
+        """Blocks stay allocated but become evictable; returns cached blocks evicted to keep the budget."""
+        ids = list(ids)
+        with self._lock:
+            self._check_open()
+            self._validate_used(ids)
+            for block in ids:
+                if block not in self.cache:
+                    self.cache.add(block)
+                    self._dirty.add(block // self.blocks_per_page)
+            evicted = self._evict(self.cache.over_budget())
+            self._publish()
+            return evicted
+
+    def reuse(self, ids: Iterable[int]) -> None:
+        """A prefix hit: cached blocks go back into active use."""
+        ids = list(ids)
+        with self._lock:
+            missing = [b for b in ids if b not in self.cache]
+            if missing:
+                raise ValueError(f"blocks not in the prefix cache: {missing[:8]}")
+            for block in ids:
+                self.cache.remove(block)
+                self._dirty.add(block // self.blocks_per_page)
+            self._publish()
+
+    def evict(self, n: int) -> list[int]:
+        """Free up to ``n`` cached blocks of the allocator's choosing (whole pages first)."""
+        with self._lock:
+            evicted = self._evict(n)
+            self._publish()
+            return evicted
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self.cache)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.pages.blocks_used
+
+    def buffer(self, layer: int, kv: int):  # noqa: ANN201 - backend-specific view
+        """The backend's view of one layer's one KV buffer (host: a writable memoryview)."""
+        return self.backend.buffer(layer, kv)  # type: ignore[attr-defined]
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the threads, unmap everything and unlink the segment."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._refill_wanted.notify_all()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=2)
+        with self._lock:
+            self.backend.close()
+            self.segment.close(unlink=True)
+
+    def __enter__(self) -> KVCacheManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # best effort: never leave a segment behind
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # -- internals (lock held) ---------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"KVCacheManager {self.name!r} is closed")
+
+    def _validate_used(self, ids: list[int]) -> None:
+        seen: set[int] = set()
+        for block in ids:
+            if not isinstance(block, int) or not self.pages.is_used(block) or block in seen:
+                raise ValueError(f"block {block!r} is not allocated (or listed twice); nothing was changed")
+            seen.add(block)
+
+    def _mapped_or_mapping(self) -> int:
+        return self.pages.mapped_pages + self.pages.inflight
+
+    def _headroom(self) -> int:
+        """Pages that may still be mapped under the limit."""
+        if self.limit_pages is None:
+            return len(self.pages.unmapped)
+        return max(0, min(len(self.pages.unmapped), self.limit_pages - self._mapped_or_mapping()))
+
+    def _grow(self, count: int, *, force: bool = False) -> int:
+        """Map ``count`` pages synchronously (a pool miss or try_to_reserve); returns pages mapped."""
+        count = min(count, self._headroom())
+        if count <= 0:
+            return 0
+        asked = self.pages.take_unmapped(count)
+        mapped = self.backend.map_pages(asked)
+        self.pages.finish_mapping(asked, mapped)
+        self._dirty.update(mapped)
+        return len(mapped)
+
+    def _empty_page(self) -> int | None:
+        page = self.pages.take_reserved()
+        if page is None and self._grow(1):
+            page = self.pages.take_reserved()
+        return page
+
+    def _place(self, n: int) -> list[int] | None:
+        pages, bpp = self.pages, self.blocks_per_page
+        taken: list[int] = []
+        remaining = n
+        while remaining >= bpp:
+            page = self._empty_page()
+            if page is None:
+                break
+            chunk = pages.take_blocks(page, min(pages.cap[page], remaining))
+            taken += chunk
+            remaining -= len(chunk)
+            self._dirty.add(page)
+        if remaining:
+            page = pages.best_fit(remaining)
+            if page is None:
+                page = self._empty_page()
+            while page is not None and remaining:
+                chunk = pages.take_blocks(page, min(pages.free_slots(page), remaining))
+                taken += chunk
+                remaining -= len(chunk)
+                self._dirty.add(page)
+                page = pages.emptiest() if remaining else None
+                if page is None and remaining:
+                    page = self._empty_page()
+        if remaining:
+            for block in taken:  # roll back: nothing changes on a miss
+                self._release_block(block)
+            return None
+        return taken
+
+    def _release_block(self, block: int) -> None:
+        page = self.pages.free_block(block)
+        self._dirty.add(page)
+        if self.pages.used[page] == 0:
+            self.pages.reserved.append(page)
+            over_limit = self.limit_pages is not None and self._mapped_or_mapping() > self.limit_pages
+            if over_limit or len(self.pages.reserved) > self.max_reserved:
+                self._unmap_reserved(1, newest=True)
+            if self.limit_status == L.LIMIT_DEFERRED:
+                self._update_limit_status()
+
+    def _unmap_reserved(self, count: int, *, newest: bool = False) -> int:
+        if count <= 0:
+            return 0
+        if newest:
+            victims = [self.pages.reserved.pop() for _ in range(min(count, len(self.pages.reserved)))]
+        else:
+            victims = self.pages.release_reserved(count)
+        if not victims:
+            return 0
+        self.backend.unmap_pages(victims)
+        self.pages.mark_unmapped(victims)
+        self._dirty.update(victims)
+        return len(victims) * self.bundle_bytes
+
+    def _evict(self, n: int) -> list[int]:
+        victims = self.cache.choose(n, self.pages.used)
+        for block in victims:
+            self.cache.remove(block)
+            self._release_block(block)
+        self.evicted_blocks += len(victims)
+        return victims
+
+    def _apply_limit(self, limit_bytes: int | None) -> None:
+        self.requested_limit = -1 if limit_bytes is None else limit_bytes
+        if limit_bytes is None:
+            self.limit_pages = None
+            self.limit_status = L.LIMIT_NONE
+            return
+        self.limit_pages = limit_bytes // self.bundle_bytes
+        excess = self._mapped_or_mapping() - self.limit_pages
+        if excess > 0:
+            self._unmap_reserved(excess)
+        self._update_limit_status()
+
+    def _update_limit_status(self) -> None:
+        if self.limit_pages is None:
+            self.limit_status = L.LIMIT_NONE
+        elif self.pages.pages_inuse > self.limit_pages:
+            self.limit_status = L.LIMIT_DEFERRED
+        else:
+            self.limit_status = L.LIMIT_APPLIED
+
+    def _publish(self) -> None:
+        seg, pages, cached_by_page = self.segment, self.pages, self.cache.by_page
+        seg.begin()
+        for page in self._dirty:
+            on_page = cached_by_page.get(page)
+            seg.set_page(page, L.page_entry(bool(pages.mapped[page]), pages.used[page],
+                                            len(on_page) if on_page else 0))
+        self._dirty.clear()
+        effective = -1 if self.limit_pages is None else self.limit_pages * self.bundle_bytes
+        seg.publish((
+            pages.pages_inuse, len(pages.reserved), pages.blocks_used, len(self.cache),
+            pages.mapped_pages * self.bundle_bytes, self.alloc_count, self.free_count,
+            self.alloc_blocks, self.free_blocks, self.evicted_blocks, time.time_ns(),
+            self.limit_status, int(self._closed), effective, self.applied_revision,
+            self.trim_ack_seq, self.trim_bytes, self.requested_limit, self.trimmed_total,
+            self.idle_returned, 1,
+        ))
+
+    # -- background threads ------------------------------------------------------------------
+    def _refill_loop(self) -> None:
+        """Keep the pool at its minimum, mapping outside the lock so alloc never waits on it."""
+        while True:
+            with self._lock:
+                while not self._closed and not (self._refill_requested and self._refill_need() > 0):
+                    self._refill_requested = False
+                    self._refill_wanted.wait()
+                if self._closed:
+                    return
+                asked = self.pages.take_unmapped(self._refill_need())
+                self._refill_requested = False
+            mapped = self.backend.map_pages(asked) if asked else []
+            with self._lock:
+                self.pages.finish_mapping(asked, mapped)
+                self._dirty.update(mapped)
+                if self.limit_pages is not None:  # the limit fell while we mapped
+                    excess = self.pages.mapped_pages - self.limit_pages
+                    if excess > 0:
+                        self._unmap_reserved(excess, newest=True)
+                if not self._closed:
+                    self._publish()
+                if len(mapped) < len(asked):
+                    # The device said no: wait for the next alloc to ask again.
+                    self._refill_wanted.wait(timeout=0.05)
+
+    def _refill_need(self) -> int:
+        want = self.min_reserved - len(self.pages.reserved) - self.pages.inflight
+        return min(want, self._headroom())
+
+    def _watch_loop(self) -> None:
+        """Apply controllers' limit and trim requests and keep the heartbeat fresh."""
+        last_beat = 0.0
+        while True:
+            time.sleep(WATCH_INTERVAL_S)
+            with self._lock:
+                if self._closed:
+                    return
+                request = self.segment.read_control()
+                changed = False
+                if request is not None and request.limit_revision > self.applied_revision:
+                    self._apply_limit(request.limit_bytes)
+                    self.applied_revision = request.limit_revision
+                    changed = True
+                if request is not None and request.trim_seq > self.trim_ack_seq:
+                    freed = self._unmap_reserved(len(self.pages.reserved))
+                    self.backend.trim_pool(0)
+                    self.trimmed_total += freed
+                    self.trim_bytes = freed
+                    self.trim_ack_seq = request.trim_seq
+                    changed = True
+                if changed:
+                    self._publish()
+            now = time.monotonic()
+            if now - last_beat >= HEARTBEAT_INTERVAL_S:
+                self.segment.heartbeat()
+                last_beat = now
+
+
+__all__ = ["KVCacheManager", "SegmentError"]

@@ -1,0 +1,210 @@
+"""Discover and read segments without locks: list_models(), snapshot(), scan()."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from array import array
+from pathlib import Path
+
+from . import layout as L
+from .config import shm_dir
+from .legacy import is_legacy_name, read_legacy
+from .names import SEGMENT_PREFIX
+from .procinfo import is_alive
+from .snapshot import ModelSnapshot, Problem, RankInfo, Scan
+
+HEARTBEAT_STALE_S = 3.0
+READ_RETRIES = 32
+
+
+class ModelNotFound(LookupError):
+    """No model matches; ``candidates`` holds the names that exist (or that matched ambiguously)."""
+
+    def __init__(self, message: str, candidates: list[str]):
+        super().__init__(message)
+        self.candidates = candidates
+
+
+class SegmentCorrupt(ValueError):
+    """A file in our namespace that does not hold a valid segment."""
+
+
+def parse_header(raw: bytes) -> dict:
+    if len(raw) < L.HEADER.size:
+        raise SegmentCorrupt(f"truncated header ({len(raw)} bytes)")
+    if raw[:8] != L.MAGIC:
+        raise SegmentCorrupt("bad magic")
+    fields = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0)))
+    if fields["layout_version"] != L.LAYOUT_VERSION:
+        raise SegmentCorrupt(f"layout version {fields['layout_version']} (this reader knows {L.LAYOUT_VERSION})")
+    pages, ranks = fields["pages_total"], fields["ranks_max"]
+    if pages > 1 << 28 or ranks > 4096 or fields["header_bytes"] != L.HEADER_SIZE:
+        raise SegmentCorrupt("implausible sizes in header")
+    if fields["total_bytes"] != L.total_size(pages, ranks):
+        raise SegmentCorrupt("header sizes disagree")
+    if fields["blocks_per_page"] > L.MAX_BLOCKS_PER_PAGE or fields["blocks_per_page"] <= 0:
+        raise SegmentCorrupt("implausible blocks per page")
+    for key in ("name", "model", "engine", "backend"):
+        fields[key] = L.decode_text(fields[key])
+    return fields
+
+
+def _consistent_copy(fd: int, header: dict, with_pages: bool) -> tuple[dict, array | None, bytes]:
+    """Copy counters (and the page map) until one copy passes the seqlock and both checksums."""
+    pages_total = header["pages_total"]
+    end = L.total_size(pages_total, header["ranks_max"]) if with_pages else L.PAGE_MAP_OFF
+    if os.fstat(fd).st_size < end:
+        raise SegmentCorrupt("file shorter than its header says")
+    seqs_seen: set[bytes] = set()
+    for attempt in range(READ_RETRIES):
+        raw = os.pread(fd, end, 0)
+        seqs_seen.add(raw[L.SEQ_OFF:L.SEQ_OFF + 8])
+        if len(raw) < end:
+            raise SegmentCorrupt("file shrank while reading")
+        seq = L.U64.unpack_from(raw, L.SEQ_OFF)[0]
+        if seq & 1:
+            time.sleep(0 if attempt < 8 else 0.0005)
+            continue
+        payload = raw[L.COUNTERS_OFF:L.CHECKSUM_OFF]
+        check = L.U64.unpack_from(raw, L.CHECKSUM_OFF)[0]
+        if seq == 0:  # never published yet: all zeros
+            counters = dict.fromkeys(L.COUNTER_FIELDS, 0)
+            counters["effective_limit"] = -1
+            counters["requested_limit"] = -1
+        elif check != L.counters_checksum(payload, seq):
+            time.sleep(0 if attempt < 8 else 0.0005)
+            continue
+        else:
+            counters = dict(zip(L.COUNTER_FIELDS, L.COUNTERS.unpack(payload)))
+        pages = None
+        if with_pages:
+            pages = array("I")
+            pages.frombytes(raw[L.PAGE_MAP_OFF:L.PAGE_MAP_OFF + 4 * pages_total])
+            if (sum(pages) & 0xFFFFFFFFFFFFFFFF) != counters["page_sum"]:
+                time.sleep(0 if attempt < 8 else 0.0005)
+                continue
+        if os.pread(fd, 8, L.SEQ_OFF) != raw[L.SEQ_OFF:L.SEQ_OFF + 8]:
+            continue  # the writer moved on during the copy
+        return counters, pages, raw
+    if len(seqs_seen) == 1:  # nobody is writing, yet no copy checks out
+        raise SegmentCorrupt("checksum mismatch in a quiet segment")
+    raise BlockingIOError("no consistent copy after retries: the writer is very busy")
+
+
+def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = None) -> ModelSnapshot:
+    """Read one of our segments; raises SegmentCorrupt, BlockingIOError or OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SegmentCorrupt("not a regular file")
+        header = parse_header(os.pread(fd, L.HEADER.size, 0))
+        counters, pages, body = _consistent_copy(fd, header, with_pages)
+    finally:
+        os.close(fd)
+    control = dict(zip(("limit", "revision", "check", "trim_seq"), L.CONTROL.unpack_from(body, L.CONTROL_OFF)))
+    heartbeat = L.U64.unpack_from(body, L.HEARTBEAT_OFF)[0]
+    now_ns = now_ns or time.time_ns()
+    alive = is_alive(header["pid"], header["start_time"])
+    fresh = (now_ns - heartbeat) < HEARTBEAT_STALE_S * 1e9
+    status = "live" if alive and fresh and not counters["closing"] else "stale"
+    ranks: tuple[RankInfo, ...] = ()
+    if with_pages and header["tp_world"] > 1:
+        off = L.ranks_offset(header["pages_total"])
+        found = []
+        for i in range(min(counters["ranks_active"], header["ranks_max"])):
+            r = dict(zip(L.RANK_FIELDS, L.RANK.unpack_from(body, off + i * L.RANK.size)))
+            found.append(RankInfo(r["rank"], r["device"], r["pid"], r["mapped_bytes"],
+                                  is_alive(r["pid"], r["start_time"])))
+        ranks = tuple(found)
+    effective = counters["effective_limit"]
+    requested = control["limit"] if control["revision"] else -1
+    limit_status = L.LIMIT_STATUS_NAMES.get(counters["limit_status"], "unknown")
+    if status == "stale" and control["revision"] > counters["applied_revision"]:
+        limit_status = "stale"
+    return ModelSnapshot(
+        name=header["name"], path=str(path), model=header["model"], engine=header["engine"],
+        backend=header["backend"], pid=header["pid"], uid=header["uid"],
+        device=header["device"], status=status, page_size=header["page_size"],
+        block_bytes=header["block_bytes"], num_layers=header["num_layers"],
+        num_kv_buffers=header["num_kv_buffers"], blocks_per_page=header["blocks_per_page"],
+        num_blocks=header["num_blocks"], pages_total=header["pages_total"],
+        pages_inuse=counters["pages_inuse"], pages_reserved=counters["pages_reserved"],
+        blocks_used=counters["blocks_used"], blocks_cached=counters["blocks_cached"],
+        mapped_bytes=counters["mapped_bytes"],
+        limit_bytes=None if effective < 0 else effective, limit_status=limit_status,
+        requested_limit=None if requested < 0 else requested, limit_revision=control["revision"],
+        applied_revision=counters["applied_revision"], trim_seq=control["trim_seq"],
+        trim_ack_seq=counters["trim_ack_seq"], trim_bytes=counters["trim_bytes"],
+        trimmed_total=counters["trimmed_total"], idle_returned=counters["idle_returned"],
+        alloc_count=counters["alloc_count"], free_count=counters["free_count"],
+        alloc_blocks=counters["alloc_blocks"], free_blocks=counters["free_blocks"],
+        evicted_blocks=counters["evicted_blocks"], updated_ns=counters["updated_ns"],
+        heartbeat_ns=heartbeat, read_ns=now_ns, start_time=header["start_time"],
+        tp_world=header["tp_world"], ranks=ranks, pages=pages,
+        device_capacity=header["device_capacity"],
+    )
+
+
+def scan(*, with_pages: bool = False, directory: Path | None = None) -> Scan:
+    """Every segment in the directory, plus a Problem for each file we could not use."""
+    base = directory or shm_dir()
+    models: list[ModelSnapshot] = []
+    problems: list[Problem] = []
+    try:
+        entries = sorted(os.listdir(base))
+    except OSError as exc:
+        return Scan((), (Problem(str(base), "unreadable", exc.strerror or str(exc)),))
+    now_ns = time.time_ns()
+    for filename in entries:
+        path = base / filename
+        if filename.startswith(SEGMENT_PREFIX):
+            try:
+                models.append(read_segment(path, with_pages=with_pages, now_ns=now_ns))
+            except SegmentCorrupt as exc:
+                kind = "foreign" if "magic" in str(exc) or "regular file" in str(exc) else "corrupt"
+                problems.append(Problem(str(path), kind, str(exc)))
+            except BlockingIOError as exc:
+                problems.append(Problem(str(path), "busy", str(exc)))
+            except FileNotFoundError:
+                continue  # removed while we listed
+            except (OSError, ValueError, OverflowError, MemoryError) as exc:
+                problems.append(Problem(str(path), "unreadable", str(exc)))
+        elif is_legacy_name(filename):
+            try:
+                models.append(read_legacy(path))
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as exc:
+                problems.append(Problem(str(path), "foreign", str(exc)))
+    models.sort(key=lambda m: m.name)
+    return Scan(tuple(models), tuple(problems))
+
+
+def list_models(*, with_pages: bool = False, directory: Path | None = None) -> list[ModelSnapshot]:
+    """Snapshots of every model; files that are not usable segments are skipped (see :func:`scan`)."""
+    return list(scan(with_pages=with_pages, directory=directory).models)
+
+
+def resolve(name: str, models: list[ModelSnapshot]) -> ModelSnapshot:
+    """Find a model by exact name or unique prefix; raise ModelNotFound listing the candidates."""
+    exact = [m for m in models if m.name == name]
+    if exact:
+        return exact[0]
+    matches = [m for m in models if m.name.startswith(name)]
+    if len(matches) == 1:
+        return matches[0]
+    names = sorted(m.name for m in (matches or models))
+    if matches:
+        raise ModelNotFound(f"model name {name!r} is ambiguous: {', '.join(names)}", names)
+    known = ", ".join(names) if names else "none running"
+    raise ModelNotFound(f"no model named {name!r} (known: {known})", names)
+
+
+def snapshot(name: str, *, with_pages: bool = True, directory: Path | None = None) -> ModelSnapshot:
+    """One model by name or unique prefix, with its page map."""
+    model = resolve(name, list_models(directory=directory))
+    if model.status == "legacy" or not with_pages:
+        return model
+    return read_segment(Path(model.path), with_pages=True)

@@ -1,0 +1,175 @@
+"""The allocator's side of a segment: create it safely, publish state without a syscall."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import layout as L
+from .names import segment_path, validate
+from .procinfo import is_alive, start_time
+
+
+class SegmentError(OSError):
+    """The segment cannot be created or written; the message says which file and why."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    name: str
+    model: str
+    engine: str
+    backend: str
+    device: int
+    page_size: int
+    block_bytes: int
+    num_layers: int
+    num_kv_buffers: int
+    blocks_per_page: int
+    num_blocks: int
+    pages_total: int
+    tp_rank: int = 0
+    tp_world: int = 1
+    ranks_max: int = 1
+    device_capacity: int = 0
+
+
+@dataclass(frozen=True)
+class ControlRequest:
+    """What controllers ask of the allocator, read from the CONTROL block."""
+
+    limit_bytes: int | None
+    limit_revision: int
+    trim_seq: int
+
+
+def _owned_stale(path: Path) -> bool:
+    """True when ``path`` is one of our own segments whose process is gone (safe to replace)."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        with open(path, "rb") as fh:
+            raw = fh.read(L.HEADER.size)
+    except OSError:
+        return False
+    if len(raw) < L.HEADER.size or raw[:8] != L.MAGIC:
+        return False
+    fields = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack(raw)))
+    return not is_alive(fields["pid"], fields["start_time"])
+
+
+def create_segment_file(name: str, size: int, directory: Path | None = None) -> tuple[Path, int]:
+    """Create ``kvc.<name>`` owner-only with O_EXCL|O_NOFOLLOW; replace it only if it is our own stale one."""
+    path = segment_path(validate(name), directory)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for attempt in range(2):
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            if attempt == 0 and _owned_stale(path):
+                os.unlink(path)
+                continue
+            raise SegmentError(f"segment {path} already exists and belongs to a live process or another user") from None
+        except OSError as exc:
+            raise SegmentError(f"cannot create segment {path}: {exc.strerror}") from None
+        try:
+            os.fchmod(fd, 0o600)  # umask never widens, but be explicit
+            os.ftruncate(fd, size)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(path)
+            raise SegmentError(f"cannot size segment {path}: {exc.strerror}") from None
+        return path, fd
+    raise SegmentError(f"segment {path} could not be created")
+
+
+class SegmentWriter:
+    """Owns one segment: writes the header once, then publishes counters and page entries.
+
+    Not thread-safe on its own: the allocator calls it under its lock.
+    """
+
+    def __init__(self, ident: Identity, directory: Path | None = None) -> None:
+        if ident.blocks_per_page > L.MAX_BLOCKS_PER_PAGE:
+            raise SegmentError(f"{ident.blocks_per_page} blocks per page exceeds the map's {L.MAX_BLOCKS_PER_PAGE}")
+        self.ident = ident
+        size = L.total_size(ident.pages_total, ident.ranks_max)
+        self.path, fd = create_segment_file(ident.name, size, directory)
+        try:
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._buf = memoryview(self._mm)
+        self._pages = self._buf[L.PAGE_MAP_OFF:L.PAGE_MAP_OFF + 4 * ident.pages_total].cast("I")
+        self._ranks_off = L.ranks_offset(ident.pages_total)
+        self._seq = 0
+        self.page_sum = 0
+        self.pid = os.getpid()
+        header = L.HEADER.pack(
+            L.MAGIC, L.LAYOUT_VERSION, L.HEADER_SIZE, size, ident.pages_total,
+            ident.name.encode(), ident.model.encode()[:128], ident.engine.encode()[:32],
+            ident.backend.encode()[:16], self.pid, start_time(self.pid), os.getuid(), ident.device,
+            ident.tp_rank, ident.tp_world, ident.page_size, ident.block_bytes, ident.num_layers,
+            ident.num_kv_buffers, ident.blocks_per_page, ident.num_blocks, time.time_ns(), ident.ranks_max,
+            ident.device_capacity,
+        )
+        L.I64.pack_into(self._buf, L.LIMIT_OFF, -1)
+        self.heartbeat()
+        self._buf[0:len(header)] = header  # magic last-ish: the header is complete before readers trust it
+
+    # -- publishing --------------------------------------------------------------------------
+    def set_page(self, page: int, entry: int) -> None:
+        """Write one page entry; call between :meth:`begin` and :meth:`publish`."""
+        old = self._pages[page]
+        if old != entry:
+            self._pages[page] = entry
+            self.page_sum += entry - old
+
+    def begin(self) -> None:
+        self._seq += 1
+        L.U64.pack_into(self._buf, L.SEQ_OFF, self._seq)
+
+    def publish(self, counters: tuple) -> None:
+        """Write ``counters`` (COUNTER_FIELDS minus page_sum) and close the seqlock window."""
+        payload = L.COUNTERS.pack(*counters, self.page_sum & 0xFFFFFFFFFFFFFFFF)
+        off = L.COUNTERS_OFF
+        self._buf[off:off + len(payload)] = payload
+        self._seq += 1
+        L.U64.pack_into(self._buf, L.CHECKSUM_OFF, L.counters_checksum(payload, self._seq))
+        L.U64.pack_into(self._buf, L.SEQ_OFF, self._seq)
+
+    def set_rank(self, index: int, rank: int, device: int, pid: int, started: int, mapped: int, acked: int) -> None:
+        off = self._ranks_off + index * L.RANK.size
+        L.RANK.pack_into(self._buf, off, rank, device, pid, started, mapped, acked, 0, 0, 0)
+
+    # -- liveness and capacity ---------------------------------------------------------------
+    def heartbeat(self) -> None:
+        L.U64.pack_into(self._buf, L.HEARTBEAT_OFF, time.time_ns())
+
+    def set_claimed(self, nbytes: int) -> None:
+        L.U64.pack_into(self._buf, L.CLAIMED_OFF, max(0, nbytes))
+
+    # -- control -----------------------------------------------------------------------------
+    def read_control(self) -> ControlRequest | None:
+        """The controllers' latest request, or None while a limit write is half done."""
+        limit, revision, check, trim_seq = L.CONTROL.unpack_from(self._buf, L.CONTROL_OFF)
+        if revision and check != L.limit_check(limit, revision):
+            return None
+        return ControlRequest(None if limit < 0 else limit, revision, trim_seq)
+
+    def close(self, unlink: bool = True) -> None:
+        if self._mm.closed:
+            return
+        self._pages.release()
+        self._buf.release()
+        self._mm.close()
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,69 @@
+"""Byte sizes: parse operator input (``512MiB``, ``4G``, ``30%``, ``none``) and format for people."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kb": 1000, "kib": 1024,
+    "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+_PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+NONE_WORDS = frozenset({"none", "unlimited", "off"})
+
+
+class SizeError(ValueError):
+    """A size string that cannot be understood; the message says why."""
+
+
+def parse_size(text: str, *, percent_of: int | None = None, allow_none: bool = False) -> int | None:
+    """Parse ``text`` into bytes.
+
+    Binary units for bare letters (``4G`` = 4 GiB), SI for ``GB``; ``30%`` needs ``percent_of``
+    and must lie in (0, 100]; ``none`` (with ``allow_none``) returns None.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise SizeError("empty size")
+    raw = text.strip()
+    if raw.lower() in NONE_WORDS:
+        if allow_none:
+            return None
+        raise SizeError(f"{raw!r} is not a size here")
+    match = _PERCENT_RE.match(raw)
+    if match:
+        if percent_of is None:
+            raise SizeError(f"{raw!r}: a percentage needs a known total")
+        pct = float(match.group(1))
+        if not 0 < pct <= 100:
+            raise SizeError(f"{raw!r}: a percentage must be above 0 and at most 100")
+        return int(percent_of * pct / 100)
+    if raw.startswith("-"):
+        raise SizeError(f"{raw!r}: a size cannot be negative")
+    match = _SIZE_RE.match(raw)
+    if not match:
+        raise SizeError(f"{raw!r} is not a size (try 512MiB, 4G, 1.5GiB, 30% or none)")
+    number, unit = match.groups()
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise SizeError(f"{raw!r}: unknown unit {unit!r} (use B, K, M, G, T, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+    return int(float(number) * factor)
+
+
+def format_bytes(n: int | float | None, *, precision: int = 1) -> str:
+    """``1536 -> '1.5 KiB'``; None -> ``'-'``."""
+    if n is None:
+        return "-"
+    value = float(n)
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{sign}{int(value)} B"
+            return f"{sign}{value:.{precision}f} {unit}"
+        value /= 1024
+    return f"{sign}{value:.{precision}f} TiB"

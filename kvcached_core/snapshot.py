@@ -1,0 +1,161 @@
+"""Frozen views of a model's state, as readers see it."""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+from . import layout as L
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    device: int
+    pid: int
+    mapped_bytes: int
+    alive: bool
+
+
+@dataclass(frozen=True)
+class ModelSnapshot:
+    """One model at one instant. ``status`` is live, stale or legacy."""
+
+    name: str
+    path: str
+    model: str
+    engine: str
+    backend: str
+    pid: int
+    uid: int
+    device: int
+    status: str
+    page_size: int
+    block_bytes: int
+    num_layers: int
+    num_kv_buffers: int
+    blocks_per_page: int
+    num_blocks: int
+    pages_total: int
+    pages_inuse: int
+    pages_reserved: int
+    blocks_used: int
+    blocks_cached: int
+    mapped_bytes: int
+    limit_bytes: int | None
+    limit_status: str
+    requested_limit: int | None = None
+    limit_revision: int = 0
+    applied_revision: int = 0
+    trim_seq: int = 0
+    trim_ack_seq: int = 0
+    trim_bytes: int = 0
+    trimmed_total: int = 0
+    idle_returned: int = 0
+    alloc_count: int = 0
+    free_count: int = 0
+    alloc_blocks: int = 0
+    free_blocks: int = 0
+    evicted_blocks: int = 0
+    updated_ns: int = 0
+    heartbeat_ns: int = 0
+    read_ns: int = 0
+    start_time: int = 0
+    tp_world: int = 1
+    ranks: tuple[RankInfo, ...] = ()
+    device_capacity: int = 0
+    legacy_reserved: int = 0  # upstream rows carry their prealloc bytes here
+    pages: array | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def bundle_bytes(self) -> int:
+        """Device bytes one page id costs: page size x layers x KV buffers."""
+        return self.page_size * self.num_layers * self.num_kv_buffers
+
+    @property
+    def block_bundle_bytes(self) -> int:
+        return self.block_bytes * self.num_layers * self.num_kv_buffers
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of blocks in use (active + cached), across layers and KV buffers."""
+        if self.status == "legacy":
+            return self.mapped_bytes - self.reserved_bytes
+        return self.blocks_used * self.block_bundle_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of pages that hold at least one used block."""
+        if self.status == "legacy":
+            return self.held_bytes
+        return self.pages_inuse * self.bundle_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.pages_reserved * self.bundle_bytes if self.status != "legacy" else self.legacy_reserved
+
+    @property
+    def cached_bytes(self) -> int:
+        return self.blocks_cached * self.block_bundle_bytes
+
+    @property
+    def waste_ratio(self) -> float | None:
+        """pinned / held; 1.0 is ideal, None when nothing is held."""
+        held = self.held_bytes
+        return self.pinned_bytes / held if held > 0 else None
+
+    @property
+    def virtual_bytes(self) -> int:
+        return self.pages_total * self.bundle_bytes
+
+    @property
+    def shrinking(self) -> bool:
+        return self.limit_status == "deferred"
+
+    @property
+    def display_status(self) -> str:
+        """live/stale/legacy, or shrinking while a lowered limit waits for pages to empty."""
+        return "shrinking" if self.status == "live" and self.shrinking else self.status
+
+    def page_entries(self) -> array:
+        """The raw page map (see :mod:`kvcached_core.layout`); empty when not read."""
+        return self.pages if self.pages is not None else array("I")
+
+    def to_dict(self) -> dict:
+        """The JSON shape that ``kvctl list --json`` documents."""
+        return {
+            "name": self.name, "model": self.model, "engine": self.engine, "backend": self.backend,
+            "pid": self.pid, "device": self.device, "status": self.status,
+            "page_size": self.page_size, "bundle_bytes": self.bundle_bytes,
+            "pages_total": self.pages_total, "pages_inuse": self.pages_inuse,
+            "pages_reserved": self.pages_reserved, "blocks_per_page": self.blocks_per_page,
+            "blocks_used": self.blocks_used, "blocks_cached": self.blocks_cached,
+            "mapped_bytes": self.mapped_bytes, "held_bytes": self.held_bytes,
+            "pinned_bytes": self.pinned_bytes, "reserved_bytes": self.reserved_bytes,
+            "cached_bytes": self.cached_bytes,
+            "limit_bytes": self.limit_bytes, "limit_status": self.limit_status,
+            "requested_limit": self.requested_limit, "limit_revision": self.limit_revision,
+            "applied_revision": self.applied_revision,
+            "waste_ratio": None if self.waste_ratio is None else round(self.waste_ratio, 4),
+            "alloc_count": self.alloc_count, "free_count": self.free_count,
+            "trimmed_total": self.trimmed_total, "idle_returned": self.idle_returned,
+            "heartbeat_ns": self.heartbeat_ns, "updated_ns": self.updated_ns,
+            "tp_world": self.tp_world, "device_capacity": self.device_capacity,
+            "ranks": [{"rank": r.rank, "device": r.device, "pid": r.pid,
+                       "mapped_bytes": r.mapped_bytes, "alive": r.alive} for r in self.ranks],
+        }
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A file in the segment directory that is not a usable segment, and why."""
+
+    path: str
+    status: str  # corrupt, foreign, unreadable, busy
+    reason: str
+
+
+@dataclass(frozen=True)
+class Scan:
+    models: tuple[ModelSnapshot, ...]
+    problems: tuple[Problem, ...]

@@ -1,0 +1,78 @@
+"""Shared fixtures: every test gets its own segment directory, and helpers to run allocators in children."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def shm_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private KVCACHED_SHM_DIR (on /dev/shm when possible, as in production)."""
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path_factory.getbasetemp()
+    directory = Path(os.path.realpath(base)) / f"kvc-test-{os.getpid()}-{time.monotonic_ns()}"
+    directory.mkdir(mode=0o700)
+    monkeypatch.setenv("KVCACHED_SHM_DIR", str(directory))
+    monkeypatch.setenv("KVCACHED_HOST_CAPACITY", "2GiB")
+    monkeypatch.delenv("KVCACHED_IPC_NAME", raising=False)
+    yield directory
+    for child in directory.iterdir():
+        child.unlink()
+    directory.rmdir()
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.fixture
+def spawn_allocator():
+    """Start ``KVCacheManager(**kwargs)`` in a child process that runs ``script`` then waits for stdin to close.
+
+    The child prints READY once its segment exists. Returns the Popen; it is killed at teardown.
+    """
+    procs: list[subprocess.Popen] = []
+
+    def start(name: str = "m1", script: str = "", **kwargs) -> subprocess.Popen:
+        params = dict(num_blocks=512, block_bytes=64 * 1024, num_layers=2, page_size=256 * 1024)
+        params.update(kwargs)
+        code = textwrap.dedent(f"""
+            import sys
+            from kvcached_core import KVCacheManager
+            m = KVCacheManager({name!r}, name={name!r}, **{params!r})
+        """) + textwrap.dedent(script) + textwrap.dedent("""
+            print("READY", flush=True)
+            for line in sys.stdin:
+                exec(line)
+                print("OK", flush=True)
+            m.close()
+        """)
+        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                env=child_env(), text=True)
+        procs.append(proc)
+        line = proc.stdout.readline()
+        assert line.strip() == "READY", f"allocator child failed to start: {line!r}"
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def send(proc: subprocess.Popen, statement: str) -> None:
+    """Run one line of Python in an allocator child and wait for it to finish."""
+    proc.stdin.write(statement + "\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "OK"

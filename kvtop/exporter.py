@@ -1,0 +1,250 @@
+"""Prometheus exporter: every model's segment, plus NVML device memory, as metrics.
+
+A :class:`KVCachedCollector` reads :func:`kvcached_core.scan` and :func:`kvcached_core.nvml.probe`
+on each scrape, or, with ``interval``, a background thread refreshes a cached copy every
+``interval`` seconds and scrapes serve that copy (cheap scrapes however often Prometheus
+comes). Models that vanish simply stop being emitted. Per-model series carry the labels
+``model`` (the segment name, unique on a host), ``engine``, ``device``, ``pid`` and ``host``.
+
+Allocation and free rates are computed from the segment's ``alloc_count``/``free_count``
+between two observations of the same process; a model seen once has no rate yet. The raw
+counts are exported too, as counters, so ``rate()`` in PromQL works as usual.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import start_http_server
+from prometheus_client.registry import Collector, CollectorRegistry
+
+import kvcached_core
+from kvcached_core import nvml
+from kvcached_core.snapshot import ModelSnapshot
+
+PREFIX = "kvcached"
+MODEL_LABELS = ("model", "engine", "device", "pid", "host")
+LIMIT_STATUSES = ("none", "applied", "deferred", "conflict", "stale", "unknown")
+PAGE_STATES = ("inuse", "reserved", "free")
+
+
+@dataclass
+class _Seen:
+    """The last observation of one process's counters, for rates."""
+
+    alloc_count: int
+    free_count: int
+    at: float
+
+
+class KVCachedCollector(Collector):
+    """Builds the metric families from one scan of the segment directory (and one NVML probe)."""
+
+    def __init__(self, host: str | None = None, *, with_nvml: bool = True) -> None:
+        self.host = host or socket.gethostname()
+        self.with_nvml = with_nvml
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[str, int, int], _Seen] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.build()
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # families depend on what is running: never collect at registration
+
+    def build(self) -> list[Metric]:
+        """One full set of metric families, read now."""
+        started = time.monotonic()
+        scan = kvcached_core.scan()
+        now = time.monotonic()
+        families = self._model_families(scan.models, now)
+        families += self._scan_families(scan, time.monotonic() - started)
+        if self.with_nvml:
+            families += self._nvml_families()
+        return families
+
+    # -- per model ---------------------------------------------------------------------------
+    def _rates(self, m: ModelSnapshot, now: float) -> tuple[float, float] | None:
+        key = (m.path, m.pid, m.start_time)
+        with self._lock:
+            last = self._seen.get(key)
+            self._seen[key] = _Seen(m.alloc_count, m.free_count, now)
+        if last is None or now <= last.at:
+            return None
+        da, df = m.alloc_count - last.alloc_count, m.free_count - last.free_count
+        if da < 0 or df < 0:  # counters went back: a different process behind the same key
+            return None
+        return da / (now - last.at), df / (now - last.at)
+
+    def _forget_vanished(self, models: tuple[ModelSnapshot, ...]) -> None:
+        present = {(m.path, m.pid, m.start_time) for m in models}
+        with self._lock:
+            for key in [k for k in self._seen if k not in present]:
+                del self._seen[key]
+
+    def _model_families(self, models: tuple[ModelSnapshot, ...], now: float) -> list[Metric]:
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = (), unit: str = "") -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=(*MODEL_LABELS, *extra), unit=unit)
+
+        info = gauge("model_info", "Identity of a model's segment (value 1).",
+                     ("served_model", "backend", "status"))
+        mapped = gauge("mapped_bytes", "Device bytes mapped for the model's KV cache (in use + reserved pages).")
+        held = gauge("held_bytes", "Bytes of KV blocks in use (active + cached).")
+        pinned = gauge("pinned_bytes", "Bytes of pages holding at least one used block.")
+        reserved = gauge("reserved_bytes", "Bytes of mapped pages without a used block (the warm pool).")
+        cached = gauge("cached_bytes", "Bytes of blocks held by the prefix cache (evictable).")
+        capacity = gauge("virtual_bytes", "Bytes of the model's whole virtual KV range.")
+        limit = gauge("limit_bytes", "Effective limit on mapped bytes; absent when the model has no limit.")
+        requested = gauge("requested_limit_bytes", "Limit last requested by a controller; absent when none.")
+        status = gauge("limit_status", "1 for the model's current limit status, 0 for the others.", ("status",))
+        waste = gauge("waste_ratio", "pinned / held bytes (1.0 is ideal); absent while nothing is held.")
+        pages = gauge("pages", "Page ids by state: inuse, reserved (mapped, empty) and free (unmapped).", ("state",))
+        alloc_rate = gauge("alloc_rate", "alloc() calls per second since the previous observation.")
+        free_rate = gauge("free_rate", "free() calls per second since the previous observation.")
+        allocs = CounterMetricFamily(f"{PREFIX}_allocs", "alloc() calls since the allocator started.",
+                                     labels=MODEL_LABELS)
+        frees = CounterMetricFamily(f"{PREFIX}_frees", "free() calls since the allocator started.",
+                                    labels=MODEL_LABELS)
+        age = gauge("heartbeat_age_seconds", "Seconds since the allocator's last heartbeat.")
+        stale = gauge("stale", "1 when the allocator's process is gone or its heartbeat is old, else 0.")
+
+        for m in models:
+            labels = [m.name, m.engine, str(m.device), str(m.pid), self.host]
+            legacy = m.status == "legacy"
+            info.add_metric([*labels, m.model, m.backend, m.display_status], 1)
+            mapped.add_metric(labels, m.mapped_bytes)
+            held.add_metric(labels, m.held_bytes)
+            pinned.add_metric(labels, m.pinned_bytes)
+            reserved.add_metric(labels, m.reserved_bytes)
+            cached.add_metric(labels, m.cached_bytes)
+            if m.limit_bytes is not None:
+                limit.add_metric(labels, m.limit_bytes)
+            if m.requested_limit is not None:
+                requested.add_metric(labels, m.requested_limit)
+            current = m.limit_status if m.limit_status in LIMIT_STATUSES else "unknown"
+            for name in LIMIT_STATUSES:
+                status.add_metric([*labels, name], 1 if name == current else 0)
+            if m.waste_ratio is not None:
+                waste.add_metric(labels, m.waste_ratio)
+            if legacy:  # upstream segments carry bytes only: no pages, counters or heartbeat
+                continue
+            capacity.add_metric(labels, m.virtual_bytes)
+            free_pages = max(0, m.pages_total - m.pages_inuse - m.pages_reserved)
+            for state, value in zip(PAGE_STATES, (m.pages_inuse, m.pages_reserved, free_pages), strict=True):
+                pages.add_metric([*labels, state], value)
+            allocs.add_metric(labels, m.alloc_count)
+            frees.add_metric(labels, m.free_count)
+            rates = self._rates(m, now)
+            if rates is not None:
+                alloc_rate.add_metric(labels, rates[0])
+                free_rate.add_metric(labels, rates[1])
+            age.add_metric(labels, max(0.0, (m.read_ns - m.heartbeat_ns) / 1e9))
+            stale.add_metric(labels, 1 if m.status == "stale" else 0)
+        self._forget_vanished(models)
+        return [info, mapped, held, pinned, reserved, cached, capacity, limit, requested, status, waste,
+                pages, alloc_rate, free_rate, allocs, frees, age, stale]
+
+    # -- the scan itself and the devices -----------------------------------------------------
+    def _scan_families(self, scan: kvcached_core.Scan, seconds: float) -> list[Metric]:
+        models = GaugeMetricFamily(f"{PREFIX}_models", "Segments found, by status.", labels=("host", "status"))
+        for state in ("live", "stale", "legacy"):
+            models.add_metric([self.host, state], sum(1 for m in scan.models if m.status == state))
+        problems = GaugeMetricFamily(f"{PREFIX}_segment_problems",
+                                     "Files in the segment directory that are not usable segments, by kind.",
+                                     labels=("host", "status"))
+        for kind in ("corrupt", "foreign", "unreadable", "busy"):
+            problems.add_metric([self.host, kind], sum(1 for p in scan.problems if p.status == kind))
+        duration = GaugeMetricFamily(f"{PREFIX}_scan_duration_seconds", "Time the last scan took.",
+                                     labels=("host",))
+        duration.add_metric([self.host], seconds)
+        return [models, problems, duration]
+
+    def _nvml_families(self) -> list[Metric]:
+        up = GaugeMetricFamily(f"{PREFIX}_nvml_up", "1 when NVML answered, else 0.", labels=("host",))
+        gpus = nvml.probe()
+        up.add_metric([self.host], 1 if nvml.available() else 0)
+        labels = ("device", "gpu", "uuid", "host")
+        total = GaugeMetricFamily(f"{PREFIX}_gpu_memory_total_bytes", "Device memory (NVML).", labels=labels)
+        used = GaugeMetricFamily(f"{PREFIX}_gpu_memory_used_bytes", "Device memory in use (NVML).", labels=labels)
+        free = GaugeMetricFamily(f"{PREFIX}_gpu_memory_free_bytes", "Device memory free (NVML).", labels=labels)
+        procs = GaugeMetricFamily(f"{PREFIX}_gpu_process_memory_bytes",
+                                  "Device memory used by one process (NVML), when the driver reports it.",
+                                  labels=("device", "pid", "host"))
+        for gpu in gpus:
+            lab = [str(gpu.index), gpu.name or "", gpu.uuid or "", self.host]
+            for family, value in ((total, gpu.total_bytes), (used, gpu.used_bytes), (free, gpu.free_bytes)):
+                if value is not None:
+                    family.add_metric(lab, value)
+            for pid, nbytes in gpu.processes.items():
+                if nbytes is not None:
+                    procs.add_metric([str(gpu.index), str(pid), self.host], nbytes)
+        return [up, total, used, free, procs]
+
+
+class RefreshingCollector(Collector):
+    """Serves the families a background thread rebuilds every ``interval`` seconds."""
+
+    def __init__(self, source: KVCachedCollector, interval: float) -> None:
+        if interval <= 0:
+            raise ValueError("the refresh interval must be positive")
+        self.source = source
+        self.interval = interval
+        self._families: list[Metric] = source.build()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvcached-exporter-refresh", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._families = self.source.build()  # one reference swap: scrapes never see half a set
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class Exporter:
+    """A running HTTP endpoint; ``port`` is the bound port (useful with port 0)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 9400, interval: float | None = None,
+                 *, with_nvml: bool = True, hostname: str | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        source = KVCachedCollector(hostname, with_nvml=with_nvml)
+        self._refresher = RefreshingCollector(source, interval) if interval else None
+        self.registry.register(self._refresher or source)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except BaseException:
+            if self._refresher:
+                self._refresher.stop()
+            raise
+        self.host = host
+        self.port = self._server.server_port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        if self._refresher:
+            self._refresher.stop()
+
+    def __enter__(self) -> Exporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -32,10 +32,12 @@ class SegmentCorrupt(ValueError):
 
 
 def parse_header(raw: bytes) -> dict:
+    if not raw.strip(b"\0"):
+        raise SegmentCorrupt("empty header (being created, or never written)")
+    if raw[:8] != L.MAGIC:
+        raise SegmentCorrupt("bad magic: not a kvcached_core segment")
     if len(raw) < L.HEADER.size:
         raise SegmentCorrupt(f"truncated header ({len(raw)} bytes)")
-    if raw[:8] != L.MAGIC:
-        raise SegmentCorrupt("bad magic")
     fields = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0)))
     if fields["layout_version"] != L.LAYOUT_VERSION:
         raise SegmentCorrupt(f"layout version {fields['layout_version']} (this reader knows {L.LAYOUT_VERSION})")

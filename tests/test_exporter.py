@@ -1,0 +1,153 @@
+"""The Prometheus exporter, scraped over loopback with a real HTTP client, against allocators in child processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import urllib.request
+from collections.abc import Callable
+
+import pytest
+from conftest import send
+from prometheus_client.parser import text_string_to_metric_families
+
+import kvcached_core as kc
+from kvcached_core import nvml
+from kvtop.exporter import Exporter
+
+Samples = dict[tuple[str, frozenset], float]
+
+
+def scrape(url: str) -> Samples:
+    """Every sample of one scrape, keyed by (sample name, labels)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    matches = [v for (n, lab), v in samples.items() if n == name and set(labels.items()) <= lab]
+    assert len(matches) == 1, f"{name}{labels}: {len(matches)} samples"
+    return matches[0]
+
+
+def models_in(samples: Samples) -> set[str]:
+    return {dict(lab)["model"] for (n, lab) in samples if n == "kvcached_model_info"}
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 10.0) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result or time.monotonic() > deadline:
+            return result
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def exporter():
+    with Exporter("127.0.0.1", 0) as running:
+        yield running
+
+
+def test_scrape_reports_each_model_with_its_labels_and_figures(spawn_allocator, exporter):
+    a = spawn_allocator("alpha", engine="vllm", device=0, script="b = m.alloc(9); m.mark_cached(b[:3])")
+    b = spawn_allocator("beta", engine="sglang", script="b = m.alloc(2)")
+    kc.request_limit("alpha", 12 << 20, wait=5)
+
+    samples = scrape(exporter.url)
+    assert models_in(samples) == {"alpha", "beta"}
+    host = socket.gethostname()
+    snap = kc.snapshot("alpha")
+    labels = {"model": "alpha", "engine": "vllm", "device": "0", "pid": str(a.pid), "host": host}
+    assert value(samples, "kvcached_model_info", **labels, status="live", backend="host") == 1
+    assert value(samples, "kvcached_held_bytes", **labels) == snap.held_bytes == 9 * snap.block_bundle_bytes
+    assert value(samples, "kvcached_cached_bytes", **labels) == 3 * snap.block_bundle_bytes
+    assert value(samples, "kvcached_limit_bytes", **labels) == 12 << 20
+    assert value(samples, "kvcached_requested_limit_bytes", **labels) == 12 << 20
+    assert value(samples, "kvcached_limit_status", **labels, status="applied") == 1
+    assert value(samples, "kvcached_limit_status", **labels, status="deferred") == 0
+    assert value(samples, "kvcached_waste_ratio", **labels) == pytest.approx(snap.waste_ratio)
+    pages = {s: value(samples, "kvcached_pages", **labels, state=s) for s in ("inuse", "reserved", "free")}
+    assert sum(pages.values()) == snap.pages_total
+    assert pages["inuse"] == 3  # 9 blocks of 4 per page, packed
+    assert value(samples, "kvcached_mapped_bytes", **labels) == (pages["inuse"] + pages["reserved"]) * snap.bundle_bytes
+    assert value(samples, "kvcached_allocs_total", **labels) == 1
+    assert value(samples, "kvcached_stale", **labels) == 0
+    assert 0 <= value(samples, "kvcached_heartbeat_age_seconds", **labels) < 3
+
+    beta = {"model": "beta", "engine": "sglang", "pid": str(b.pid)}
+    assert value(samples, "kvcached_held_bytes", **beta) == 2 * snap.block_bundle_bytes
+    assert value(samples, "kvcached_limit_status", **beta, status="none") == 1
+    assert not [k for k in samples if k[0] == "kvcached_limit_bytes" and ("model", "beta") in k[1]]
+    assert value(samples, "kvcached_models", status="live") == 2
+    assert value(samples, "kvcached_nvml_up") == (1 if nvml.available() else 0)
+
+
+def test_rates_come_from_count_deltas_between_scrapes(spawn_allocator, exporter):
+    proc = spawn_allocator("gamma", script="held = []")
+    first = scrape(exporter.url)
+    assert not [k for k in first if k[0] == "kvcached_alloc_rate"]  # one observation: no rate yet
+    for _ in range(5):
+        send(proc, "held.append(m.alloc(1))")
+    send(proc, "m.free(held.pop())")
+    second = scrape(exporter.url)
+    assert value(second, "kvcached_allocs_total", model="gamma") == 5
+    assert value(second, "kvcached_frees_total", model="gamma") == 1
+    assert value(second, "kvcached_alloc_rate", model="gamma") > value(second, "kvcached_free_rate", model="gamma") > 0
+    third = scrape(exporter.url)  # nothing happened since
+    assert value(third, "kvcached_alloc_rate", model="gamma") == 0
+
+
+def test_a_model_that_vanishes_drops_out(spawn_allocator, exporter, shm_dir):
+    keep = spawn_allocator("keep")
+    gone = spawn_allocator("gone")
+    dies = spawn_allocator("dies")
+    assert models_in(scrape(exporter.url)) == {"keep", "gone", "dies"}
+
+    send(gone, "m.close()")  # a clean exit unlinks its segment
+    os.kill(dies.pid, signal.SIGKILL)  # a crash leaves a stale segment behind
+    dies.wait()
+    samples = scrape(exporter.url)
+    assert models_in(samples) == {"keep", "dies"}
+    assert not [k for k in samples if ("model", "gone") in k[1]]
+    assert value(samples, "kvcached_stale", model="dies") == 1
+    assert value(samples, "kvcached_model_info", model="dies", status="stale") == 1
+    assert value(samples, "kvcached_models", status="stale") == 1
+
+    (shm_dir / "kvc.dies").unlink()  # what `kvctl clean` does
+    samples = scrape(exporter.url)
+    assert models_in(samples) == {"keep"}
+    assert value(samples, "kvcached_stale", model="keep") == 0
+    assert keep.poll() is None
+
+
+def test_refresh_interval_serves_a_cached_copy_that_follows_changes(spawn_allocator):
+    proc = spawn_allocator("delta")
+    with Exporter("127.0.0.1", 0, interval=0.2) as exporter:
+        assert value(scrape(exporter.url), "kvcached_held_bytes", model="delta") == 0
+        send(proc, "b = m.alloc(4)")
+        held = wait_for(lambda: value(scrape(exporter.url), "kvcached_held_bytes", model="delta") > 0)
+        assert held
+        send(proc, "m.close()")
+        assert wait_for(lambda: "delta" not in models_in(scrape(exporter.url)))
+
+
+def test_problem_files_are_counted_and_do_not_break_a_scrape(spawn_allocator, exporter, shm_dir):
+    spawn_allocator("ok")
+    (shm_dir / "kvc.junk").write_bytes(b"not a segment at all")
+    (shm_dir / "kvc.short").write_bytes(b"KVCSEG\x00\x01" + bytes(40))
+    samples = scrape(exporter.url)
+    assert models_in(samples) == {"ok"}
+    assert value(samples, "kvcached_segment_problems", status="foreign") == 1
+    assert value(samples, "kvcached_segment_problems", status="corrupt") == 1
+
+
+def test_a_busy_port_is_a_clear_error():
+    with Exporter("127.0.0.1", 0) as first, pytest.raises(OSError):
+        Exporter("127.0.0.1", first.port)

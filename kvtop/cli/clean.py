@@ -1,0 +1,91 @@
+"""``kvctl clean``: remove your own segments whose processes are gone."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import click
+
+from kvcached_core import ModelSnapshot
+from kvcached_core import layout as L
+from kvcached_core.procinfo import is_alive
+from kvcached_core.reader import parse_header
+from kvtop import textfmt as T
+from kvtop.cli import ExitCode
+from kvtop.cli.common import read, warn
+
+
+def _still_dead(m: ModelSnapshot) -> os.stat_result | None:
+    """The file's stat when the file now at ``m.path`` is still our segment of that same dead process."""
+    try:
+        fd = os.open(m.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        header = parse_header(os.pread(fd, L.HEADER.size, 0))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if (header["pid"], header["start_time"]) != (m.pid, m.start_time):
+        return None  # replaced by a newer process since we listed it
+    return None if is_alive(m.pid, m.start_time) else st
+
+
+@click.command("clean")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed, remove nothing.")
+def clean_cmd(dry_run: bool) -> None:
+    """Remove stale segments of dead processes that belong to you, and say what was removed.
+
+    Never touches a live segment, a segment whose process still runs (even with a late
+    heartbeat), another user's segment (one warning line each), an upstream kvcached
+    (legacy) segment, or any file that is not a valid segment. Exit 0 also when there is
+    nothing to clean.
+
+    \b
+    Examples:
+      kvctl clean --dry-run
+      kvctl clean
+    """
+    failed = False
+    acted = 0
+    for m in read().models:
+        if m.status != "stale":
+            continue
+        try:
+            owner = os.lstat(m.path).st_uid
+        except FileNotFoundError:
+            continue  # went away on its own
+        if owner != os.getuid():
+            warn(f"kept {m.path}: it belongs to uid {owner}, not you")
+            continue
+        checked = _still_dead(m)
+        if checked is None:
+            if is_alive(m.pid, m.start_time):
+                warn(f"kept {m.path}: process {m.pid} still runs (its heartbeat is late)")
+            continue
+        what = f"{m.path} (model {m.model}, pid {m.pid}, {T.fmt_bytes(checked.st_size)})"
+        acted += 1
+        if dry_run:
+            click.echo(f"would remove {what}")
+            continue
+        try:
+            now = os.lstat(m.path)
+            if (now.st_ino, now.st_dev) != (checked.st_ino, checked.st_dev):
+                continue  # replaced meanwhile: not ours to remove any more
+            os.unlink(m.path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            failed = True
+            click.echo(f"kvctl: cannot remove {m.path}: {exc.strerror}", err=True)
+            continue
+        click.echo(f"removed {what}")
+    if not acted:
+        click.echo("nothing to clean")
+    if failed:
+        raise click.exceptions.Exit(ExitCode.FAILURE)

@@ -1,0 +1,167 @@
+"""Control commands: ``kvctl limit`` and ``kvctl trim``, with the models' acknowledgements."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import click
+
+from kvcached_core import Ack, AckTimeout, ControlError, ModelSnapshot, request_limit, request_trim
+from kvtop import textfmt as T
+from kvtop.cli import SIZE, ExitCode, Failure, SizeSpec, check_model_name, model_argument
+from kvtop.cli.common import emit_json, pick, read
+
+WAIT_HELP = "Seconds to wait for each model's acknowledgement (0: do not wait)."
+REFUSED = (ControlError, AckTimeout, OSError, ValueError)
+
+
+def capacity_of(m: ModelSnapshot) -> int | None:
+    """What a percentage is taken of: the model's device capacity, else the host or GPU total."""
+    if m.device_capacity:
+        return m.device_capacity
+    if m.backend == "host":
+        from kvcached_core.config import ConfigError, host_capacity_bytes
+
+        try:
+            return host_capacity_bytes()
+        except ConfigError:
+            return None
+    from kvcached_core import nvml
+
+    gpus = nvml.probe([m.device])
+    return gpus[0].total_bytes if gpus else None
+
+
+def ack_dict(ack: Ack, requested: int | None = None) -> dict:
+    return {"name": ack.name, "kind": ack.kind, "status": ack.status, "revision": ack.revision,
+            "requested_bytes": requested, "effective_limit": ack.effective_limit,
+            "bytes_returned": ack.bytes_returned, "latency_s": round(ack.latency_s, 6)}
+
+
+def limit_text(ack: Ack) -> str:
+    took = f"{ack.latency_s * 1000:.0f} ms"
+    effective = T.fmt_bytes(ack.effective_limit)
+    if ack.status == "applied":
+        return f"{ack.name}: limit {effective} applied (revision {ack.revision}, {took})"
+    if ack.status == "deferred":
+        return (f"{ack.name}: limit {effective} deferred: more pages are in use than it allows; "
+                f"it takes effect as they empty (revision {ack.revision}, {took})")
+    if ack.status == "none":
+        return f"{ack.name}: limit lifted (revision {ack.revision}, {took})"
+    if ack.status == "legacy":
+        what = "lifted" if ack.effective_limit is None else f"{effective} written"
+        return f"{ack.name}: limit {what} (upstream kvcached segment: its watcher applies it, without acknowledging)"
+    if ack.status == "pending":
+        what = "lift" if ack.effective_limit is None else f"{effective}"
+        return f"{ack.name}: limit {what} requested (revision {ack.revision}), not waiting for the acknowledgement"
+    return f"{ack.name}: limit {effective} {ack.status} (revision {ack.revision})"
+
+
+def targets(model: str | None, all_models: bool, *, legacy: bool) -> list[ModelSnapshot]:
+    """The models a control command acts on: one by name, or every live (and legacy) one."""
+    if not all_models:
+        assert model is not None
+        return [pick(model, read())]
+    kinds = {"live", "legacy"} if legacy else {"live"}
+    found = [m for m in read().models if m.status in kinds]
+    if not found:
+        raise Failure("no live models to act on" + ("" if legacy else " (legacy segments cannot be trimmed)"))
+    return found
+
+
+def run_all(models: list[ModelSnapshot], act: Callable[[ModelSnapshot], tuple[Ack, int | None]],
+            as_json: bool, text: Callable[[Ack], str]) -> None:
+    """Act on each model; report every answer; one stderr line per refusal, then exit 1."""
+    answers: list[dict] = []
+    failed = 0
+    for m in models:
+        try:
+            ack, requested = act(m)
+        except REFUSED as exc:
+            failed += 1
+            message = str(exc) or type(exc).__name__
+            if len(models) == 1:
+                raise Failure(message if m.name in message else f"{m.name}: {message}") from None
+            click.echo(f"kvctl: {m.name}: {' '.join(message.split())}", err=True)
+            continue
+        if ack.status == "conflict":
+            failed += 1
+            click.echo(f"kvctl: {m.name}: the model answered conflict to revision {ack.revision}", err=True)
+        if as_json:
+            answers.append(ack_dict(ack, requested))
+        else:
+            click.echo(text(ack))
+    if as_json:
+        emit_json(answers)
+    if failed:
+        raise click.exceptions.Exit(ExitCode.FAILURE)
+
+
+@click.command("limit", context_settings={"ignore_unknown_options": True})  # so -5G reaches SIZE
+@model_argument(required=False)
+@click.argument("size", required=False, metavar="SIZE")
+@click.option("--all", "all_models", is_flag=True, help="Every live and legacy model; then give only SIZE.")
+@click.option("--wait", type=click.FloatRange(min=0), default=2.0, show_default=True, metavar="SEC", help=WAIT_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the acknowledgements as a JSON array.")
+@click.pass_context
+def limit_cmd(ctx: click.Context, model: str | None, size: str | None, all_models: bool, wait: float,
+              as_json: bool) -> None:
+    """Cap a model's mapped memory, live; SIZE none lifts the cap.
+
+    SIZE is 512MiB, 4G (binary), 4GB (decimal), 1.5GiB, 30% (of the model's device memory;
+    the host capacity on the host backend) or none. The model rounds the limit down to whole
+    page bundles. Below what it has in use, the limit is "deferred": the model takes no new
+    pages and the limit applies as pages empty. Works on upstream kvcached (legacy) segments too.
+
+    \b
+    Examples:
+      kvctl limit llama-3-8b 4GiB
+      kvctl limit llama 30% --wait 5
+      kvctl limit --all none
+    """
+    if all_models:
+        if size is not None:
+            raise click.UsageError("with --all give only SIZE", ctx)
+        model, size = None, model
+    if model is None and not all_models:
+        raise click.UsageError("give MODEL and SIZE, or --all SIZE", ctx)
+    if size is None:
+        raise click.UsageError("missing SIZE (e.g. 4GiB, 30% or none)", ctx)
+    size_param = next(p for p in ctx.command.params if p.name == "size")
+    spec: SizeSpec = SIZE.convert(size, size_param, ctx)
+    if model is not None:
+        check_model_name(model)
+
+    def act(m: ModelSnapshot) -> tuple[Ack, int | None]:
+        limit = spec.resolve(capacity_of(m) if spec.percent else None)
+        return request_limit(m, limit, wait=wait), limit
+
+    run_all(targets(model, all_models, legacy=True), act, as_json, limit_text)
+
+
+@click.command("trim")
+@model_argument(required=False)
+@click.option("--all", "all_models", is_flag=True, help="Every live model (legacy segments cannot be trimmed).")
+@click.option("--wait", type=click.FloatRange(min=0), default=2.0, show_default=True, metavar="SEC", help=WAIT_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the acknowledgements as a JSON array.")
+@click.pass_context
+def trim_cmd(ctx: click.Context, model: str | None, all_models: bool, wait: float, as_json: bool) -> None:
+    """Unmap a model's reserved pages now and print the bytes it returned.
+
+    \b
+    Examples:
+      kvctl trim llama-3-8b
+      kvctl trim --all --json | jq 'map(.bytes_returned) | add'
+    """
+    if all_models == (model is not None):
+        raise click.UsageError("give MODEL or --all (not both)", ctx)
+
+    def act(m: ModelSnapshot) -> tuple[Ack, int | None]:
+        return request_trim(m, wait=wait), None
+
+    def text(ack: Ack) -> str:
+        if ack.status == "pending":
+            return f"{ack.name}: trim requested, not waiting for the acknowledgement"
+        return f"{ack.name}: returned {T.fmt_bytes(ack.bytes_returned)} ({ack.bytes_returned} bytes)"
+
+    run_all(targets(model, all_models, legacy=False), act, as_json, text)

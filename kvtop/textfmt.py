@@ -1,0 +1,139 @@
+"""Text output for kvctl: tables (plain, or rich on a terminal), human figures, the page-map grid.
+
+rich is imported only inside :func:`print_table` when a terminal asks for it; everything else
+here is plain Python, so machine output (``--json``, pipes) never pays for it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvcached_core.sizes import format_bytes
+from kvcached_core.snapshot import ModelSnapshot
+from kvtop.pagemap import GLYPHS, LEGEND, fold, grid_lines
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    right: bool = False  # numbers align right
+
+
+def want_rich(stream=None) -> bool:  # noqa: ANN001 - any text stream
+    """Rich tables only for a person at a terminal."""
+    stream = stream or sys.stdout
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+    return tty and os.environ.get("TERM") != "dumb"
+
+
+def plain_table(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> str:
+    """Aligned columns separated by two spaces; no trailing blanks; stable for scripts and tests."""
+    widths = [len(c.header) for c in columns]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [cell.rjust(w) if col.right else cell.ljust(w) for cell, w, col in zip(cells, widths, columns, strict=True)]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line([c.header for c in columns]), *(line(r) for r in rows)])
+
+
+def print_table(columns: Sequence[Column], rows: Sequence[Sequence[str]], *, rich: bool | None = None,
+                title: str | None = None) -> None:
+    """Write a table to stdout: rich box drawing on a terminal, plain text elsewhere."""
+    if rich is None:
+        rich = want_rich()
+    if not rich:
+        if title:
+            sys.stdout.write(title + "\n")
+        sys.stdout.write(plain_table(columns, rows) + "\n")
+        sys.stdout.flush()
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", box=None, header_style="bold", pad_edge=False)
+    for col in columns:
+        table.add_column(col.header, justify="right" if col.right else "left", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    Console(highlight=False).print(table)
+
+
+# -- human figures -------------------------------------------------------------------------
+
+def fmt_bytes(n: int | None) -> str:
+    return format_bytes(n)
+
+
+def fmt_ratio(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def fmt_limit(m: ModelSnapshot) -> str:
+    """``4.0 GiB applied``, ``1.0 GiB deferred``, or ``none``."""
+    if m.limit_bytes is None and m.requested_limit is None:
+        return "none"
+    shown = m.limit_bytes if m.limit_bytes is not None else m.requested_limit
+    return f"{format_bytes(shown)} {m.limit_status}"
+
+
+def fmt_pages(m: ModelSnapshot) -> str:
+    return "-" if m.status == "legacy" else f"{m.pages_inuse}/{m.pages_total}"
+
+
+LIST_COLUMNS = (
+    Column("NAME"), Column("ENGINE"), Column("PID", True), Column("DEV", True), Column("STATUS"),
+    Column("MAPPED", True), Column("HELD", True), Column("RESERVED", True), Column("CACHED", True),
+    Column("LIMIT", True), Column("WASTE", True), Column("PAGES", True),
+)
+
+
+def list_row(m: ModelSnapshot) -> list[str]:
+    """One ``kvctl list`` row."""
+    return [
+        m.name, m.engine, str(m.pid), str(m.device), m.display_status,
+        fmt_bytes(m.mapped_bytes), fmt_bytes(m.held_bytes), fmt_bytes(m.reserved_bytes),
+        "-" if m.status == "legacy" else fmt_bytes(m.cached_bytes),
+        fmt_limit(m), fmt_ratio(m.waste_ratio), fmt_pages(m),
+    ]
+
+
+# -- the page map --------------------------------------------------------------------------
+
+def page_map_lines(m: ModelSnapshot, width: int = 64, max_rows: int = 16) -> list[str]:
+    """The page map as a character grid with a row index, a scale line and a legend."""
+    entries = m.page_entries()
+    if not len(entries):
+        return ["page map: none (upstream kvcached segments publish no page map)"
+                if m.status == "legacy" else "page map: not read"]
+    width = max(8, width)
+    cells = fold(entries, m.blocks_per_page, width * max(1, max_rows))
+    per = cells[0].pages if cells else 1
+    scale = "1 page per cell" if per == 1 else f"{per} pages per cell (any page in use makes its cell in use)"
+    lines = [f"page map: {len(entries)} pages, {scale}"]
+    label = len(str(len(entries) - 1))
+    for row, text in enumerate(grid_lines(cells, width)):
+        lines.append(f"{row * width * per:>{label}} {text}")
+    return lines + legend_lines(width + label + 1)
+
+
+def legend_lines(width: int = 80) -> list[str]:
+    """The glyph legend, wrapped to ``width`` columns."""
+    lines, current = [], ""
+    for state, meaning in LEGEND:
+        item = f"{GLYPHS[state]} {meaning}"
+        if current and len(current) + 2 + len(item) > width:
+            lines.append(current)
+            current = item
+        else:
+            current = f"{current}  {item}" if current else item
+    return [*lines, current] if current else lines

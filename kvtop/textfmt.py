@@ -123,7 +123,7 @@ def page_map_lines(m: ModelSnapshot, width: int = 64, max_rows: int = 16) -> lis
     label = len(str(len(entries) - 1))
     for row, text in enumerate(grid_lines(cells, width)):
         lines.append(f"{row * width * per:>{label}} {text}")
-    return lines + legend_lines(width + label + 1)
+    return lines + legend_lines(max(72, width + label + 1))
 
 
 def legend_lines(width: int = 80) -> list[str]:

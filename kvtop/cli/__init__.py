@@ -173,6 +173,9 @@ class KvctlGroup(click.Group):
             if sys.stderr.isatty():
                 click.echo(err=True)
             raise click.exceptions.Exit(ExitCode.INTERRUPTED) from None
+        except BrokenPipeError:  # the reader went away (``kvctl watch | head -n 1``): a normal end
+            silence_stdout()
+            raise click.exceptions.Exit(ExitCode.OK) from None
 
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
@@ -209,7 +212,7 @@ class KvctlGroup(click.Group):
         return rv if isinstance(rv, int) else ExitCode.OK
 
 
-@click.group(cls=KvctlGroup, context_settings=CONTEXT_SETTINGS, no_args_is_help=True)
+@click.group("kvctl", cls=KvctlGroup, context_settings=CONTEXT_SETTINGS, no_args_is_help=True)
 @click.version_option(__version__, "-V", "--version", prog_name="kvctl", message="%(prog)s %(version)s")
 def main() -> None:
     """Inspect and steer the KV-cache allocators (kvcached_core) running on this machine.

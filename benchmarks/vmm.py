@@ -1,0 +1,295 @@
+"""CUDA backend cost on a real GPU: grow/shrink per page id against a native C floor, and alloc latency.
+
+Run on a GPU machine from the checkout (writes vmm.json and vmm.md under --out):
+
+    PYTHONPATH=. python3 benchmarks/vmm.py --out results/
+
+1. Floor vs backend. ``benchmarks/native/vmm_floor.c`` is compiled here (nvcc, else cc with
+   CUDA's headers) and grows/shrinks page ids with the same driver calls in the same order as
+   :class:`kvcached_core.backends.cuda.CudaBackend`; the backend then does the same work through
+   cuda-python. Both layouts (``layer``, ``page``), batches of 1 page id (the refill thread's
+   steady state) and 5 (a refill after a burst), native and Python runs interleaved twice.
+   Reported: median microseconds per page id and the Python/native ratio.
+2. Alloc latency while the pool grows: a real KVCacheManager(backend="cuda") starts empty and an
+   engine-like loop allocates 1-16 blocks every ``interval`` (sleeping in between, as an engine
+   waits on the GPU) while the refill thread maps in the background; p50/p99/max of ``alloc``,
+   and how many allocs missed the pool (mapped synchronously). Then free latency, for the record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kvcached_core.backends import Geometry  # noqa: E402
+from kvcached_core.backends.cuda import CudaBackend  # noqa: E402
+
+MiB = 1 << 20
+OPS = ("grow_cold", "shrink_keep", "grow_warm", "shrink_release")
+MISS_US = 200.0  # an alloc slower than this mapped on its own thread (pool miss)
+
+
+# -- native floor ------------------------------------------------------------------------------------
+def build_floor(workdir: Path) -> Path:
+    src = ROOT / "benchmarks" / "native" / "vmm_floor.c"
+    exe = workdir / "vmm_floor"
+    nvcc = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
+    if nvcc:
+        cuda = Path(nvcc).resolve().parents[1]
+        cmd = [nvcc, "-O2", "-o", str(exe), str(src), f"-L{cuda}/lib64/stubs", "-lcuda"]
+    else:
+        cuda = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+        cmd = ["cc", "-O2", f"-I{cuda}/include", "-o", str(exe), str(src), f"-L{cuda}/lib64/stubs", "-lcuda"]
+    subprocess.run(cmd, check=True)
+    return exe
+
+
+def run_floor(exe: Path, layout: str, layers: int, buffers: int, page_mb: int, pages: int, rounds: int,
+              batch: int) -> dict[str, list[float]]:
+    out = subprocess.run([str(exe), layout, str(layers), str(buffers), str(page_mb), str(pages), str(rounds),
+                          str(batch)], check=True, capture_output=True, text=True).stdout
+    result: dict[str, list[float]] = {}
+    for line in out.splitlines():
+        row = json.loads(line)
+        result.setdefault(row["op"], []).append(row["us_per_page_id"])
+    return result
+
+
+# -- the backend, same sequence ----------------------------------------------------------------------
+def run_backend(layout: str, layers: int, buffers: int, page_mb: int, pages: int, rounds: int,
+                batch: int) -> dict[str, list[float]]:
+    geometry = Geometry(page_mb * MiB, pages, layers, buffers)
+    backend = CudaBackend(geometry, 0, layout=layout, pool_pages=0)
+    ids = list(range(pages))
+    batches = [ids[i:i + batch] for i in range(0, pages, batch)]
+    result: dict[str, list[float]] = {op: [] for op in OPS}
+
+    def grow() -> float:
+        t0 = time.perf_counter_ns()
+        for chunk in batches:
+            got = backend.map_pages(chunk)
+            assert len(got) == len(chunk), "device ran out of memory during the benchmark"
+        return (time.perf_counter_ns() - t0) / 1000 / pages
+
+    def shrink() -> float:
+        t0 = time.perf_counter_ns()
+        for chunk in batches:
+            backend.unmap_pages(chunk)
+        return (time.perf_counter_ns() - t0) / 1000 / pages
+
+    try:
+        grow()
+        shrink()  # warm-up, released (pool_pages=0)
+        for _ in range(rounds):
+            backend.trim_pool(0)
+            result["grow_cold"].append(grow())
+            backend.pool_pages = pages
+            result["shrink_keep"].append(shrink())
+            result["grow_warm"].append(grow())
+            backend.pool_pages = 0
+            result["shrink_release"].append(shrink())
+    finally:
+        backend.close()
+    return result
+
+
+def compare(exe: Path | None, args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for layout in ("layer", "page"):
+        for batch in (1, 5):
+            native: dict[str, list[float]] = {}
+            python: dict[str, list[float]] = {}
+            for _ in range(2):  # interleave: native, python, native, python
+                if exe is not None:
+                    for op, xs in run_floor(exe, layout, args.layers, args.buffers, args.page_mb, args.pages,
+                                            args.rounds, batch).items():
+                        native.setdefault(op, []).extend(xs)
+                for op, xs in run_backend(layout, args.layers, args.buffers, args.page_mb, args.pages,
+                                          args.rounds, batch).items():
+                    python.setdefault(op, []).extend(xs)
+            for op in (*OPS, "grow_naive", "shrink_naive"):
+                n = statistics.median(native[op]) if native.get(op) else None
+                p = statistics.median(python[op]) if python.get(op) else None
+                rows.append({"layout": layout, "batch": batch, "op": op, "native_us": n, "python_us": p,
+                             "ratio": round(p / n, 3) if n and p else None,
+                             "native_samples": native.get(op, []), "python_samples": python.get(op, [])})
+                print(f"{layout:5s} batch {batch} {op:15s} native {fmt(n)} us  python {fmt(p)} us  "
+                      f"ratio {rows[-1]['ratio']}", flush=True)
+    return rows
+
+
+def fmt(x: float | None) -> str:
+    return "   n/a" if x is None else f"{x:8.1f}"
+
+
+# -- alloc latency while the pool grows --------------------------------------------------------------
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def alloc_latency(layout: str, interval_s: float, args: argparse.Namespace, seed: int = 7) -> dict:
+    from kvcached_core import KVCacheManager  # noqa: PLC0415
+
+    os.environ["KVCACHED_CUDA_LAYOUT"] = layout
+    bpp = args.page_mb * MiB // args.block_kib // 1024
+    mgr = KVCacheManager(f"bench-{layout}", num_blocks=bpp * (args.grow_pages + 64), block_bytes=args.block_kib * 1024,
+                         num_layers=args.layers, num_kv_buffers=args.buffers, page_size=args.page_mb * MiB,
+                         backend="cuda")
+    rng = random.Random(seed)
+    sizes = [1, 1, 2, 2, 4, 8, 16]  # decode-heavy, with some prefill chunks
+    lat: list[float] = []
+    held: list[list[int]] = []
+    try:
+        first = time.perf_counter_ns()
+        held.append(mgr.alloc(1))
+        first_us = (time.perf_counter_ns() - first) / 1000
+        t_start = time.perf_counter()
+        while mgr.pages.mapped_pages < args.grow_pages:
+            n = rng.choice(sizes)
+            t0 = time.perf_counter_ns()
+            ids = mgr.alloc(n)
+            lat.append((time.perf_counter_ns() - t0) / 1000)
+            if ids is None:
+                raise RuntimeError("alloc returned None during the latency benchmark")
+            held.append(ids)
+            time.sleep(interval_s)
+        grow_s = time.perf_counter() - t_start
+        blocks = sum(len(h) for h in held)
+        rng.shuffle(held)
+        free_lat = []
+        for ids in held:
+            t0 = time.perf_counter_ns()
+            mgr.free(ids)
+            free_lat.append((time.perf_counter_ns() - t0) / 1000)
+    finally:
+        mgr.close()
+    misses = sum(1 for x in lat if x > MISS_US)
+    row = {
+        "layout": layout, "interval_us": interval_s * 1e6, "allocs": len(lat), "blocks": blocks,
+        "pages_grown": args.grow_pages, "grow_seconds": round(grow_s, 3),
+        "page_ids_per_s_demanded": round(args.grow_pages / grow_s, 1),
+        "first_alloc_us": round(first_us, 1),
+        "alloc_p50_us": round(pct(lat, 0.50), 2), "alloc_p99_us": round(pct(lat, 0.99), 2),
+        "alloc_p999_us": round(pct(lat, 0.999), 2), "alloc_max_us": round(max(lat), 1),
+        "misses_over_200us": misses,
+        "free_p50_us": round(pct(free_lat, 0.50), 2), "free_p99_us": round(pct(free_lat, 0.99), 2),
+        "free_max_us": round(max(free_lat), 1),
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
+# -- report -----------------------------------------------------------------------------------------
+def environment() -> dict:
+    env: dict = {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
+                 "host": platform.node()}
+    try:
+        import cuda.bindings  # noqa: PLC0415
+
+        env["cuda_bindings"] = cuda.bindings.__version__
+    except Exception:  # noqa: BLE001
+        env["cuda_bindings"] = None
+    try:
+        import pynvml  # noqa: PLC0415
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(handle)
+        env["gpu"] = name.decode() if isinstance(name, bytes) else name
+        drv = pynvml.nvmlSystemGetDriverVersion()
+        env["driver"] = drv.decode() if isinstance(drv, bytes) else drv
+        env["gpu_memory_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+    except Exception as exc:  # noqa: BLE001
+        env["nvml_error"] = str(exc)
+    return env
+
+
+def markdown(report: dict) -> str:
+    env, cfg = report["environment"], report["config"]
+    lines = [
+        f"# CUDA VMM backend on {env.get('gpu', '?')} ({env['date']})",
+        "",
+        f"Driver {env.get('driver', '?')}, cuda-bindings {env.get('cuda_bindings')}, Python {env['python']}. "
+        f"Model shape: {cfg['layers']} layers x {cfg['buffers']} KV buffers, {cfg['page_mb']} MiB pages "
+        f"(one page id = {cfg['layers'] * cfg['buffers'] * cfg['page_mb']} MiB), {cfg['pages']} page ids per trial, "
+        f"medians of {2 * cfg['rounds']} rounds (native and Python interleaved). `benchmarks/vmm.py` made this file.",
+        "",
+        "## Grow and shrink per page id: backend (cuda-python) vs native C floor, same calls in the same order",
+        "",
+        "| layout | batch | op | native µs | python µs | python / native |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["compare"]:
+        if r["python_us"] is None and r["native_us"] is None:
+            continue
+        lines.append(f"| {r['layout']} | {r['batch']} | {r['op']} | {fmt(r['native_us']).strip()} | "
+                     f"{fmt(r['python_us']).strip()} | {r['ratio'] if r['ratio'] is not None else 'n/a'} |")
+    lines += [
+        "",
+        "`grow_cold`: every handle from cuMemCreate; `grow_warm`: handles from the pool (after a shrink that kept "
+        "them); `shrink_keep`: unmap into the pool; `shrink_release`: unmap and cuMemRelease; `grow_naive` / "
+        "`shrink_naive` (native only): one create/map/set-access (unmap/release) call per handle.",
+        "",
+        "## alloc latency while the reserve pool grows (refill thread maps in the background)",
+        "",
+        "| layout | alloc every | page ids/s demanded | allocs | p50 µs | p99 µs | p99.9 µs | max µs | misses (>200 µs) "
+        "| first alloc µs | free p50 / p99 / max µs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["alloc"]:
+        lines.append(f"| {r['layout']} | {r['interval_us']:.0f} µs | {r['page_ids_per_s_demanded']} | {r['allocs']} | "
+                     f"{r['alloc_p50_us']} | {r['alloc_p99_us']} | {r['alloc_p999_us']} | {r['alloc_max_us']} | "
+                     f"{r['misses_over_200us']} | {r['first_alloc_us']} | {r['free_p50_us']} / {r['free_p99_us']} / "
+                     f"{r['free_max_us']} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--buffers", type=int, default=2)
+    ap.add_argument("--page-mb", type=int, default=2)
+    ap.add_argument("--pages", type=int, default=64, help="page ids per grow/shrink trial")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--block-kib", type=int, default=32, help="block bytes per layer per buffer (KiB)")
+    ap.add_argument("--grow-pages", type=int, default=160, help="page ids the alloc benchmark grows to")
+    ap.add_argument("--intervals-us", default="1000,250", help="alloc pacing, comma-separated microseconds")
+    ap.add_argument("--no-native", action="store_true")
+    ap.add_argument("--skip-compare", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"environment": environment(), "config": {k: v for k, v in vars(args).items() if k != "out"}}
+    report["config"]["out"] = str(args.out)
+    print(json.dumps(report["environment"]), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("KVCACHED_SHM_DIR", tmp)
+        exe = None if args.no_native else build_floor(Path(tmp))
+        report["compare"] = [] if args.skip_compare else compare(exe, args)
+        report["alloc"] = [alloc_latency(layout, int(us) / 1e6, args)
+                           for layout in ("layer", "page") for us in args.intervals_us.split(",")]
+    (args.out / "vmm.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "vmm.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,557 @@
+"""CUDA backend: KV pages in GPU virtual memory through cuda-python's driver API (VMM).
+
+One virtual range is reserved at construction (``cuMemAddressReserve``); mapping a page id
+backs it with pinned device memory (``cuMemCreate`` at the device's granularity, ``cuMemMap``,
+``cuMemSetAccess``); unmapping returns it. The driver's cost is per physical handle, not per
+byte, so the layout decides the price of a page id (``layout=`` or ``KVCACHED_CUDA_LAYOUT``):
+
+``layer`` (default)
+    layer-separated: buffer ``b`` of layer ``l`` owns the range starting at
+    ``(l * num_kv_buffers + b) * range_bytes``, so each layer's K (or V) is one single-stride
+    tensor over blocks, as attention kernels index it. A page id is ``num_layers x
+    num_kv_buffers`` handles of ``page_size`` (``cuMemMap`` cannot map a handle at an offset,
+    so one handle cannot serve several ranges).
+``page``
+    page-major: page id ``p`` is one handle of a whole page bundle at ``p * bundle_bytes``;
+    layer ``l`` buffer ``b`` is the ``page_size`` slice at ``(l * num_kv_buffers + b) *
+    page_size`` inside it. One handle per page id grows much faster, but a layer's blocks are
+    no longer one stride apart: views are ``[pages, blocks_per_page, ...]``.
+
+Unmapped handles go to a pool (up to ``pool_pages`` page ids, ``KVCACHED_CUDA_POOL_PAGES``,
+default ``KVCACHED_MAX_RESERVED_PAGES``) so that regrowth skips ``cuMemCreate`` and shrinking
+skips ``cuMemRelease``; ``trim_pool`` gives pooled memory back. Pages mapped in one call that
+sit next to each other get one ``cuMemSetAccess`` / ``cuMemUnmap`` per range instead of one
+per handle. Running out of device memory is a short answer from ``map_pages`` (a miss);
+every other driver error raises :class:`BackendError` naming the call.
+
+Driver calls release the GIL (cuda-bindings >= 12.9.1), so the allocator's refill thread maps
+while the engine's thread keeps allocating. torch is optional: :meth:`CudaBackend.buffer` and
+:func:`tensor_views` import it only when called and hand tensors over through DLPack.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import ConfigError, reserve_bounds
+from .base import Backend, BackendError, BackendUnavailable, Geometry
+
+LAYOUTS = ("layer", "page")
+LAYOUT_ENV = "KVCACHED_CUDA_LAYOUT"
+POOL_ENV = "KVCACHED_CUDA_POOL_PAGES"
+
+
+def layout_from_env() -> str:
+    raw = os.environ.get(LAYOUT_ENV, "").strip().lower() or "layer"
+    if raw not in LAYOUTS:
+        raise ConfigError(f"{LAYOUT_ENV}={raw!r} is not a layout: choose one of {', '.join(LAYOUTS)}")
+    return raw
+
+
+def pool_pages_from_env() -> int:
+    raw = os.environ.get(POOL_ENV, "").strip()
+    if not raw:
+        return reserve_bounds().max_pages
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{POOL_ENV}={raw!r} is not an integer") from None
+    if value < 0:
+        raise ConfigError(f"{POOL_ENV}={value} cannot be negative")
+    return value
+
+
+def runs(pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """Split ``pages`` (in order) into runs of consecutive ids: ``(index, first_page, count)``."""
+    i, n = 0, len(pages)
+    while i < n:
+        j = i + 1
+        while j < n and pages[j] == pages[j - 1] + 1:
+            j += 1
+        yield i, pages[i], j - i
+        i = j
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """Where one layer's one KV buffer lives: byte offset from the base, shape and strides in bytes."""
+
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+def range_spec(layout: str, g: Geometry, layer: int, kv: int) -> ViewSpec:
+    """The raw bytes of one buffer as ``[num_pages, page_size]`` rows."""
+    if not (0 <= layer < g.num_layers and 0 <= kv < g.num_kv_buffers):
+        raise IndexError(f"layer {layer} / kv {kv} out of range ({g.num_layers} layers, {g.num_kv_buffers} buffers)")
+    slot = layer * g.num_kv_buffers + kv
+    if layout == "layer":
+        return ViewSpec(slot * g.range_bytes, (g.num_pages, g.page_size), (g.page_size, 1))
+    return ViewSpec(slot * g.page_size, (g.num_pages, g.page_size), (g.bundle_bytes, 1))
+
+
+def block_spec(layout: str, g: Geometry, layer: int, kv: int, block_bytes: int, num_blocks: int) -> ViewSpec:
+    """Blocks of one buffer: ``[num_blocks, block_bytes]`` where blocks are one stride apart, else
+    ``[num_pages, blocks_per_page, block_bytes]`` (page-major layout, or pages that blocks do not tile)."""
+    if block_bytes <= 0 or block_bytes > g.page_size:
+        raise ValueError(f"block_bytes {block_bytes} must be in 1..page_size ({g.page_size})")
+    raw = range_spec(layout, g, layer, kv)
+    bpp = g.page_size // block_bytes
+    if layout == "layer" and g.page_size % block_bytes == 0:
+        if not 0 < num_blocks <= g.num_pages * bpp:
+            raise ValueError(f"num_blocks {num_blocks} does not fit {g.num_pages} pages of {bpp} blocks")
+        return ViewSpec(raw.offset, (num_blocks, block_bytes), (block_bytes, 1))
+    return ViewSpec(raw.offset, (g.num_pages, bpp, block_bytes), (raw.strides[0], block_bytes, 1))
+
+
+# -- DLPack: hand a device range to torch without torch asking the driver about the pointer ----------
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                             ("deleter", ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor)))]
+_KDL_CUDA = 2
+_KDL_UINT = 1
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+def _torch_bytes(ptr: int, device: int, spec: ViewSpec, keep: list) -> Any:
+    """A uint8 torch tensor over device memory at ``ptr`` (not owned: ``keep`` holds the structs)."""
+    try:
+        import torch  # noqa: PLC0415 - torch is optional
+        from torch.utils.dlpack import from_dlpack  # noqa: PLC0415
+    except ImportError:
+        raise BackendError("torch views need torch (pip install torch)") from None
+    ndim = len(spec.shape)
+    shape = (ctypes.c_int64 * ndim)(*spec.shape)
+    strides = (ctypes.c_int64 * ndim)(*spec.strides)
+    managed = _DLManagedTensor()
+    managed.dl_tensor.data = ptr + spec.offset
+    managed.dl_tensor.device = _DLDevice(_KDL_CUDA, device)
+    managed.dl_tensor.ndim = ndim
+    managed.dl_tensor.dtype = _DLDataType(_KDL_UINT, 8, 1)
+    managed.dl_tensor.shape = shape
+    managed.dl_tensor.strides = strides
+    keep.append((managed, shape, strides))  # the tensor borrows them; the backend keeps them alive
+    tensor = from_dlpack(_capsule_new(ctypes.addressof(managed), b"dltensor", None))
+    assert tensor.dtype == torch.uint8
+    return tensor
+
+
+def _shape_as(tensor: Any, dtype: Any, shape: Sequence[int] | None) -> Any:
+    """Reinterpret the last (byte) dimension as ``dtype`` and split it into ``shape``."""
+    if dtype is not None:
+        tensor = tensor.view(dtype)
+    if shape is not None:
+        shape = tuple(shape)
+        last = tensor.shape[-1]
+        total = 1
+        for dim in shape:
+            total *= dim
+        if total != last:
+            raise ValueError(f"shape {shape} holds {total} elements, a block holds {last}")
+        tensor = tensor.unflatten(-1, shape)
+    return tensor
+
+
+# -- the driver -------------------------------------------------------------------------------------
+def _load_driver() -> Any:
+    try:
+        from cuda.bindings import driver  # noqa: PLC0415
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # noqa: PLC0415 - cuda-python < 12.6
+        except ImportError:
+            raise BackendUnavailable(
+                "backend 'cuda' needs cuda-python (pip install cuda-python), which is not installed"
+            ) from None
+    return driver
+
+
+class CudaBackend(Backend):
+    """Page ids in reserved GPU virtual memory, backed on demand by pooled physical handles."""
+
+    name = "cuda"
+
+    def __init__(self, geometry: Geometry, device: int = 0, *, layout: str | None = None,
+                 pool_pages: int | None = None) -> None:
+        super().__init__(geometry, device)
+        self.layout = layout_from_env() if layout is None else layout
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        self.pool_pages = pool_pages_from_env() if pool_pages is None else pool_pages
+        g = geometry
+        self.slices = g.num_layers * g.num_kv_buffers if self.layout == "layer" else 1
+        self.slice_bytes = g.page_size if self.layout == "layer" else g.bundle_bytes
+        self.va_bytes = g.range_bytes * g.num_layers * g.num_kv_buffers
+        self.created = self.released = 0  # physical handles, for tests and benchmarks
+        self._closed = False
+        self._lock = threading.Lock()  # guards the pool and the page -> handles table
+        self._mapped: dict[int, list[Any]] = {}
+        self._pool: list[Any] = []
+        self._set_claimed: Callable[[int], None] | None = None
+        self._views_keep: list = []
+        self._va = 0
+        self._ctx: Any = None
+
+        d = self._d = _load_driver()
+        self._OK = d.CUresult.CUDA_SUCCESS
+        self._OOM = d.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+        try:
+            err = d.cuInit(0)[0]
+        except Exception as exc:  # noqa: BLE001 - the driver library itself is missing
+            raise BackendUnavailable(
+                f"backend 'cuda' needs the NVIDIA driver, but libcuda.so could not be loaded ({type(exc).__name__})"
+            ) from None
+        if err != self._OK:
+            raise BackendUnavailable(f"backend 'cuda' found no usable GPU: cuInit failed with {self._err_name(err)}")
+        count = self._check("cuDeviceGetCount", d.cuDeviceGetCount())
+        if not 0 <= device < count:
+            raise BackendUnavailable(f"backend 'cuda' has no device {device}: {count} CUDA device(s) visible")
+        self._dev = self._check("cuDeviceGet", d.cuDeviceGet(device))
+        vmm = self._check("cuDeviceGetAttribute", d.cuDeviceGetAttribute(
+            d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, self._dev))
+        if not vmm:
+            raise BackendUnavailable(f"backend 'cuda' needs virtual memory management, which device {device} lacks")
+        self.device_name = self._check("cuDeviceGetName", d.cuDeviceGetName(96, self._dev))
+        self.device_name = self.device_name.split(b"\0")[0].decode(errors="replace")
+        self.driver_version = self._check("cuDriverGetVersion", d.cuDriverGetVersion())
+        self._ctx = self._check("cuDevicePrimaryCtxRetain", d.cuDevicePrimaryCtxRetain(self._dev))
+        self._ctx_id = int(self._ctx)
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self) -> None:
+        d, g = self._d, self.geometry
+        prop = d.CUmemAllocationProp()
+        prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.device
+        self._prop = prop
+        access = d.CUmemAccessDesc()
+        access.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device
+        access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = [access]
+        with self._context():
+            self.granularity = self._check("cuMemGetAllocationGranularity", d.cuMemGetAllocationGranularity(
+                prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+            if g.page_size % self.granularity:
+                raise BackendError(
+                    f"page size {g.page_size} is not a multiple of device {self.device}'s VMM granularity "
+                    f"{self.granularity}: set KVCACHED_PAGE_SIZE_MB to a multiple of {self.granularity >> 20 or 1}"
+                )
+            _free, self._total = self._check("cuMemGetInfo", d.cuMemGetInfo())
+            self._va = int(self._check("cuMemAddressReserve", d.cuMemAddressReserve(self.va_bytes, g.page_size, 0, 0)))
+
+    # -- plumbing --------------------------------------------------------------------------------
+    def _err_name(self, err: Any) -> str:
+        try:
+            res, name = self._d.cuGetErrorName(err)
+            if res == self._OK and name:
+                return name.decode() if isinstance(name, bytes) else str(name)
+        except Exception:  # noqa: BLE001 - naming an error must not raise another
+            pass
+        return str(err)
+
+    def _check(self, call: str, result: tuple) -> Any:
+        """Unwrap a driver result, raising BackendError naming ``call`` on failure."""
+        err = result[0]
+        if err != self._OK:
+            raise BackendError(f"{call} failed: {self._err_name(err)}")
+        if len(result) == 1:
+            return None
+        return result[1] if len(result) == 2 else result[1:]
+
+    def _context(self) -> _CtxGuard:
+        return _CtxGuard(self)
+
+    def _addr(self, page: int, s: int) -> int:
+        if self.layout == "layer":
+            return self._va + s * self.geometry.range_bytes + page * self.slice_bytes
+        return self._va + page * self.slice_bytes
+
+    def _check_pages(self, pages: Sequence[int]) -> None:
+        if self._closed:
+            raise BackendError("the CUDA backend is closed")
+        n = self.geometry.num_pages
+        for page in pages:
+            if not 0 <= page < n:
+                raise BackendError(f"page id {page} out of range 0..{n - 1}")
+
+    def _claimed(self) -> None:
+        if self._set_claimed is not None:
+            self._set_claimed(self.held_bytes())
+
+    # -- Backend ---------------------------------------------------------------------------------
+    def map_pages(self, pages: Sequence[int]) -> list[int]:
+        """Back ``pages`` with memory; stops at the first page the device cannot back (a miss)."""
+        pages = list(pages)
+        self._check_pages(pages)
+        with self._context():
+            done = self._map(pages)
+        self._claimed()
+        return done
+
+    def _map(self, pages: list[int]) -> list[int]:
+        d, S, size = self._d, self.slices, self.slice_bytes
+        create, cmap, prop, OK, OOM = d.cuMemCreate, d.cuMemMap, self._prop, self._OK, self._OOM
+        addr = self._addr
+        done: list[int] = []
+        for page in pages:
+            if page in self._mapped:
+                raise BackendError(f"page id {page} is already mapped")
+            with self._lock:
+                handles = self._pool[len(self._pool) - S:] if len(self._pool) >= S else self._pool[:]
+                del self._pool[len(self._pool) - len(handles):]
+            short = False
+            while len(handles) < S:
+                res = create(size, prop, 0)
+                if res[0] != OK:
+                    if res[0] != OOM:
+                        self._return(handles)
+                        self._rollback(done)
+                        raise BackendError(f"cuMemCreate({size} bytes) failed: {self._err_name(res[0])}")
+                    short = True
+                    break
+                handles.append(res[1])
+                self.created += 1
+            if short:
+                self._return(handles)
+                break
+            for s, h in enumerate(handles):
+                err = cmap(addr(page, s), size, 0, h, 0)[0]
+                if err != OK:
+                    for k in range(s):
+                        self._check("cuMemUnmap", d.cuMemUnmap(addr(page, k), size))
+                    self._return(handles)
+                    if err == OOM:
+                        short = True
+                        break
+                    self._rollback(done)
+                    raise BackendError(f"cuMemMap(page {page}) failed: {self._err_name(err)}")
+            if short:
+                break
+            self._mapped[page] = handles
+            done.append(page)
+        return self._grant(done)
+
+    def _grant(self, done: list[int]) -> list[int]:
+        """Give the device read/write access to ``done``; one call per run of adjacent pages and range."""
+        d, S, size, addr, OK = self._d, self.slices, self.slice_bytes, self._addr, self._OK
+        setaccess, access = d.cuMemSetAccess, self._access
+        for i, first, n in runs(done):
+            for s in range(S):
+                err = setaccess(addr(first, s), n * size, access, 1)[0]
+                if err != OK:
+                    self._unmap(done[i:], keep=True)
+                    if err == self._OOM:
+                        return done[:i]
+                    raise BackendError(f"cuMemSetAccess(pages {first}..{first + n - 1}) failed: {self._err_name(err)}")
+        return done
+
+    def _rollback(self, done: list[int]) -> None:
+        if done:
+            self._unmap(done, keep=True)
+
+    def _return(self, handles: list[Any]) -> None:
+        """Put handles back into the pool, releasing what does not fit."""
+        if not handles:
+            return
+        with self._lock:
+            room = max(0, self.pool_pages * self.slices - len(self._pool))
+            keep, drop = handles[:room], handles[room:]
+            self._pool.extend(keep)
+        for h in drop:
+            self._check("cuMemRelease", self._d.cuMemRelease(h))
+            self.released += 1
+
+    def _unmap(self, pages: list[int], *, keep: bool) -> None:
+        d, S, size, addr, OK = self._d, self.slices, self.slice_bytes, self._addr, self._OK
+        unmap = d.cuMemUnmap
+        for _i, first, n in runs(pages):
+            for s in range(S):
+                err = unmap(addr(first, s), n * size)[0]
+                if err != OK:
+                    raise BackendError(f"cuMemUnmap(pages {first}..{first + n - 1}) failed: {self._err_name(err)}")
+        handles: list[Any] = []
+        for page in pages:
+            handles += self._mapped.pop(page)
+        if keep:
+            self._return(handles)
+
+    def unmap_pages(self, pages: Sequence[int]) -> None:
+        pages = sorted(pages)
+        self._check_pages(pages)
+        missing = [p for p in pages if p not in self._mapped]
+        if missing:
+            raise BackendError(f"page ids {missing[:8]} are not mapped")
+        with self._context():
+            self._unmap(pages, keep=True)
+        self._claimed()
+
+    def trim_pool(self, keep_pages: int) -> None:
+        """Release pooled handles beyond ``keep_pages`` page ids' worth."""
+        if self._closed:
+            return
+        with self._lock:
+            keep = max(0, keep_pages) * self.slices
+            drop = self._pool[keep:]
+            del self._pool[keep:]
+        with self._context():
+            for h in drop:
+                self._check("cuMemRelease", self._d.cuMemRelease(h))
+                self.released += 1
+        self._claimed()
+
+    def bind_claims(self, set_claimed: Callable[[int], None]) -> None:
+        self._set_claimed = set_claimed
+        self._claimed()
+
+    def capacity_bytes(self) -> int:
+        return int(self._total)
+
+    def free_bytes(self) -> int:
+        """Free device memory (all processes) plus what our pool holds and could map without asking."""
+        with self._context():
+            free, _total = self._check("cuMemGetInfo", self._d.cuMemGetInfo())
+        return int(free) + self.pooled_bytes()
+
+    def pooled_bytes(self) -> int:
+        return len(self._pool) * self.slice_bytes
+
+    def mapped_bytes(self) -> int:
+        return len(self._mapped) * self.slices * self.slice_bytes
+
+    def held_bytes(self) -> int:
+        """Device memory this backend holds: mapped pages plus the handle pool."""
+        return self.mapped_bytes() + self.pooled_bytes()
+
+    @property
+    def base_address(self) -> int:
+        return self._va
+
+    # -- torch views -----------------------------------------------------------------------------
+    def buffer(self, layer: int, kv: int, *, dtype: Any = None) -> Any:
+        """A torch tensor over one layer's one KV buffer, ``[num_pages, page_size]`` bytes (or ``dtype``).
+
+        Valid wherever pages are mapped; touching an unmapped page is an illegal address on the
+        GPU. The tensor borrows the memory: it must not outlive :meth:`close`.
+        """
+        spec = range_spec(self.layout, self.geometry, layer, kv)
+        return _shape_as(_torch_bytes(self._va, self.device, spec, self._views_keep), dtype, None)
+
+    def blocks(self, layer: int, kv: int, block_bytes: int, num_blocks: int, *, dtype: Any = None,
+               shape: Sequence[int] | None = None) -> Any:
+        """Blocks of one buffer as the engine indexes them (see :func:`block_spec` for the shape)."""
+        spec = block_spec(self.layout, self.geometry, layer, kv, block_bytes, num_blocks)
+        return _shape_as(_torch_bytes(self._va, self.device, spec, self._views_keep), dtype, shape)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unmap and release everything, free the virtual range and the context reference.
+
+        Best effort: failures are reported as a RuntimeWarning, so the caller's own teardown
+        (unlinking the segment) still runs.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        d = self._d
+        errors: list[str] = []
+
+        def attempt(call: str, result: tuple) -> None:
+            if result[0] != self._OK:
+                errors.append(f"{call} failed: {self._err_name(result[0])}")
+
+        if self._ctx is not None:
+            with self._context():
+                attempt("cuCtxSynchronize", d.cuCtxSynchronize())
+                handles = [h for hs in self._mapped.values() for h in hs] + self._pool
+                for _i, first, n in runs(sorted(self._mapped)):
+                    for s in range(self.slices):
+                        attempt("cuMemUnmap", d.cuMemUnmap(self._addr(first, s), n * self.slice_bytes))
+                self._mapped.clear()
+                self._pool = []
+                for h in handles:
+                    attempt("cuMemRelease", d.cuMemRelease(h))
+                    self.released += 1
+                if self._va:
+                    attempt("cuMemAddressFree", d.cuMemAddressFree(self._va, self.va_bytes))
+                    self._va = 0
+            attempt("cuDevicePrimaryCtxRelease", d.cuDevicePrimaryCtxRelease(self._dev))
+            self._ctx = None
+        self._claimed()
+        if errors:  # close runs on teardown paths (a sticky kernel fault makes every call fail): warn
+            warnings.warn(f"CUDA backend close: {'; '.join(errors)}", RuntimeWarning, stacklevel=2)
+
+
+class _CtxGuard:
+    """Make the backend's primary context current for a call, restoring the caller's afterwards.
+
+    Setting it for good would change which device torch thinks is current in that thread.
+    """
+
+    __slots__ = ("b", "pushed")
+
+    def __init__(self, backend: CudaBackend) -> None:
+        self.b = backend
+        self.pushed = False
+
+    def __enter__(self) -> None:
+        b = self.b
+        res = b._d.cuCtxGetCurrent()
+        if res[0] == b._OK and res[1] is not None and int(res[1]) == b._ctx_id:
+            return
+        b._check("cuCtxPushCurrent", b._d.cuCtxPushCurrent(b._ctx))
+        self.pushed = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pushed:
+            self.b._d.cuCtxPopCurrent()
+
+
+def tensor_views(manager: Any, *, dtype: Any = None, shape: Sequence[int] | None = None) -> list[list[Any]]:
+    """Torch tensors over every layer's every KV buffer of a ``backend="cuda"`` KVCacheManager.
+
+    ``views[layer][kv]`` is ``[num_blocks, block_bytes]`` uint8 in the layer layout (block ``i``
+    of the allocator is row ``i``), or ``[num_blocks, *shape]`` of ``dtype`` when given
+    (``shape`` must fill a block). In the page layout no single-stride block tensor exists and
+    the views are ``[num_pages, blocks_per_page, ...]``: block ``i`` is ``[i // bpp, i % bpp]``.
+    """
+    backend = manager.backend
+    if not isinstance(backend, CudaBackend):
+        raise TypeError(f"tensor_views needs a manager with backend='cuda', not {backend.name!r}")
+    return [[backend.blocks(layer, kv, manager.block_bytes, manager.num_blocks, dtype=dtype, shape=shape)
+             for kv in range(manager.num_kv_buffers)] for layer in range(manager.num_layers)]
+
+
+__all__ = ["CudaBackend", "LAYOUTS", "ViewSpec", "block_spec", "layout_from_env", "range_spec", "runs",
+           "tensor_views"]

@@ -1,0 +1,146 @@
+"""Bad input, one table: each case exits with its documented code, writes exactly one stderr line and
+no traceback, and leaves every file in the segment directory as it was.
+
+Live segments change on their own (heartbeat, counters), so for them the bytes a controller could
+write are compared: the header and the control block. Every other file is compared whole.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvcached_core import layout as L
+from kvtop.cli import ExitCode, main
+
+OK, FAILURE, USAGE = ExitCode.OK, ExitCode.FAILURE, ExitCode.USAGE
+OTHER_UID = 4321
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    args: tuple[str, ...]
+    code: int
+    says: str  # a fragment of the one stderr line
+    needs: tuple[str, ...] = ("live",)
+
+
+CASES = [
+    Case("unknown-command", ("frobnicate",), USAGE, "No such command 'frobnicate'"),
+    Case("unknown-option", ("list", "--bogus"), USAGE, "No such option"),
+    Case("missing-model", ("show",), USAGE, "Missing argument 'MODEL'"),
+    Case("unknown-model", ("show", "nosuch"), FAILURE, "no model named 'nosuch' (known: m1)"),
+    Case("unknown-model-frag", ("frag", "nosuch"), FAILURE, "no model named 'nosuch'"),
+    Case("unknown-model-watch", ("watch", "--count", "1", "nosuch"), FAILURE, "no model named 'nosuch'"),
+    Case("ambiguous-model", ("limit", "m", "1GiB"), FAILURE, "'m' is ambiguous: m1, m2", ("live", "stale")),
+    Case("ambiguous-model-trim", ("trim", "m"), FAILURE, "ambiguous", ("live", "stale")),
+    Case("negative-size", ("limit", "m1", "-5G"), USAGE, "cannot be negative"),
+    Case("negative-size-all", ("limit", "--all", "-1MiB"), USAGE, "cannot be negative"),
+    Case("malformed-size-unit", ("limit", "m1", "12parsecs"), USAGE, "unknown unit"),
+    Case("malformed-size", ("limit", "m1", "1.2.3G"), USAGE, "is not a size"),
+    Case("size-word", ("limit", "m1", "lots"), USAGE, "'lots' is not a size"),
+    Case("percent-150", ("limit", "m1", "150%"), USAGE, "at most 100"),
+    Case("percent-0", ("limit", "m1", "0%"), USAGE, "above 0"),
+    Case("missing-size", ("limit", "m1"), USAGE, "missing SIZE"),
+    Case("all-with-model", ("limit", "--all", "m1", "1G"), USAGE, "with --all give only SIZE"),
+    Case("negative-wait", ("limit", "m1", "1G", "--wait", "-1"), USAGE, "--wait"),
+    Case("trim-nothing", ("trim",), USAGE, "give MODEL or --all"),
+    Case("trim-both", ("trim", "m1", "--all"), USAGE, "give MODEL or --all"),
+    Case("interval-0", ("watch", "--interval", "0"), USAGE, "--interval"),
+    Case("interval-negative", ("watch", "--interval", "-2"), USAGE, "--interval"),
+    Case("count-minus-1", ("watch", "--count", "-1"), USAGE, "--count"),
+    Case("count-0", ("watch", "--count", "0"), USAGE, "--count"),
+    Case("bad-format", ("watch", "--format", "xml"), USAGE, "--format"),
+    Case("gpu-negative", ("list", "--gpu", "-1"), USAGE, "--gpu"),
+    Case("show-width-tiny", ("show", "m1", "--width", "2"), USAGE, "--width"),
+    Case("demo-zero-models", ("demo", "--models", "0"), USAGE, "--models"),
+    Case("demo-65-models", ("demo", "--models", "65"), USAGE, "--models"),
+    Case("demo-duration-0", ("demo", "--duration", "0"), USAGE, "--duration"),
+    Case("path-show", ("show", "../x"), USAGE, "'../x' is not a model name"),
+    Case("path-limit", ("limit", "a/b", "1G"), USAGE, "'a/b' is not a model name"),
+    Case("path-trim", ("trim", "../../etc/passwd"), USAGE, "is not a model name"),
+    Case("path-frag", ("frag", "/dev/shm/kvc.m1"), USAGE, "is not a model name"),
+    Case("path-watch", ("watch", "./m1"), USAGE, "is not a model name"),
+    Case("dotdot", ("show", ".."), USAGE, "is not a model name"),
+    Case("garbage-show", ("show", "garbage"), FAILURE, "not a usable segment", ("live", "garbage")),
+    Case("garbage-limit", ("limit", "garbage", "1G"), FAILURE, "not a usable segment", ("live", "garbage")),
+    Case("garbage-list-all", ("list", "--all"), OK, "kvc.garbage", ("live", "garbage")),
+    Case("garbage-list-all-json", ("list", "--all", "--json"), OK, "kvc.garbage", ("live", "garbage")),
+    Case("foreign-list-all", ("list", "--all"), OK, "kvc.foreign: foreign", ("live", "foreign")),
+    Case("foreign-legacy-size", ("list", "--all"), OK, "kvcached_sglang_9: foreign", ("live", "foreign-legacy")),
+    Case("stale-limit", ("limit", "m2", "1G"), FAILURE, "stale", ("stale",)),
+    Case("stale-trim", ("trim", "m2"), FAILURE, "stale", ("stale",)),
+    Case("nothing-to-limit", ("limit", "--all", "1G"), FAILURE, "no live models", ("stale",)),
+    Case("nothing-to-trim", ("trim", "--all"), FAILURE, "no live models", ("legacy",)),
+    Case("legacy-trim", ("trim", "kvcached_vllm_77"), FAILURE, "cannot be trimmed", ("legacy",)),
+    Case("theirs-limit", ("limit", "theirs", "1G"), FAILURE, f"uid {OTHER_UID}", ("live", "theirs")),
+    Case("theirs-trim", ("trim", "theirs"), FAILURE, f"uid {OTHER_UID}", ("theirs",)),
+    Case("theirs-legacy-limit", ("limit", "kvcached_vllm_77", "1G"), FAILURE, f"uid {OTHER_UID}",
+         ("theirs-legacy",)),
+    Case("theirs-clean", ("clean",), OK, f"belongs to uid {OTHER_UID}", ("live", "theirs-stale")),
+]
+
+
+def make(need: str, spawn_allocator, shm_dir: Path) -> str | None:
+    """Create what a case needs; return the name of a live segment (compared header + control only)."""
+    if need == "live":
+        spawn_allocator("m1", script="b = m.alloc(6)")
+        return "kvc.m1"
+    if need in ("stale", "theirs-stale"):
+        proc = spawn_allocator("m2" if need == "stale" else "gone")
+        proc.kill()
+        proc.wait()
+        if need == "theirs-stale":
+            os.chown(shm_dir / "kvc.gone", OTHER_UID, OTHER_UID)
+        return None
+    if need == "theirs":
+        spawn_allocator("theirs")
+        os.chown(shm_dir / "kvc.theirs", OTHER_UID, OTHER_UID)
+        return "kvc.theirs"
+    if need in ("legacy", "theirs-legacy"):
+        path = shm_dir / "kvcached_vllm_77"
+        path.write_bytes(L.LEGACY.pack(0, 1 << 20, 1 << 19))
+        if need == "theirs-legacy":
+            os.chown(path, OTHER_UID, OTHER_UID)
+        return None
+    if need == "garbage":
+        (shm_dir / "kvc.garbage").write_bytes(bytes(range(256)) * 16)
+    elif need == "foreign":
+        (shm_dir / "kvc.foreign").write_text("some other program's shared memory\n")
+    elif need == "foreign-legacy":
+        (shm_dir / "kvcached_sglang_9").write_bytes(b"0123456789")
+    return None
+
+
+def state(directory: Path, live: set[str]) -> dict[str, tuple]:
+    out = {}
+    for path in sorted(directory.iterdir()):
+        st = path.lstat()
+        data = path.read_bytes()
+        out[path.name] = (st.st_mode, st.st_uid, data[:L.LIVENESS_OFF] if path.name in live else data)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, spawn_allocator, shm_dir: Path):
+    if any(n.startswith("theirs") for n in case.needs) and os.getuid() != 0:
+        pytest.skip("needs root to give a segment to another user (os.chown)")
+    live = {name for need in case.needs if (name := make(need, spawn_allocator, shm_dir))}
+    before = state(shm_dir, live)
+
+    result = CliRunner().invoke(main, list(case.args))
+
+    assert result.exit_code == case.code, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and result.stderr.endswith("\n"), result.stderr
+    assert case.says in lines[0]
+    assert lines[0].startswith("kvctl")
+    if case.code != OK:
+        assert result.stdout == ""
+    assert state(shm_dir, live) == before

@@ -65,8 +65,9 @@ CHECKSUM_OFF = COUNTERS_OFF + COUNTERS.size
 PAGE_MAP_OFF = 1024
 assert CHECKSUM_OFF + 8 <= PAGE_MAP_OFF
 
-RANK = struct.Struct("<iiqQQQQQQ")  # rank, device, pid, start_time, mapped_bytes, acked_seq, 3 spare
-RANK_FIELDS = ("rank", "device", "pid", "start_time", "mapped_bytes", "acked_seq")
+RANK = struct.Struct("<iiqQQQQQQ")  # rank, device, pid, start_time, mapped_bytes, acked_seq, flags, 2 spare
+RANK_FIELDS = ("rank", "device", "pid", "start_time", "mapped_bytes", "acked_seq", "flags")
+RANK_LOST = 1  # flags: the scheduler lost this rank (it hung up, erred or missed its timeout)
 
 # limit_status values, as written by the allocator.
 LIMIT_NONE, LIMIT_APPLIED, LIMIT_DEFERRED, LIMIT_CONFLICT = 0, 1, 2, 3

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from . import config
 from . import layout as L
-from .backends import Backend, Geometry, make_backend
+from .backends import Backend, BackendError, Geometry, make_backend
 from .names import InvalidName, sanitize, segment_path, validate
 from .pages import PageTable
 from .prefix_cache import PrefixCache
@@ -27,6 +27,11 @@ class KVCacheManager:
     ``KVCACHED_MIN_RESERVED_PAGES`` and ``KVCACHED_MAX_RESERVED_PAGES`` so ``alloc`` rarely
     maps; a watcher thread applies limit and trim requests from other processes and answers
     them in the model's segment.
+
+    Tensor parallelism: with ``tp_workers`` (one socket path per rank, see
+    :mod:`kvcached_core.tp`) this manager is the model's scheduler; the geometry is one rank's
+    shard, every map and unmap is broadcast to the ranks, and byte figures (page bundle,
+    limit, mapped) count all ranks together.
     """
 
     def __init__(
@@ -45,6 +50,9 @@ class KVCacheManager:
         name: str | None = None,
         tp_rank: int = 0,
         tp_world: int = 1,
+        tp_workers: Sequence[str] | None = None,
+        tp_strategy: str | None = None,
+        tp_timeout: float | None = None,
     ) -> None:
         page_size = config.page_size_bytes() if page_size is None else page_size
         for label, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes),
@@ -61,6 +69,11 @@ class KVCacheManager:
         if page_size % block_bytes:
             # Blocks never straddle pages; the tail of each page is simply unused.
             pass
+        if tp_workers is not None and tp_world == 1:
+            tp_world = len(tp_workers)
+        if tp_world < 1 or (tp_world > 1 or tp_workers is not None) and len(tp_workers or ()) != tp_world:
+            raise ValueError(f"tp_world={tp_world} needs one worker socket per rank in tp_workers "
+                             f"(got {len(tp_workers or ())}); see kvcached_core.tp.scheduler()")
         bpp = page_size // block_bytes
         if bpp > L.MAX_BLOCKS_PER_PAGE:
             raise ValueError(f"{bpp} blocks per page exceeds {L.MAX_BLOCKS_PER_PAGE}: use larger blocks or smaller pages")
@@ -75,7 +88,8 @@ class KVCacheManager:
         self.block_tokens = block_tokens
         pages_total = -(-num_blocks // bpp)
         self.geometry = Geometry(page_size, pages_total, num_layers, num_kv_buffers)
-        self.bundle_bytes = self.geometry.bundle_bytes
+        self.tp_world = tp_world
+        self.bundle_bytes = self.geometry.bundle_bytes * tp_world  # one page id on every rank
         bounds = config.reserve_bounds()
         self.min_reserved, self.max_reserved = bounds.min_pages, bounds.max_pages
 
@@ -84,11 +98,17 @@ class KVCacheManager:
         self._closed = False
         self.pages = PageTable(pages_total, bpp, num_blocks)
         self.cache = PrefixCache(bpp, config.max_cached_blocks(block_tokens))
-        self.backend: Backend = make_backend(backend, self.geometry, device)
+        if tp_workers is not None:
+            from .tp.broadcast import BroadcastBackend
+
+            self.backend: Backend = BroadcastBackend(self.geometry, backend, tp_workers, strategy=tp_strategy,
+                                                     timeout=tp_timeout)
+        else:
+            self.backend = make_backend(backend, self.geometry, device)
         try:
             seg_name = self._choose_name(name, model)
             self.segment = SegmentWriter(Identity(
-                name=seg_name, model=model, engine=engine, backend=self.backend.name, device=device,
+                name=seg_name, model=model, engine=engine, backend=self.backend.name, device=self.backend.device,
                 page_size=page_size, block_bytes=block_bytes, num_layers=num_layers,
                 num_kv_buffers=num_kv_buffers, blocks_per_page=bpp, num_blocks=num_blocks,
                 pages_total=pages_total, tp_rank=tp_rank, tp_world=tp_world,
@@ -110,6 +130,7 @@ class KVCacheManager:
         self.trim_ack_seq = 0
         self.trim_bytes = 0
         self._dirty: set[int] = set()
+        self._map_error: BackendError | None = None  # see _raise_map_error
         self._refill_requested = False  # set by traffic; a trim or an idle model stays trimmed
         self._publish()
 
@@ -144,8 +165,10 @@ class KVCacheManager:
             return []
         with self._lock:
             self._check_open()
+            self._map_error = None
             ids = self._place(n)
             if ids is None:
+                self._raise_map_error()
                 return None
             self.alloc_count += 1
             self.alloc_blocks += n
@@ -177,8 +200,10 @@ class KVCacheManager:
             if short <= 0:
                 return True
             pages = -(-short // self.blocks_per_page)
+            self._map_error = None
             got = self._grow(pages, force=True)
             self._publish()
+            self._raise_map_error()
             return got >= pages
 
     def free_reserved(self) -> int:
@@ -303,6 +328,13 @@ class KVCacheManager:
                 raise ValueError(f"block {block!r} is not allocated (or listed twice); nothing was changed")
             seen.add(block)
 
+    def _raise_map_error(self) -> None:
+        """A map failed (a device error, a lost tensor-parallel rank): publish what is known, then raise it."""
+        error, self._map_error = self._map_error, None
+        if error is not None:
+            self._publish()
+            raise error
+
     def _mapped_or_mapping(self) -> int:
         return self.pages.mapped_pages + self.pages.inflight
 
@@ -318,7 +350,11 @@ class KVCacheManager:
         if count <= 0:
             return 0
         asked = self.pages.take_unmapped(count)
-        mapped = self.backend.map_pages(asked)
+        mapped: list[int] = []
+        try:
+            mapped = self.backend.map_pages(asked)
+        except BackendError as exc:  # not a short answer: a miss now, raised once placement rolled back
+            self._map_error = exc
         self.pages.finish_mapping(asked, mapped)
         self._dirty.update(mapped)
         return len(mapped)
@@ -420,6 +456,9 @@ class KVCacheManager:
             seg.set_page(page, L.page_entry(bool(pages.mapped[page]), pages.used[page],
                                             len(on_page) if on_page else 0))
         self._dirty.clear()
+        ranks = self.backend.rank_records() if self.tp_world > 1 else ()  # type: ignore[attr-defined]
+        for index, record in enumerate(ranks):
+            seg.set_rank(index, *record)
         effective = -1 if self.limit_pages is None else self.limit_pages * self.bundle_bytes
         seg.publish((
             pages.pages_inuse, len(pages.reserved), pages.blocks_used, len(self.cache),
@@ -427,7 +466,7 @@ class KVCacheManager:
             self.alloc_blocks, self.free_blocks, self.evicted_blocks, time.time_ns(),
             self.limit_status, int(self._closed), effective, self.applied_revision,
             self.trim_ack_seq, self.trim_bytes, self.requested_limit, self.trimmed_total,
-            self.idle_returned, 1,
+            self.idle_returned, max(1, len(ranks)),
         ))
 
     # -- background threads ------------------------------------------------------------------
@@ -442,7 +481,10 @@ class KVCacheManager:
                     return
                 asked = self.pages.take_unmapped(self._refill_need())
                 self._refill_requested = False
-            mapped = self.backend.map_pages(asked) if asked else []
+            try:
+                mapped = self.backend.map_pages(asked) if asked else []
+            except BackendError:
+                mapped = []  # a failed device (or lost rank) is a miss here; alloc's own map reports it
             with self._lock:
                 self.pages.finish_mapping(asked, mapped)
                 self._dirty.update(mapped)

@@ -95,6 +95,21 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool) -> tuple[dict, arr
     raise BlockingIOError("no consistent copy after retries: the writer is very busy")
 
 
+def _rank_bytes(fd: int, header: dict, body: bytes) -> bytes:
+    """The RANKS region: from the consistent copy when it holds it, else read under the seqlock (cheap)."""
+    off = L.ranks_offset(header["pages_total"])
+    size = L.RANK.size * header["ranks_max"]
+    if len(body) >= off + size:
+        return body[off:off + size]
+    raw = b""
+    for _ in range(READ_RETRIES):
+        before = os.pread(fd, 8, L.SEQ_OFF)
+        raw = os.pread(fd, size, off)
+        if len(before) == 8 and not before[0] & 1 and os.pread(fd, 8, L.SEQ_OFF) == before:
+            break
+    return raw
+
+
 def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = None) -> ModelSnapshot:
     """Read one of our segments; raises SegmentCorrupt, BlockingIOError or OSError."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -103,6 +118,7 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
             raise SegmentCorrupt("not a regular file")
         header = parse_header(os.pread(fd, L.HEADER.size, 0))
         counters, pages, body = _consistent_copy(fd, header, with_pages)
+        rank_raw = _rank_bytes(fd, header, body) if header["tp_world"] > 1 else b""
     finally:
         os.close(fd)
     control = dict(zip(("limit", "revision", "check", "trim_seq"), L.CONTROL.unpack_from(body, L.CONTROL_OFF)))
@@ -112,13 +128,13 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
     fresh = (now_ns - heartbeat) < HEARTBEAT_STALE_S * 1e9
     status = "live" if alive and fresh and not counters["closing"] else "stale"
     ranks: tuple[RankInfo, ...] = ()
-    if with_pages and header["tp_world"] > 1:
-        off = L.ranks_offset(header["pages_total"])
+    if rank_raw:
         found = []
-        for i in range(min(counters["ranks_active"], header["ranks_max"])):
-            r = dict(zip(L.RANK_FIELDS, L.RANK.unpack_from(body, off + i * L.RANK.size)))
+        for i in range(min(counters["ranks_active"], header["ranks_max"], len(rank_raw) // L.RANK.size)):
+            r = dict(zip(L.RANK_FIELDS, L.RANK.unpack_from(rank_raw, i * L.RANK.size)))
+            lost = bool(r["flags"] & L.RANK_LOST)
             found.append(RankInfo(r["rank"], r["device"], r["pid"], r["mapped_bytes"],
-                                  is_alive(r["pid"], r["start_time"])))
+                                  not lost and is_alive(r["pid"], r["start_time"])))
         ranks = tuple(found)
     effective = counters["effective_limit"]
     requested = control["limit"] if control["revision"] else -1

@@ -143,9 +143,10 @@ class SegmentWriter:
         L.U64.pack_into(self._buf, L.CHECKSUM_OFF, L.counters_checksum(payload, self._seq))
         L.U64.pack_into(self._buf, L.SEQ_OFF, self._seq)
 
-    def set_rank(self, index: int, rank: int, device: int, pid: int, started: int, mapped: int, acked: int) -> None:
+    def set_rank(self, index: int, rank: int, device: int, pid: int, started: int, mapped: int, acked: int,
+                 flags: int = 0) -> None:
         off = self._ranks_off + index * L.RANK.size
-        L.RANK.pack_into(self._buf, off, rank, device, pid, started, mapped, acked, 0, 0, 0)
+        L.RANK.pack_into(self._buf, off, rank, device, pid, started, mapped, acked, flags, 0, 0)
 
     # -- liveness and capacity ---------------------------------------------------------------
     def heartbeat(self) -> None:

@@ -69,12 +69,12 @@ class ModelSnapshot:
 
     @property
     def bundle_bytes(self) -> int:
-        """Device bytes one page id costs: page size x layers x KV buffers."""
-        return self.page_size * self.num_layers * self.num_kv_buffers
+        """Device bytes one page id costs: page size x layers x KV buffers, on every tensor-parallel rank."""
+        return self.page_size * self.num_layers * self.num_kv_buffers * max(1, self.tp_world)
 
     @property
     def block_bundle_bytes(self) -> int:
-        return self.block_bytes * self.num_layers * self.num_kv_buffers
+        return self.block_bytes * self.num_layers * self.num_kv_buffers * max(1, self.tp_world)
 
     @property
     def held_bytes(self) -> int:

@@ -1,0 +1,265 @@
+"""Tensor parallelism on the host backend: a scheduler and 2-4 real worker processes over Unix sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import child_env
+
+from kvcached_core import (
+    AckTimeout,
+    BackendError,
+    KVCacheManager,
+    list_models,
+    request_limit,
+    request_trim,
+    snapshot,
+)
+from kvcached_core.backends import Geometry
+from kvcached_core.procinfo import is_alive
+from kvcached_core.tp import RankLost, TPWorker, scheduler
+
+KiB, MiB = 1024, 1024 * 1024
+# 4 blocks per page, 16 pages; one page id costs 256 KiB x 2 layers x 2 buffers = 1 MiB per rank.
+GEOM = dict(num_blocks=64, block_bytes=64 * KiB, num_layers=2, page_size=256 * KiB)
+RANK_BUNDLE = 1 * MiB
+
+
+@pytest.fixture(autouse=True)
+def small_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No background refill: every map in these tests is one the test asked for."""
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "8")
+
+
+@pytest.fixture
+def managers():
+    made: list[KVCacheManager] = []
+
+    def make(name: str, world: int, **kwargs) -> KVCacheManager:
+        m = scheduler(name, world=world, name=name, **{**GEOM, **kwargs})
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        for state in m.backend.ranks:  # never leave a stopped worker behind
+            if state.pid and is_alive(state.pid, state.start_time):
+                os.kill(state.pid, signal.SIGCONT)
+        m.close()
+
+
+def mapped_pages(m: KVCacheManager) -> list[int]:
+    return [p for p in range(m.pages.pages_total) if m.pages.mapped[p]]
+
+
+def rss_anon(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * KiB
+    raise AssertionError(f"no RssAnon for pid {pid}")
+
+
+def wait_for(cond, timeout: float = 10.0, what: str = "condition"):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize(("world", "strategy"), [(2, "sequential"), (2, "concurrent"), (4, "concurrent")])
+def test_map_and_unmap_reach_every_rank(managers, world: int, strategy: str) -> None:
+    m = managers("tp-map", world, strategy=strategy)
+    assert m.bundle_bytes == RANK_BUNDLE * world
+    pids = [s.pid for s in m.backend.ranks]
+    assert len(set(pids)) == world and os.getpid() not in pids
+    before = [rss_anon(pid) for pid in pids]
+
+    ids = m.alloc(10)  # 3 pages
+    assert ids is not None
+    pages = mapped_pages(m)
+    assert len(pages) == 3
+    assert m.backend.rank_pages() == [pages] * world  # every rank holds exactly the scheduler's pages
+    for pid, rss in zip(pids, before, strict=True):  # real memory, committed in each worker
+        assert rss_anon(pid) - rss >= 3 * RANK_BUNDLE - 256 * KiB
+
+    snap = list_models()[0]  # ranks are read without the page map too
+    assert snap.tp_world == world and snap.backend == "host"
+    assert [r.rank for r in snap.ranks] == list(range(world))
+    assert [r.pid for r in snap.ranks] == pids and all(r.alive for r in snap.ranks)
+    assert all(r.mapped_bytes == 3 * RANK_BUNDLE for r in snap.ranks)
+    assert snap.mapped_bytes == sum(r.mapped_bytes for r in snap.ranks) == 3 * m.bundle_bytes
+    assert snap.held_bytes == 10 * 64 * KiB * 2 * 2 * world
+    assert snap.pinned_bytes == 3 * m.bundle_bytes
+    as_json = snap.to_dict()
+    assert as_json["tp_world"] == world and len(as_json["ranks"]) == world
+
+    m.free(ids)
+    m.trim()
+    assert m.backend.rank_pages() == [[]] * world
+    wait_for(lambda: all(r.mapped_bytes == 0 for r in snapshot(m.name).ranks), what="ranks to report 0 bytes")
+    for pid, rss in zip(pids, before, strict=True):
+        assert rss_anon(pid) - rss < 2 * RANK_BUNDLE
+
+
+def test_a_rank_that_refuses_makes_the_page_a_miss_on_every_rank(managers) -> None:
+    m = managers("tp-full", 3, worker_capacity=[None, 2 * RANK_BUNDLE, None])
+    first = m.alloc(8)  # 2 pages: rank 1 is now full
+    assert first is not None and mapped_pages(m) == [0, 1]
+    assert m.alloc(4) is None  # rank 1 says no, so no rank keeps page 2
+    assert m.try_to_reserve(16) is False
+    assert m.backend.rank_pages() == [[0, 1]] * 3
+    assert m.backend.ledger.claimed == 2 * m.bundle_bytes  # the host share was given back too
+    snap = snapshot(m.name)
+    assert snap.mapped_bytes == 2 * m.bundle_bytes
+    assert [r.mapped_bytes for r in snap.ranks] == [2 * RANK_BUNDLE] * 3
+    m.free(first[:4])  # page 0 empties and stays in the pool: still no room for another page
+    again = m.alloc(4)
+    assert again is not None and {b // 4 for b in again} == {0}
+    assert m.backend.rank_pages() == [[0, 1]] * 3
+
+
+def test_limit_counts_every_rank(managers) -> None:
+    m = managers("tp-limit", 2)
+    assert m.set_limit(3 * m.bundle_bytes + 5) == "applied"  # rounded down to whole model bundles
+    assert m.try_to_reserve(64) is False
+    assert len(mapped_pages(m)) == 3
+    snap = snapshot(m.name)
+    assert snap.limit_bytes == 3 * m.bundle_bytes == 3 * 2 * RANK_BUNDLE
+    assert snap.mapped_bytes == snap.limit_bytes
+    assert [r.mapped_bytes for r in snap.ranks] == [3 * RANK_BUNDLE] * 2
+
+
+def test_trim_is_acknowledged_only_after_every_rank_trimmed(managers) -> None:
+    m = managers("tp-trim", 2, timeout=30)
+    assert m.try_to_reserve(16)  # 4 reserved pages on both ranks
+    pids = [s.pid for s in m.backend.ranks]
+    full = [rss_anon(pid) for pid in pids]
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        pending = request_trim(m.name, wait=0)
+        # Rank 0 gives its memory back at once ...
+        wait_for(lambda: rss_anon(pids[0]) < full[0] - 3 * RANK_BUNDLE, what="rank 0 to unmap")
+        # ... but the model does not acknowledge while rank 1 has not.
+        with pytest.raises(AckTimeout):
+            request_trim(m.name, wait=0.3)
+        snap = snapshot(m.name)
+        assert snap.trim_ack_seq < pending.revision and snap.mapped_bytes == 4 * m.bundle_bytes
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    done = wait_for(lambda: (s := snapshot(m.name)).trim_ack_seq >= pending.revision + 1 and s, what="trim ack")
+    assert done.mapped_bytes == 0 and all(r.mapped_bytes == 0 for r in done.ranks)
+    assert m.backend.rank_pages() == [[], []]
+
+
+def test_limit_is_acknowledged_only_after_every_rank_unmapped(managers) -> None:
+    m = managers("tp-lim-ack", 2, timeout=30)
+    assert m.try_to_reserve(16)
+    pid0 = m.backend.ranks[0].pid
+    os.kill(pid0, signal.SIGSTOP)
+    try:
+        with pytest.raises(AckTimeout):
+            request_limit(m.name, m.bundle_bytes, wait=0.3)
+        assert snapshot(m.name).applied_revision == 0
+    finally:
+        os.kill(pid0, signal.SIGCONT)
+    ack = wait_for(lambda: (s := snapshot(m.name)).applied_revision >= 1 and s, what="limit ack")
+    assert ack.limit_status == "applied" and ack.limit_bytes == m.bundle_bytes
+    assert [r.mapped_bytes for r in ack.ranks] == [RANK_BUNDLE] * 2
+    assert m.backend.rank_pages() == [[mapped_pages(m)[0]]] * 2
+
+
+def test_a_killed_worker_is_reported_not_waited_for(managers) -> None:
+    m = managers("tp-kill", 2, timeout=2)
+    ids = m.alloc(4)
+    assert ids is not None
+    victim = m.backend.workers.processes[1]
+    victim.kill()
+    victim.wait()
+    ranks = snapshot(m.name).ranks
+    assert [r.alive for r in ranks] == [True, False]
+    started = time.monotonic()
+    with pytest.raises(RankLost, match="rank 1"):
+        m.alloc(8)  # needs a map: the scheduler finds rank 1 gone instead of hanging
+    assert time.monotonic() - started < 10
+    assert any("rank 1" in e for e in m.backend.errors)
+    assert m.pages.inflight == 0 and mapped_pages(m) == [0]  # nothing left half mapped
+    with pytest.raises(RankLost):
+        m.try_to_reserve(8)
+    snap = snapshot(m.name)
+    assert [r.alive for r in snap.ranks] == [True, False]
+    assert snap.ranks[1].mapped_bytes == 0
+    m.free(ids)  # unmaps still reach the surviving rank
+    assert m.backend.rank_pages() == [[0], None] or m.backend.rank_pages() == [[], None]
+
+
+def test_a_hung_worker_times_out_and_lets_go_of_its_memory(managers) -> None:
+    m = managers("tp-hang", 2, timeout=1)
+    assert m.alloc(4) is not None
+    worker = m.backend.workers.processes[1]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(RankLost, match="did not answer map within 1 s"):
+            m.alloc(8)
+        snap = snapshot(m.name)
+        assert [r.alive for r in snap.ranks] == [True, False]  # alive process, but lost to the model
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    worker.wait(timeout=10)  # disconnected: it released everything and exited
+    assert m.backend.rank_pages()[0] == [0]
+
+
+def test_embedded_workers_expose_their_buffers(tmp_path: Path) -> None:
+    geometry = Geometry(256 * KiB, 16, 2, 2)
+    paths = [str(tmp_path / f"r{r}.sock") for r in range(2)]
+    workers = [TPWorker(path, r, 0, "host", geometry) for r, path in enumerate(paths)]
+    for w in workers:
+        w.start()
+    m = KVCacheManager("tp-embed", name="tp-embed", tp_workers=paths, **GEOM)
+    try:
+        assert m.tp_world == 2 and all(w.attached.is_set() for w in workers)
+        block = m.alloc(1)[0]
+        offset = block * GEOM["block_bytes"]
+        for r, w in enumerate(workers):  # each rank writes its own shard of the block's K in layer 1
+            w.buffer(1, 0)[offset:offset + 4] = bytes([r + 1]) * 4
+        assert [bytes(w.buffer(1, 0)[offset:offset + 4]) for w in workers] == [b"\x01" * 4, b"\x02" * 4]
+        with pytest.raises(RuntimeError, match="rank workers"):
+            m.buffer(0, 0)
+    finally:
+        m.close()
+    for w in workers:
+        assert w.finished.wait(5) and not w.mapped
+
+
+def test_a_worker_with_another_geometry_is_refused(tmp_path: Path) -> None:
+    path = str(tmp_path / "r0.sock")
+    worker = TPWorker(path, 0, 0, "host", Geometry(256 * KiB, 8, 2, 2))
+    worker.start()
+    with pytest.raises(BackendError, match="rank 0 .* refused: rank 0 holds"):
+        KVCacheManager("tp-bad", name="tp-bad", tp_workers=[path], **GEOM)
+    assert worker.finished.wait(5)
+    assert list_models() == []  # no segment left behind
+
+
+def test_tp_world_without_workers_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="tp_world=2 needs one worker socket per rank"):
+        KVCacheManager("tp-none", tp_world=2, **GEOM)
+
+
+def test_worker_cli_rejects_bad_arguments(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "kvcached_core.tp.worker", "--socket", str(tmp_path / "s"), "--rank", "0"]
+    for extra in (["--page-size", "4096"], ["--capacity", "12xx"]):
+        out = subprocess.run(cmd + extra, capture_output=True, text=True, env=child_env(), timeout=60)
+        assert out.returncode == 2
+        assert out.stderr.count("\n") == 1 and out.stderr.startswith("error:") and "Traceback" not in out.stderr
+        assert not (tmp_path / "s").exists()

@@ -1,0 +1,586 @@
+"""kvtop: the live dashboard of kvcached models — devices, models, page maps, fragmentation, trim and limits.
+
+One thread worker polls the source and posts each frame; the frame handler is the only place
+that sets reactives, and widgets draw the frozen snapshots they are handed. Trims and limits run
+in worker threads and report back to the event log, so the screen never waits on a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from functools import partial
+
+import click
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.reactive import reactive
+from textual.widgets import DataTable, Footer, Static
+from textual.worker import get_current_worker
+
+from kvcached_core import AckTimeout, ControlError, ModelNotFound, __version__, format_bytes, resolve
+from kvcached_core.snapshot import ModelSnapshot
+from kvtop.commands import KvtopCommands
+from kvtop.events import ERROR, GOOD, INFO, WARN, Event, diff
+from kvtop.history import History
+from kvtop.source import Frame, LiveSource, Source
+from kvtop.view import SORT_KEYS, filter_models, legend_text, sort_models
+from kvtop.widgets import (
+    ConfirmScreen,
+    DetailsScreen,
+    DevicePanel,
+    EventLog,
+    FilterScreen,
+    FragSummary,
+    HelpScreen,
+    LimitRequest,
+    LimitScreen,
+    ModelTable,
+    PageMapView,
+    StatusLine,
+)
+
+INTERVALS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
+CONTROL_WAIT_S = 3.0
+KEY_NAMES = {"question_mark": "?", "space": "space", "plus": "+", "minus": "-", "equals_sign": "=",
+             "down": "↓", "up": "↑", "enter": "enter", "pageup": "pgup", "pagedown": "pgdn", "escape": "esc"}
+
+
+class FrameReady(Message):
+    """The poller read a frame."""
+
+    def __init__(self, frame: Frame) -> None:
+        super().__init__()
+        self.frame = frame
+
+
+class PollFailed(Message):
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.error = error
+
+
+class ControlDone(Message):
+    """A trim or limit request finished (acknowledged, timed out or refused)."""
+
+    def __init__(self, events: list[Event]) -> None:
+        super().__init__()
+        self.events = events
+
+
+class KvtopApp(App[int]):
+    """The dashboard. ``source`` is a LiveSource in production and a FakeSource in snapshot tests."""
+
+    CSS_PATH = "kvtop.tcss"
+    TITLE = "kvtop"
+    COMMANDS = App.COMMANDS | {KvtopCommands}
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (36, "-tall")]
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    BINDINGS: list[BindingType] = [
+        Binding("q", "quit", "Quit"),
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
+        Binding("question_mark", "help", "Help"),
+        Binding("down,j", "cursor_down", "Next model", show=False),
+        Binding("up,k", "cursor_up", "Previous model", show=False),
+        Binding("enter", "details", "Details", show=False),
+        Binding("t", "trim", "Trim"),
+        Binding("T", "trim_all", "Trim all", show=False),
+        Binding("l", "limit", "Limit"),
+        Binding("s", "cycle_sort", "Sort"),
+        Binding("f", "filter", "Filter"),
+        Binding("space", "toggle_pause", "Pause"),
+        Binding("plus,equals_sign", "faster", "Faster", show=False),
+        Binding("minus", "slower", "Slower", show=False),
+        Binding("z", "zoom_in", "Zoom"),
+        Binding("Z", "zoom_out", "Unzoom", show=False),
+        Binding("pagedown", "map_page(1)", "Scroll map down", show=False, priority=True),
+        Binding("pageup", "map_page(-1)", "Scroll map up", show=False, priority=True),
+    ]
+
+    frame: reactive[Frame | None] = reactive(None, always_update=True, init=False)
+    selected: reactive[str | None] = reactive(None, init=False)
+    paused: reactive[bool] = reactive(False, init=False)
+    interval: reactive[float] = reactive(1.0, init=False)
+    sort_key: reactive[str] = reactive("name", init=False)
+    filter_text: reactive[str] = reactive("", init=False)
+
+    def __init__(self, source: Source, *, interval: float = 1.0, model: str | None = None,
+                 gpus: Sequence[int] | None = None, readonly: bool = False) -> None:
+        super().__init__()
+        self.source = source
+        self.readonly = readonly
+        self.gpus = set(gpus) if gpus is not None else None
+        self.model_arg = model
+        self.history = History()
+        self.frames_seen = 0
+        self.set_reactive(KvtopApp.interval, interval)
+        # Plain copies the poller thread reads; only the UI thread writes them.
+        self._want: str | None = None
+        self._paused = False
+        self._interval = interval
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._prev: Frame | None = None
+        self._logged: set[tuple] = set()
+        self._visible: list[ModelSnapshot] = []
+
+    # -- layout ----------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield StatusLine(id="status")
+        yield DevicePanel(id="devices")
+        yield ModelTable(id="models")
+        with Horizontal(id="lower"):
+            with Vertical(id="map-column", classes="panel"):
+                yield PageMapView(id="pagemap")
+                yield Static(legend_text(), id="legend")
+            yield FragSummary(id="frag")
+        yield EventLog(id="events")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        # Kept as attributes: a frame may arrive while a modal screen is on top.
+        self.status_line = self.query_one(StatusLine)
+        self.devices = self.query_one(DevicePanel)
+        self.table = self.query_one(ModelTable)
+        self.pagemap = self.query_one(PageMapView)
+        self.map_column = self.query_one("#map-column")
+        self.frag = self.query_one(FragSummary)
+        self.event_log = self.query_one(EventLog)
+        for widget in (self.devices, self.table, self.frag, self.event_log):
+            widget.add_class("panel")
+        self.map_column.border_title = "page map"
+        self.table.focus()
+        self._draw_status()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                loop.add_signal_handler(sig, self._stop_and_exit)
+        self.poll()
+
+    def _stop_and_exit(self) -> None:
+        self._stop_poller()
+        self.exit(0)
+
+    def on_unmount(self) -> None:
+        self._stop_poller()
+
+    def _stop_poller(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+
+    # -- polling ---------------------------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="poller", exit_on_error=False)
+    def poll(self) -> None:
+        """The one poller: read a frame, post it, sleep until the interval passes or someone wakes us."""
+        worker = get_current_worker()
+        while not worker.is_cancelled and not self._stopping.is_set():
+            if not self._paused:
+                try:
+                    frame = self.source.read(self._want)
+                except Exception as exc:  # noqa: BLE001 - shown in the log, the poller keeps going
+                    self.post_message(PollFailed(f"{type(exc).__name__}: {exc}"))
+                else:
+                    self.post_message(FrameReady(frame))
+            if self._wake.wait(self._interval):
+                self._wake.clear()
+
+    def _poll_now(self) -> None:
+        self._wake.set()
+
+    def on_frame_ready(self, message: FrameReady) -> None:
+        frame = message.frame
+        prev = self._prev
+        events = diff(prev.models if prev else None, frame.models, frame.taken_at,
+                      prev.problems if prev else (), frame.problems)
+        self._log(events)
+        self.history.update(frame.models)
+        self._prev = frame
+        self.frames_seen += 1
+        self.frame = frame
+
+    def on_poll_failed(self, message: PollFailed) -> None:
+        self._log([Event(time.time(), "error", "", f"reading segments failed: {message.error}", ERROR)])
+
+    # -- drawing ---------------------------------------------------------------------------------
+    def watch_frame(self) -> None:
+        self._redraw()
+
+    def watch_sort_key(self) -> None:
+        self._redraw()
+
+    def watch_filter_text(self) -> None:
+        self._redraw()
+
+    def watch_paused(self, paused: bool) -> None:
+        self._paused = paused
+        self._draw_status()
+        self._poll_now()
+
+    def watch_interval(self, interval: float) -> None:
+        self._interval = interval
+        self._draw_status()
+        self._poll_now()
+
+    def watch_selected(self, name: str | None) -> None:
+        self._want = name
+        self._draw_selected()
+        self._poll_now()
+
+    def _filtered(self, frame: Frame) -> list[ModelSnapshot]:
+        models: list[ModelSnapshot] = list(frame.models)
+        if self.gpus is not None:
+            models = [m for m in models if m.device in self.gpus]
+        return sort_models(filter_models(models, self.filter_text), self.sort_key, self.history)
+
+    def _redraw(self) -> None:
+        frame = self.frame
+        if frame is None:
+            return
+        self._visible = self._filtered(frame)
+        names = [m.name for m in self._visible]
+        if self.model_arg is not None:
+            try:
+                self.selected = resolve(self.model_arg, self._visible).name
+                self.model_arg = None
+            except ModelNotFound:
+                pass
+        if self.selected not in names:
+            table = self.table
+            old = table.order
+            index = old.index(self.selected) if self.selected in old else 0
+            self.selected = names[min(index, len(names) - 1)] if names else None
+        self.table.show(self._visible, self.history, self.selected)
+        self.devices.show(frame)
+        self._draw_selected()
+        self._draw_status()
+
+    def _draw_selected(self) -> None:
+        frame = self.frame
+        detail = None
+        if frame is not None and self.selected is not None:
+            detail = frame.detail if frame.detail is not None and frame.detail.name == self.selected \
+                else frame.model(self.selected)
+        self.pagemap.show(detail)  # counters only until the poller brings the page map
+        self.frag.show(detail)
+        self.map_column.border_title = self.pagemap.border_title or "page map"
+
+    def _draw_status(self) -> None:
+        self.status_line.show(self.frame, interval=self.interval, paused=self.paused, readonly=self.readonly,
+                              sort_key=self.sort_key, filter_text=self.filter_text, waiting_for=self.model_arg)
+
+    def _log(self, events: list[Event]) -> None:
+        log = self.event_log
+        for event in events:
+            if event.key:
+                if event.key in self._logged:
+                    continue
+                self._logged.add(event.key)
+            log.add(event)
+
+    # -- selection -------------------------------------------------------------------------------
+    @on(DataTable.RowHighlighted)
+    def _row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        name = event.row_key.value if event.row_key is not None else None
+        if name is not None and name != self.selected:
+            self.selected = name
+
+    @on(DataTable.RowSelected)
+    def _row_selected(self, event: DataTable.RowSelected) -> None:
+        self.action_details()
+
+    def action_cursor_down(self) -> None:
+        self.table.action_cursor_down()
+
+    def action_cursor_up(self) -> None:
+        self.table.action_cursor_up()
+
+    def selected_model(self) -> ModelSnapshot | None:
+        frame = self.frame
+        if frame is None or self.selected is None:
+            return None
+        if frame.detail is not None and frame.detail.name == self.selected:
+            return frame.detail
+        return frame.model(self.selected)
+
+    # -- view actions ----------------------------------------------------------------------------
+    def action_help(self) -> None:
+        keys = []
+        for binding in self.BINDINGS:
+            assert isinstance(binding, Binding)
+            shown = " ".join(KEY_NAMES.get(k, k) for k in binding.key.split(","))
+            keys.append((shown, binding.description))
+        keys.append(("ctrl+p", "Command palette: every action by name"))
+        self.push_screen(HelpScreen(keys, self.readonly))
+
+    def action_details(self) -> None:
+        m = self.selected_model()
+        if m is None:
+            self.notify("no model selected", severity="warning")
+            return
+        self.push_screen(DetailsScreen(m))
+
+    def action_cycle_sort(self) -> None:
+        self.sort_key = SORT_KEYS[(SORT_KEYS.index(self.sort_key) + 1) % len(SORT_KEYS)]
+        self.table.border_title = f"models · sort {self.sort_key}"
+
+    def action_filter(self) -> None:
+        def done(text: str | None) -> None:
+            if text is not None:
+                self.filter_text = text
+                self.table.border_subtitle = f"filter {text!r}" if text else ""
+
+        self.push_screen(FilterScreen(self.filter_text), done)
+
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+
+    def action_faster(self) -> None:
+        shorter = [i for i in INTERVALS if i < self.interval - 1e-9]
+        self.interval = shorter[-1] if shorter else INTERVALS[0]
+
+    def action_slower(self) -> None:
+        longer = [i for i in INTERVALS if i > self.interval + 1e-9]
+        self.interval = longer[0] if longer else INTERVALS[-1]
+
+    def action_zoom_in(self) -> None:
+        self.pagemap.zoom_in()
+        self._draw_selected()
+
+    def action_zoom_out(self) -> None:
+        self.pagemap.zoom_out()
+        self._draw_selected()
+
+    def action_map_page(self, direction: int) -> None:
+        if direction > 0:
+            self.pagemap.scroll_page_down(animate=False)
+        else:
+            self.pagemap.scroll_page_up(animate=False)
+        self.call_after_refresh(self._draw_selected)
+
+    async def action_quit(self) -> None:
+        self._stop_poller()
+        self.exit(0)
+
+    # -- control actions -------------------------------------------------------------------------
+    def _refuse_readonly(self, what: str) -> bool:
+        if not self.readonly:
+            return False
+        text = f"read-only: {what} is disabled (kvtop was started with --readonly)"
+        self.notify(text, severity="warning")
+        self._log([Event(time.time(), "action", "", text, WARN)])
+        return True
+
+    def _controllable(self, m: ModelSnapshot | None, what: str) -> bool:
+        if m is None:
+            self.notify("no model selected", severity="warning")
+            return False
+        if m.status == "stale":
+            self.notify(f"{m.name} is stale: its process is gone, nothing would apply a {what}", severity="warning")
+            return False
+        if m.status == "legacy" and what == "trim":
+            self.notify(f"{m.name} is an upstream kvcached segment: it cannot be trimmed from outside",
+                        severity="warning")
+            return False
+        return True
+
+    def action_trim(self) -> None:
+        if self._refuse_readonly("trim"):
+            return
+        m = self.selected_model()
+        if not self._controllable(m, "trim"):
+            return
+        assert m is not None
+
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                self._log([Event(time.time(), "action", m.name, "trim requested", INFO)])
+                self._control("trim", [m], None)
+
+        self.push_screen(ConfirmScreen(
+            f"Trim {m.name}?",
+            f"Unmaps its {m.pages_reserved} reserved pages ({format_bytes(m.reserved_bytes)}) now; "
+            "pages in use are not touched.", "Trim"), confirmed)
+
+    def action_trim_all(self) -> None:
+        if self._refuse_readonly("trim all"):
+            return
+        frame = self.frame
+        targets = [m for m in self._visible if m.status == "live"] if frame else []
+        if not targets:
+            self.notify("no live model to trim", severity="warning")
+            return
+        reserved = sum(m.reserved_bytes for m in targets)
+
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                self._log([Event(time.time(), "action", "", f"trim requested for {len(targets)} models", INFO)])
+                self._control("trim", targets, None)
+
+        self.push_screen(ConfirmScreen(
+            f"Trim all {len(targets)} live models?",
+            f"Unmaps every reserved page ({format_bytes(reserved)} in all) now.", "Trim all"), confirmed)
+
+    def action_limit(self) -> None:
+        if self._refuse_readonly("limit"):
+            return
+        m = self.selected_model()
+        if not self._controllable(m, "limit"):
+            return
+        assert m is not None
+
+        def chosen(request: LimitRequest | None) -> None:
+            if request is not None:
+                shown = "none" if request.limit_bytes is None else format_bytes(request.limit_bytes)
+                self._log([Event(time.time(), "action", m.name, f"limit {shown} requested", INFO)])
+                self._control("limit", [m], request.limit_bytes)
+
+        self.push_screen(LimitScreen(m), chosen)
+
+    def _control(self, kind: str, models: list[ModelSnapshot], value: int | None) -> None:
+        self.run_worker(partial(self._control_thread, kind, models, value), thread=True, group="control",
+                        exit_on_error=False, description=f"{kind} {', '.join(m.name for m in models)}")
+
+    def _control_thread(self, kind: str, models: list[ModelSnapshot], value: int | None) -> None:
+        """Runs in a worker thread: ask each model and wait for its acknowledgement."""
+        events: list[Event] = []
+        for m in models:
+            try:
+                if kind == "trim":
+                    ack = self.source.trim(m, CONTROL_WAIT_S)
+                    events.append(Event(time.time(), "trimmed", m.name,
+                                        f"trim acknowledged: {format_bytes(ack.bytes_returned)} returned "
+                                        f"in {ack.latency_s * 1000:.0f} ms", GOOD, ("trim", m.name, ack.revision)))
+                else:
+                    ack = self.source.limit(m, value, CONTROL_WAIT_S)
+                    shown = "none" if ack.effective_limit is None else format_bytes(ack.effective_limit)
+                    if ack.status == "legacy":
+                        events.append(Event(time.time(), "limit", m.name,
+                                            f"limit {shown} written to the upstream total field", GOOD))
+                    else:
+                        level = WARN if ack.status in ("deferred", "conflict") else GOOD
+                        text = f"limit r{ack.revision} acknowledged: {ack.status}, effective {shown}"
+                        if ack.status == "deferred":
+                            text += f" (asked {format_bytes(value)}: waits for pages to empty)"
+                        events.append(Event(time.time(), "limit", m.name, text, level,
+                                            ("limit", m.name, ack.revision)))
+            except AckTimeout as exc:
+                events.append(Event(time.time(), kind, m.name, f"{kind} not acknowledged: {exc}", WARN))
+            except (ControlError, ModelNotFound, OSError, ValueError) as exc:
+                events.append(Event(time.time(), kind, m.name, f"{kind} failed: {exc}", ERROR))
+        self.post_message(ControlDone(events))
+
+    def on_control_done(self, message: ControlDone) -> None:
+        self._log(message.events)
+        for event in message.events:
+            if event.level == ERROR:
+                self.notify(f"{event.model}: {event.text}", severity="error")
+        self._poll_now()
+
+
+# -- command line ------------------------------------------------------------------------------
+
+def parse_gpus(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a list of GPU indices (try 0 or 0,2)", param_hint="--gpu") from None
+    if not values or any(v < 0 for v in values):
+        raise click.BadParameter(f"{text!r} is not a list of GPU indices (try 0 or 0,2)", param_hint="--gpu")
+    return values
+
+
+@contextlib.contextmanager
+def _exit_on_signals() -> Iterator[None]:
+    """SIGTERM / SIGHUP outside the app unwind like Ctrl-C, so ``finally`` blocks still run."""
+
+    def handler(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    saved = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
+
+
+def run(*, demo: bool, demo_models: int, once: bool, interval: float, gpus: list[int] | None,
+        model: str | None, readonly: bool) -> int:
+    """Start the demo fleet if asked, then the dashboard or the one-shot snapshot; always stop the fleet."""
+    from kvtop.once import print_once
+
+    interactive = sys.stdout.isatty() and sys.stdin.isatty()
+    fleet = None
+    with _exit_on_signals():
+        try:
+            if demo:
+                from kvcached_core.demo import DemoFleet
+
+                fleet = DemoFleet(models=demo_models)
+                fleet.start()
+                if not fleet.wait_ready(timeout=20):
+                    click.echo("kvtop: the demo models did not start (see the messages above)", err=True)
+                    return 1
+            source = LiveSource(gpus)
+            if once or not interactive:
+                if demo:
+                    time.sleep(1.0)  # let the demo traffic fill some pages
+                return print_once(source, model=model, gpus=gpus)
+            app = KvtopApp(source, interval=interval, model=model, gpus=gpus, readonly=readonly)
+            app.run()
+            return app.return_code or 0
+        finally:
+            if fleet is not None:
+                fleet.stop()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--demo", is_flag=True, help="Start demo models (as `kvctl demo`) and stop them on exit.")
+@click.option("--demo-models", type=click.IntRange(1, 6), default=4, show_default=True,
+              help="How many demo models --demo starts.")
+@click.option("--once", is_flag=True, help="Print one snapshot and exit (automatic when stdout is not a terminal).")
+@click.option("--interval", type=click.FloatRange(0.05, 60), default=1.0, show_default=True,
+              help="Seconds between refreshes.")
+@click.option("--gpu", "gpu", metavar="LIST", help="Only these GPU indices, e.g. 0 or 0,2 (panels and models).")
+@click.option("--model", metavar="NAME", help="Select this model (exact name or unique prefix).")
+@click.option("--readonly", is_flag=True, help="Disable every action that changes something (trim, limit).")
+@click.version_option(__version__, prog_name="kvtop")
+def cli(demo: bool, demo_models: int, once: bool, interval: float, gpu: str | None, model: str | None,
+        readonly: bool) -> int:
+    """Live dashboard of kvcached models: devices, models, page maps, fragmentation; trim and set limits.
+
+    Keys: q quit · ? help · j/k select · enter details · t trim · T trim all · l limit · s sort ·
+    f filter · space pause · +/- interval · z/Z zoom · ctrl+p command palette.
+    """
+    return run(demo=demo, demo_models=demo_models, once=once, interval=interval, gpus=parse_gpus(gpu),
+               model=model, readonly=readonly)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console script: errors are one line on stderr; exit 0 ok, 1 failure, 2 usage, 130 interrupted."""
+    try:
+        code = cli.main(args=list(argv) if argv is not None else None, prog_name="kvtop", standalone_mode=False)
+    except click.ClickException as exc:
+        click.echo(f"kvtop: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo("kvtop: interrupted", err=True)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["KvtopApp", "main"]

@@ -1,0 +1,95 @@
+"""``kvtop --once``: one rich snapshot on stdout, then exit (also what kvtop does when stdout is no terminal)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+
+from rich.console import Console, Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from kvcached_core import ModelNotFound, resolve
+from kvtop.history import History
+from kvtop.pagemap import fold
+from kvtop.source import Frame, Source
+from kvtop.view import (
+    COLUMNS,
+    cells_text,
+    device_bars,
+    device_lines,
+    fit_per_cell,
+    frag_table,
+    legend_text,
+    model_cells,
+    sort_models,
+)
+
+MAP_ROWS = 8
+
+
+def models_table(models: Sequence, history: History | None = None) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold", expand=False)
+    for key, header, _width, right in COLUMNS:
+        if key == "spark":
+            continue
+        table.add_column(header, justify="right" if right else "left", no_wrap=True)
+    for m in models:
+        cells = model_cells(m, history)
+        table.add_row(*(cells[key] for key, *_ in COLUMNS if key != "spark"))
+    return table
+
+
+def page_map(m, width: int, rows: int = MAP_ROWS) -> RenderableType:
+    """The whole page map folded into ``rows`` lines of ``width`` cells."""
+    if m.status == "legacy" or m.pages is None:
+        return Text("upstream kvcached segment: no page map", style="cyan")
+    per = fit_per_cell(len(m.pages), width * rows)
+    cells = fold(m.pages, m.blocks_per_page, width * rows, pages_per_cell=per)
+    lines = [cells_text(cells[i:i + width]) for i in range(0, len(cells), width)]
+    caption = Text(f"{len(m.pages):,} pages, {per} page{'s' if per > 1 else ''}/cell", style="grey50")
+    return Group(*lines, legend_text(), caption)
+
+
+def render(frame: Frame, *, width: int, model: str | None = None, gpus: Sequence[int] | None = None,
+           history: History | None = None) -> list[RenderableType]:
+    """The snapshot as renderables: header, devices, models, and the chosen model's page map."""
+    models = [m for m in frame.models if gpus is None or m.device in gpus]
+    live = sum(1 for m in models if m.status == "live")
+    out: list[RenderableType] = [Text.assemble(
+        ("kvtop ", "bold"), f"{frame.host} · ", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(frame.taken_at)),
+        f" · {len(models)} models, {live} live")]
+    for bar in device_bars(frame):
+        out.extend(device_lines(bar, width))
+    if not frame.gpus and frame.gpu_note:
+        out.append(Text(frame.gpu_note, style="grey50"))
+    out.append(Text(""))
+    out.append(models_table(sort_models(models, "name"), history) if models else Text("no models running"))
+    for p in frame.problems:
+        out.append(Text(f"{p.path}: {p.status}: {p.reason}", style="yellow"))
+    if model is not None and frame.detail is not None:
+        m = frame.detail
+        out.append(Text(""))
+        out.append(Panel(page_map(m, max(10, width - 4)), title=f"page map · {m.name}", title_align="left",
+                         expand=False))
+        out.append(Panel(frag_table(m), title="fragmentation", title_align="left", expand=False))
+    return out
+
+
+def print_once(source: Source, *, model: str | None = None, gpus: Sequence[int] | None = None,
+               console: Console | None = None) -> int:
+    """Read one frame and print it; a ``model`` that matches nothing is one line on stderr and exit 1."""
+    console = console or Console(soft_wrap=False)
+    name = None
+    if model is not None:
+        try:
+            name = resolve(model, list(source.read(None).models)).name
+        except ModelNotFound as exc:
+            print(f"kvtop: {exc}", file=sys.stderr)
+            return 1
+    frame = source.read(name)
+    for renderable in render(frame, width=console.width, model=name, gpus=gpus):
+        console.print(renderable)
+    return 0

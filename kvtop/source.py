@@ -1,0 +1,279 @@
+"""Where kvtop's frames come from: live segments and NVML, or a deterministic fake for snapshots.
+
+A :class:`Frame` is everything one refresh shows, frozen: every model's counters, the selected
+model's page map (only that one is read in full), the GPUs and the host capacity. The dashboard
+asks its source for one frame per refresh from a worker thread and never touches a segment itself.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+import kvcached_core as kc
+from kvcached_core import config, nvml
+from kvcached_core import layout as L
+from kvcached_core.nvml import GpuInfo
+from kvcached_core.reader import read_segment
+from kvcached_core.snapshot import ModelSnapshot, Problem
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One refresh: what every widget renders."""
+
+    models: tuple[ModelSnapshot, ...]
+    problems: tuple[Problem, ...]
+    gpus: tuple[GpuInfo, ...]
+    gpu_note: str  # why there is no GPU panel ("" when NVML answered)
+    host_capacity: int
+    detail: ModelSnapshot | None  # the selected model, with its page map
+    taken_at: float  # wall-clock seconds
+    host: str
+    read_s: float = 0.0  # seconds the read took
+
+    def model(self, name: str | None) -> ModelSnapshot | None:
+        for m in self.models:
+            if m.name == name:
+                return m
+        return None
+
+
+class Source(Protocol):
+    """Reads frames and carries out control requests; every method may block (call from a worker)."""
+
+    def read(self, selected: str | None) -> Frame: ...
+
+    def trim(self, model: ModelSnapshot, wait: float) -> kc.Ack: ...
+
+    def limit(self, model: ModelSnapshot, limit_bytes: int | None, wait: float) -> kc.Ack: ...
+
+    def close(self) -> None: ...
+
+
+class LiveSource:
+    """The real thing: ``kvcached_core.scan()`` plus one full read of the selected model, and NVML.
+
+    NVML is asked at most every ``nvml_every_s`` seconds: its process queries are the slowest
+    part of a refresh on a GPU host, and memory figures that old are still current enough.
+    """
+
+    def __init__(self, gpus: Sequence[int] | None = None, *, directory: Path | None = None,
+                 nvml_every_s: float = 1.0) -> None:
+        self.gpu_filter = list(gpus) if gpus is not None else None
+        self.directory = directory
+        self.nvml_every_s = nvml_every_s
+        self.host = socket.gethostname()
+        self._gpus: tuple[GpuInfo, ...] = ()
+        self._gpus_at = float("-inf")
+        try:
+            self._host_capacity = config.host_capacity_bytes()
+        except config.ConfigError:
+            self._host_capacity = 0
+
+    def _probe_gpus(self) -> tuple[GpuInfo, ...]:
+        now = time.monotonic()
+        if now - self._gpus_at >= self.nvml_every_s:
+            self._gpus = tuple(nvml.probe(self.gpu_filter))
+            self._gpus_at = now
+        return self._gpus
+
+    def read(self, selected: str | None) -> Frame:
+        started = time.perf_counter()
+        found = kc.scan(directory=self.directory)
+        detail = None
+        for m in found.models:
+            if m.name == selected:
+                detail = m
+                if m.status != "legacy":
+                    try:
+                        detail = read_segment(Path(m.path), with_pages=True)
+                    except (OSError, ValueError):
+                        detail = m  # gone or busy this instant: counters only
+                break
+        gpus = self._probe_gpus()
+        note = "" if gpus or nvml.available() else nvml.unavailable_reason()
+        if not gpus and not note:
+            note = "NVML reports no GPU" if self.gpu_filter is None else f"no GPU {self.gpu_filter}"
+        return Frame(found.models, found.problems, gpus, note, self._host_capacity, detail,
+                     time.time(), self.host, time.perf_counter() - started)
+
+    def trim(self, model: ModelSnapshot, wait: float) -> kc.Ack:
+        return kc.request_trim(model, wait=wait)
+
+    def limit(self, model: ModelSnapshot, limit_bytes: int | None, wait: float) -> kc.Ack:
+        return kc.request_limit(model, limit_bytes, wait=wait)
+
+    def close(self) -> None:
+        pass
+
+
+# -- the fake ----------------------------------------------------------------------------------
+
+FAKE_T0 = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
+
+
+def fake_pages(total: int, *, inuse: int, reserved: int, bpp: int, cached_pages: int = 0,
+               seed: int = 0, fill: float = 0.6) -> array:
+    """A deterministic page map: ``inuse`` scattered in-use pages (some cached-only), then reserved ones."""
+    rng = random.Random(seed)
+    pages = array("I", bytes(4 * total))
+    spread = min(total, max(inuse + reserved, int((inuse + reserved) * 1.6)))
+    slots = rng.sample(range(spread), inuse + reserved)
+    for i, page in enumerate(slots):
+        if i < inuse:
+            used = max(1, min(bpp, round(rng.gauss(fill, 0.3) * bpp)))
+            cached = used if i < cached_pages else 0
+            pages[page] = L.page_entry(True, used, cached)
+        else:
+            pages[page] = L.page_entry(True, 0, 0)
+    return pages
+
+
+def fake_model(name: str, *, pages: array | None = None, pages_total: int = 512, engine: str = "vllm",
+               backend: str = "host", pid: int = 4242, device: int = 0, status: str = "live",
+               page_size: int = 2 * MiB, block_bytes: int = 256 * KiB, num_layers: int = 32,
+               limit_bytes: int | None = None, limit_status: str | None = None,
+               requested_limit: int | None = None, revision: int = 0, alloc_blocks: int = 0,
+               device_capacity: int = 0, read_ns: int = 0, legacy: tuple[int, int, int] | None = None,
+               trim_ack_seq: int = 0, trim_bytes: int = 0) -> ModelSnapshot:
+    """A ModelSnapshot whose counters agree with its page map (``legacy``: total, used, prealloc)."""
+    if legacy is not None:
+        total, used, prealloc = legacy
+        return ModelSnapshot(
+            name=name, path=f"/dev/shm/{name}", model=name, engine=engine, backend="kvcached", pid=pid,
+            uid=1000, device=device, status="legacy", page_size=0, block_bytes=0, num_layers=0,
+            num_kv_buffers=0, blocks_per_page=0, num_blocks=0, pages_total=0, pages_inuse=0,
+            pages_reserved=0, blocks_used=0, blocks_cached=0, mapped_bytes=used + prealloc,
+            limit_bytes=total or None, limit_status="applied" if total else "none",
+            legacy_reserved=prealloc, read_ns=read_ns)
+    bpp = page_size // block_bytes
+    if pages is None:
+        pages = array("I", bytes(4 * pages_total))
+    inuse = reserved = used = cached = 0
+    for entry in pages:
+        if entry & L.PAGE_MAPPED:
+            u = entry & L.PAGE_FIELD_MASK
+            if u:
+                inuse += 1
+                used += u
+                cached += (entry >> L.PAGE_CACHED_SHIFT) & L.PAGE_FIELD_MASK
+            else:
+                reserved += 1
+    bundle = page_size * num_layers * 2
+    status_name = limit_status or ("none" if limit_bytes is None else "applied")
+    return ModelSnapshot(
+        name=name, path=f"/dev/shm/kvc.{name}", model=name, engine=engine, backend=backend, pid=pid,
+        uid=1000, device=device, status=status, page_size=page_size, block_bytes=block_bytes,
+        num_layers=num_layers, num_kv_buffers=2, blocks_per_page=bpp, num_blocks=len(pages) * bpp,
+        pages_total=len(pages), pages_inuse=inuse, pages_reserved=reserved, blocks_used=used,
+        blocks_cached=cached, mapped_bytes=(inuse + reserved) * bundle, limit_bytes=limit_bytes,
+        limit_status=status_name, requested_limit=requested_limit if requested_limit is not None else limit_bytes,
+        limit_revision=revision, applied_revision=revision, alloc_count=alloc_blocks // 4,
+        alloc_blocks=alloc_blocks, read_ns=read_ns, heartbeat_ns=read_ns, updated_ns=read_ns,
+        device_capacity=device_capacity, pages=pages, trim_seq=trim_ack_seq, trim_ack_seq=trim_ack_seq,
+        trim_bytes=trim_bytes)
+
+
+@dataclass
+class FakeSource:
+    """Replays scripted scans, then holds the last one: the same input always draws the same screen.
+
+    ``script`` holds one tuple of models per refresh (each model carries its page map); after the
+    last one every read returns that last scan again, so history and events stop changing.
+    Control requests are recorded in ``requests`` and acknowledged at once.
+    """
+
+    script: Sequence[tuple[ModelSnapshot, ...]]
+    gpus: tuple[GpuInfo, ...] = ()
+    gpu_note: str = "NVML unavailable: NVML Shared Library Not Found"
+    host_capacity: int = 64 * GiB
+    host: str = "fakehost"
+    start: float = FAKE_T0
+    step: float = 1.0
+    problems: tuple[Problem, ...] = ()
+    requests: list[tuple[str, str, int | None]] = field(default_factory=list)
+    reads: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.script:
+            self.script = [()]
+
+    @property
+    def done(self) -> bool:
+        """True once the whole script has been read."""
+        return self.reads >= len(self.script)
+
+    def read(self, selected: str | None) -> Frame:
+        index = min(self.reads, len(self.script) - 1)
+        self.reads += 1
+        at = self.start + index * self.step
+        models = tuple(replace(m, read_ns=int(at * 1e9), heartbeat_ns=int(at * 1e9), pages=None)
+                       for m in self.script[index])
+        detail = None
+        for full in self.script[index]:
+            if full.name == selected:
+                detail = replace(full, read_ns=int(at * 1e9), heartbeat_ns=int(at * 1e9))
+        return Frame(models, self.problems, self.gpus, "" if self.gpus else self.gpu_note,
+                     self.host_capacity, detail, at, self.host)
+
+    def trim(self, model: ModelSnapshot, wait: float) -> kc.Ack:
+        self.requests.append(("trim", model.name, None))
+        return kc.Ack(model.name, "trim", "trimmed", len(self.requests), model.limit_bytes,
+                      bytes_returned=model.reserved_bytes)
+
+    def limit(self, model: ModelSnapshot, limit_bytes: int | None, wait: float) -> kc.Ack:
+        self.requests.append(("limit", model.name, limit_bytes))
+        status = "none" if limit_bytes is None else "deferred" if limit_bytes < model.pinned_bytes else "applied"
+        return kc.Ack(model.name, "limit", status, len(self.requests), limit_bytes)
+
+    def close(self) -> None:
+        pass
+
+
+def sample_fleet(*, gpus: bool = False, big_pages: int = 100_000) -> FakeSource:
+    """A fleet that shows every state: live, stale, shrinking, legacy and a model with 100k pages.
+
+    Two refreshes: the second one has the stale model gone stale, a limit acknowledged and a trim,
+    so the event log has something to say.
+    """
+    bpp = 8
+    llama_pages = fake_pages(768, inuse=300, reserved=10, bpp=bpp, cached_pages=40, seed=1)
+    qwen_pages = fake_pages(512, inuse=120, reserved=6, bpp=bpp, seed=2, fill=0.3)
+    mistral_pages = fake_pages(384, inuse=90, reserved=0, bpp=bpp, seed=3)
+    big = fake_pages(big_pages, inuse=24_000, reserved=10, bpp=bpp, cached_pages=3000, seed=4, fill=0.8)
+    backend, capacity = ("cuda", 140 * GiB) if gpus else ("host", 128 * GiB)
+    bundle = 2 * MiB * 32 * 2  # page bundle of a 32-layer K/V model
+    qwen_limit = 100 * bundle
+
+    def fleet(step: int) -> tuple[ModelSnapshot, ...]:
+        return (
+            fake_model("llama-3-8b", pages=llama_pages, engine="vllm", pid=1201, backend=backend,
+                       device_capacity=capacity, alloc_blocks=9000 + 1500 * step),
+            fake_model("qwen2-7b", pages=qwen_pages, engine="sglang", pid=1202, backend=backend,
+                       device=1 if gpus else 0, device_capacity=capacity,
+                       limit_bytes=qwen_limit, limit_status="deferred", revision=1 + step,
+                       alloc_blocks=4000 + 200 * step),
+            fake_model("mistral-7b", pages=mistral_pages, engine="vllm", pid=1203, backend=backend,
+                       status="live" if step == 0 else "stale", device_capacity=capacity,
+                       alloc_blocks=3000),
+            fake_model("deepseek-v3-100k", pages=big, engine="custom", pid=1204, backend=backend,
+                       page_size=256 * KiB, block_bytes=32 * KiB, num_layers=2, device_capacity=capacity,
+                       alloc_blocks=150_000 + 8000 * step, trim_ack_seq=step, trim_bytes=12 * MiB if step else 0),
+            fake_model("kvcached_vllm_3311", legacy=(24 * GiB, 10 * GiB, 2 * GiB), engine="vllm", pid=3311),
+        )
+
+    gpu_infos: tuple[GpuInfo, ...] = ()
+    if gpus:
+        gpu_infos = (
+            GpuInfo(0, "NVIDIA H200", "GPU-0", 140 * GiB, 100 * GiB, 40 * GiB, {1201: 40 * GiB, 3311: 12 * GiB}),
+            GpuInfo(1, "NVIDIA H200", "GPU-1", 140 * GiB, 30 * GiB, 110 * GiB, {1202: 16 * GiB}),
+        )
+    return FakeSource([fleet(0), fleet(1)], gpus=gpu_infos, host_capacity=capacity)

@@ -1,0 +1,290 @@
+"""What the screen says, as rich renderables: shared by the dashboard widgets and ``--once``.
+
+Pure functions of a :class:`~kvtop.source.Frame` (and the history): no textual here, so the
+non-interactive snapshot does not pay for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rich.table import Table
+from rich.text import Text
+
+from kvcached_core import format_bytes
+from kvcached_core.frag import fragmentation
+from kvcached_core.snapshot import ModelSnapshot
+from kvtop.history import History
+from kvtop.pagemap import GLYPHS, Cell
+from kvtop.source import Frame
+
+SORT_KEYS = ("name", "mapped", "waste", "alloc/s", "held")
+MODEL_COLOURS = ("dodger_blue1", "dark_orange", "medium_purple1", "spring_green2", "gold1", "hot_pink",
+                 "turquoise2", "salmon1", "chartreuse2", "orchid1", "sky_blue1", "light_goldenrod2")
+STATUS_STYLES = {"live": "green", "stale": "bold red", "legacy": "cyan", "shrinking": "bold yellow"}
+STATE_STYLES = {"free": "grey35", "reserved": "steel_blue1", "cached": "magenta", "low": "yellow",
+                "mid": "chartreuse3", "high": "green3", "full": "bold green1"}
+RESERVED_STYLE, OTHERS_STYLE, FREE_STYLE = "steel_blue1", "grey50", "grey27"
+SPARK = "▁▂▃▄▅▆▇█"
+
+# (key, header, minimum width, right-aligned)
+COLUMNS = (
+    ("name", "model", 12, False), ("status", "status", 9, False), ("mapped", "mapped", 9, True),
+    ("limit", "limit", 10, True), ("held", "held", 9, True), ("reserved", "reserved", 9, True),
+    ("cached", "cached", 9, True), ("waste", "waste", 6, True), ("rate", "alloc/s", 10, True),
+    ("spark", "mapped history", 16, False), ("engine", "engine", 7, False), ("pid", "pid", 7, True),
+    ("device", "dev", 3, True),
+)
+SPARK_WIDTH = 16
+MAX_PER_CELL = 1 << 20
+
+
+def size(n: int | None) -> str:
+    return format_bytes(n) if n is not None else "-"
+
+
+def model_colour(name: str, names: Sequence[str]) -> str:
+    ordered = sorted(names)
+    index = ordered.index(name) if name in ordered else 0
+    return MODEL_COLOURS[index % len(MODEL_COLOURS)]
+
+
+def waste_style(ratio: float | None) -> str:
+    if ratio is None:
+        return "grey50"
+    return "green" if ratio < 1.25 else "yellow" if ratio < 2.0 else "bold red"
+
+
+def filter_models(models: Sequence[ModelSnapshot], text: str) -> list[ModelSnapshot]:
+    """Models whose name, model, engine or status contains ``text`` (case-insensitive)."""
+    needle = text.strip().lower()
+    if not needle:
+        return list(models)
+    return [m for m in models
+            if any(needle in v.lower() for v in (m.name, m.model, m.engine, m.display_status))]
+
+
+def sort_models(models: Sequence[ModelSnapshot], key: str, history: History | None = None) -> list[ModelSnapshot]:
+    """By name ascending, or by the figure descending (ties by name)."""
+    if key == "name":
+        return sorted(models, key=lambda m: m.name)
+    figure = {
+        "mapped": lambda m: m.mapped_bytes,
+        "waste": lambda m: m.waste_ratio or 0.0,
+        "alloc/s": lambda m: (history.rate(m.name) if history else None) or 0.0,
+        "held": lambda m: m.held_bytes,
+    }[key]
+    return sorted(models, key=lambda m: (-figure(m), m.name))
+
+
+def sparkline(values: Sequence[int], width: int = SPARK_WIDTH) -> str:
+    """The last ``width`` values as block characters, scaled from 0 to the window's maximum."""
+    window = list(values)[-width:]
+    if not window:
+        return ""
+    top = max(window)
+    if top <= 0:
+        return SPARK[0] * len(window)
+    return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1) + 0.5))] for v in window)
+
+
+def limit_cell(m: ModelSnapshot) -> Text:
+    if m.display_status == "shrinking" and m.requested_limit is not None:
+        return Text(f"↓{format_bytes(m.requested_limit)}", style="bold yellow")
+    if m.limit_bytes is None:
+        return Text("-", style="grey50")
+    style = "bold red" if m.limit_status == "conflict" else ""
+    return Text(format_bytes(m.limit_bytes), style=style)
+
+
+def mapped_cell(m: ModelSnapshot) -> Text:
+    style = ""
+    if m.limit_bytes:
+        use = m.mapped_bytes / m.limit_bytes
+        style = "bold red" if use >= 0.95 else "yellow" if use >= 0.8 else ""
+    return Text(format_bytes(m.mapped_bytes), style=style)
+
+
+def model_cells(m: ModelSnapshot, history: History | None = None) -> dict[str, Text]:
+    """One table row, keyed like :data:`COLUMNS`."""
+    legacy = m.status == "legacy"
+    rate = history.rate(m.name) if history else None
+    status = m.display_status
+    return {
+        "name": Text(m.name, style="bold" if status == "live" else ""),
+        "status": Text(status, style=STATUS_STYLES.get(status, "")),
+        "mapped": mapped_cell(m),
+        "limit": limit_cell(m),
+        "held": Text(format_bytes(m.held_bytes)),
+        "reserved": Text(format_bytes(m.reserved_bytes)),
+        "cached": Text("-" if legacy else format_bytes(m.cached_bytes), style="magenta" if m.blocks_cached else ""),
+        "waste": Text("-" if m.waste_ratio is None or legacy else f"{m.waste_ratio:.2f}×",
+                      style=waste_style(None if legacy else m.waste_ratio)),
+        "rate": Text("-" if rate is None else f"{format_bytes(rate)}/s", style="grey50" if not rate else ""),
+        "spark": Text(sparkline(history.mapped(m.name)) if history else "", style="cyan"),
+        "engine": Text(m.engine),
+        "pid": Text(str(m.pid) if m.pid else "-"),
+        "device": Text(str(m.device)),
+    }
+
+
+# -- devices -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Part:
+    label: str
+    nbytes: int
+    style: str
+    glyph: str = "█"
+
+
+@dataclass(frozen=True)
+class DeviceBar:
+    title: str
+    total: int  # 0 when unknown
+    parts: tuple[Part, ...]  # stacked from the left; what is left over is free
+
+    @property
+    def taken(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def free(self) -> int:
+        return max(0, self.total - self.taken)
+
+
+def _model_parts(models: Sequence[ModelSnapshot], names: Sequence[str]) -> tuple[list[Part], int]:
+    parts, reserved = [], 0
+    for m in sorted(models, key=lambda m: m.name):
+        in_use = max(0, m.mapped_bytes - m.reserved_bytes)
+        reserved += m.reserved_bytes
+        if in_use:
+            parts.append(Part(m.name, in_use, model_colour(m.name, names)))
+    return parts, reserved
+
+
+def device_bars(frame: Frame) -> list[DeviceBar]:
+    """One bar per GPU; without one, a host-backend bar against the host capacity."""
+    names = [m.name for m in frame.models]
+    bars = []
+    for gpu in frame.gpus:
+        mine = [m for m in frame.models if m.backend != "host" and m.device == gpu.index and m.status != "stale"]
+        parts, reserved = _model_parts(mine, names)
+        ours = sum(p.nbytes for p in parts) + reserved
+        if reserved:
+            parts.append(Part("reserved", reserved, RESERVED_STYLE, "▒"))
+        if gpu.used_bytes is not None:
+            others = max(0, gpu.used_bytes - ours)
+            if others:
+                parts.append(Part("others", others, OTHERS_STYLE))
+        title = f"GPU {gpu.index}" + (f" {gpu.name}" if gpu.name else "")
+        bars.append(DeviceBar(title, gpu.total_bytes or 0, tuple(parts)))
+    if not frame.gpus:
+        host = [m for m in frame.models if m.backend == "host" and m.status != "stale"]
+        parts, reserved = _model_parts(host, names)
+        if reserved:
+            parts.append(Part("reserved", reserved, RESERVED_STYLE, "▒"))
+        bars.append(DeviceBar("no NVIDIA GPU: host backend", frame.host_capacity, tuple(parts)))
+    return bars
+
+
+def bar_text(bar: DeviceBar, width: int) -> Text:
+    """The stacked bar itself, ``width`` cells (cumulative rounding keeps it exact)."""
+    text = Text()
+    if width <= 0:
+        return text
+    total = max(bar.total, bar.taken, 1)
+    done = acc = 0
+    for part in bar.parts:
+        acc += part.nbytes
+        end = min(width, round(acc / total * width))
+        if end > done:
+            text.append(part.glyph * (end - done), style=part.style)
+            done = end
+    text.append("·" * (width - done), style=FREE_STYLE)
+    return text
+
+
+def device_lines(bar: DeviceBar, width: int) -> list[Text]:
+    """Two lines: title, bar and percentage; then the legend of what the bar holds."""
+    pct = f" {bar.taken / bar.total * 100:3.0f}% of {format_bytes(bar.total)}" if bar.total else " capacity N/A"
+    title = Text(bar.title, style="bold")
+    room = width - title.cell_len - len(pct) - 2
+    line = title + Text(" ")
+    if room >= 8:
+        line += bar_text(bar, room) + Text(" ")
+    line += Text(pct.strip(), style="bold")
+    legend = Text()
+    for part in bar.parts:
+        legend.append("■ ", style=part.style)
+        legend.append(f"{part.label} {format_bytes(part.nbytes)}  ")
+    legend.append("■ ", style=FREE_STYLE)
+    legend.append(f"free {format_bytes(bar.free) if bar.total else 'N/A'}")
+    for t in (line, legend):
+        t.no_wrap = True
+        t.overflow = "ellipsis"
+    return [line, legend]
+
+
+# -- selected model -------------------------------------------------------------------------------
+
+def fit_per_cell(pages: int, cells: int) -> int:
+    """The smallest power of two of pages per cell that fits ``pages`` into ``cells``."""
+    per = 1
+    while per * max(1, cells) < pages and per < MAX_PER_CELL:
+        per *= 2
+    return per
+
+
+def legend_text() -> Text:
+    """One short line: free, reserved, cached, then the occupancy ramp of in-use pages."""
+    text = Text(no_wrap=True, overflow="ellipsis")
+    for state, label in (("free", "free"), ("reserved", "reserved"), ("cached", "cached")):
+        text.append(GLYPHS[state], style=STATE_STYLES[state])
+        text.append(f" {label}  ")
+    for state in ("low", "mid", "high", "full"):
+        text.append(GLYPHS[state], style=STATE_STYLES[state])
+    text.append(" in use: low→full")
+    return text
+
+
+def cells_text(cells: Sequence[Cell]) -> Text:
+    text = Text(no_wrap=True)
+    for cell in cells:
+        text.append(GLYPHS[cell.state], style=STATE_STYLES[cell.state])
+    return text
+
+
+def frag_table(m: ModelSnapshot | None) -> Table | Text:
+    """Fragmentation summary: held vs pinned, waste, packed floor, what trim and eviction return."""
+    if m is None:
+        return Text("no model selected", style="grey50")
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(style="grey70", no_wrap=True)
+    grid.add_column(justify="right", no_wrap=True)
+    if m.status == "legacy":
+        grid.add_row("mapped", format_bytes(m.mapped_bytes))
+        grid.add_row("reserved", format_bytes(m.reserved_bytes))
+        grid.add_row("held", format_bytes(m.held_bytes))
+        grid.add_row("limit", size(m.limit_bytes))
+        grid.add_row(Text("upstream segment:", style="cyan"), "")
+        grid.add_row(Text("no page map", style="cyan"), "")
+        return grid
+    f = fragmentation(m)
+    grid.add_row("held", format_bytes(f.held_bytes))
+    grid.add_row("pinned", format_bytes(f.pinned_bytes))
+    waste = "-" if f.waste_ratio is None else f"{f.waste_ratio:.2f}×"
+    grid.add_row("waste", Text(waste, style=waste_style(f.waste_ratio)))
+    grid.add_row("packed floor", f"{f.packed_floor_pages:,} pages")
+    grid.add_row("trim returns", Text(format_bytes(f.reclaimable_trim_bytes), style=RESERVED_STYLE))
+    if m.pages is not None:
+        grid.add_row("evict frees", Text(format_bytes(f.reclaimable_evict_bytes), style="magenta"))
+    limit = Text(size(m.limit_bytes))
+    if m.limit_status in ("deferred", "conflict"):
+        limit = Text(f"{size(m.requested_limit)} {m.limit_status}", style="bold yellow")
+    grid.add_row("limit", limit)
+    over = "-" if f.pinned_over_floor is None else f"{f.pinned_over_floor:.2f}×"
+    grid.add_row("pinned/floor", over)
+    grid.add_row("page bundle", format_bytes(m.bundle_bytes))
+    return grid

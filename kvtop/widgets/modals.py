@@ -1,0 +1,272 @@
+"""Modal screens: confirm a destructive action, enter a limit, filter, details, help."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.validation import ValidationResult, Validator
+from textual.widgets import Button, Input, Label, Static
+
+from kvcached_core import SizeError, format_bytes, parse_size
+from kvcached_core.frag import fragmentation
+from kvcached_core.snapshot import ModelSnapshot
+from kvtop.pagemap import GLYPHS, LEGEND
+from kvtop.view import STATE_STYLES, frag_table
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """Yes/no for a destructive action: ``y`` or Enter confirms, ``n`` or Escape cancels."""
+
+    BINDINGS: list[BindingType] = [
+        Binding("y", "answer(True)", "Yes"),
+        Binding("n,escape", "answer(False)", "No"),
+    ]
+
+    def __init__(self, question: str, detail: str = "", confirm_label: str = "Yes") -> None:
+        super().__init__(classes="dialog")
+        self.question, self.detail, self.confirm_label = question, detail, confirm_label
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label(self.question, id="question")
+            if self.detail:
+                yield Static(self.detail, id="detail")
+            with Horizontal(id="buttons"):
+                yield Button(f"{self.confirm_label} [y]", variant="error", id="yes")
+                yield Button("Cancel [n]", id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#yes", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
+@dataclass(frozen=True)
+class LimitRequest:
+    """What the limit dialog returns: bytes, or None to lift the limit."""
+
+    limit_bytes: int | None
+
+
+class SizeValidator(Validator):
+    """Accepts what ``parse_size`` accepts: ``4G``, ``512MiB``, ``30%`` (of the device), ``none``."""
+
+    def __init__(self, percent_of: int | None) -> None:
+        super().__init__()
+        self.percent_of = percent_of or None
+
+    def validate(self, value: str) -> ValidationResult:
+        try:
+            parse_size(value, percent_of=self.percent_of, allow_none=True)
+        except SizeError as exc:
+            return self.failure(str(exc))
+        return self.success()
+
+
+class LimitScreen(ModalScreen[LimitRequest | None]):
+    """Enter a limit; invalid input shows why inline and keeps the dialog open."""
+
+    BINDINGS: list[BindingType] = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, model: ModelSnapshot) -> None:
+        super().__init__(classes="dialog")
+        self.model = model
+
+    def compose(self) -> ComposeResult:
+        m = self.model
+        with Vertical(id="dialog"):
+            yield Label(f"Set the limit of {m.name}", id="question")
+            yield Static(self._summary(), id="detail")
+            yield Input(placeholder="4G, 512MiB, 30%, none", id="limit-input",
+                        validators=[SizeValidator(m.device_capacity)], validate_on=["submitted"])
+            yield Static("", id="preview")
+            yield Static("", id="error")
+            yield Static("Enter applies · Escape cancels", id="hint")
+
+    def _summary(self) -> Text:
+        m = self.model
+        text = Text()
+        current = "none" if m.limit_bytes is None else format_bytes(m.limit_bytes)
+        text.append(f"current {current} · mapped {format_bytes(m.mapped_bytes)} · in use {format_bytes(m.pinned_bytes)}")
+        if m.device_capacity:
+            text.append(f"\n30% = {format_bytes(m.device_capacity * 0.3)} of {format_bytes(m.device_capacity)}")
+        if m.status != "legacy":
+            text.append(f"\nrounded down to whole page bundles of {format_bytes(m.bundle_bytes)}")
+        else:
+            text.append("\nupstream segment: written to its total field")
+        return text
+
+    def on_mount(self) -> None:
+        self.query_one(Input).focus()
+
+    def _parse(self, value: str) -> int | None:
+        return parse_size(value, percent_of=self.model.device_capacity or None, allow_none=True)
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        preview = self.query_one("#preview", Static)
+        self.query_one("#error", Static).update("")
+        self.remove_class("-invalid")
+        if not event.value.strip():
+            preview.update("")
+            return
+        try:
+            value = self._parse(event.value)
+        except SizeError:
+            preview.update("")
+            return
+        preview.update(self._describe(value))
+
+    def _describe(self, value: int | None) -> Text:
+        m = self.model
+        if value is None:
+            return Text("= no limit", style="green")
+        text = Text(f"= {format_bytes(value)}")
+        if m.status != "legacy" and m.bundle_bytes:
+            pages = value // m.bundle_bytes
+            text.append(f" ({pages} page bundle{'s' if pages != 1 else ''})")
+            if pages * m.bundle_bytes < m.pinned_bytes:
+                text.append(f"\nbelow the {format_bytes(m.pinned_bytes)} in use: deferred until pages empty",
+                            style="yellow")
+        return text
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        try:
+            value = self._parse(event.value)
+        except SizeError as exc:
+            self.query_one("#error", Static).update(Text(f"✗ {exc}", style="bold red"))
+            self.add_class("-invalid")
+            return
+        self.dismiss(LimitRequest(value))
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class FilterScreen(ModalScreen[str | None]):
+    """Filter the model table by a substring of name, model, engine or status; empty clears it."""
+
+    BINDINGS: list[BindingType] = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, current: str) -> None:
+        super().__init__(classes="dialog")
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label("Filter models", id="question")
+            yield Input(value=self.current, placeholder="part of a name, engine or status (empty: all)",
+                        id="filter-input")
+            yield Static("Enter applies · Escape cancels", id="hint")
+
+    def on_mount(self) -> None:
+        self.query_one(Input).focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.dismiss(event.value.strip())
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class _InfoScreen(ModalScreen[None]):
+    BINDINGS: list[BindingType] = [Binding("escape,q,enter", "close", "Close")]
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class HelpScreen(_InfoScreen):
+    """Keys, the page-map legend, and what the columns mean."""
+
+    BINDINGS: list[BindingType] = [Binding("escape,q,question_mark", "close", "Close")]
+
+    def __init__(self, bindings: Iterable[tuple[str, str]], readonly: bool) -> None:
+        super().__init__(classes="dialog")
+        self.keys = list(bindings)
+        self.readonly = readonly
+
+    def compose(self) -> ComposeResult:
+        keys = Table.grid(padding=(0, 2))
+        keys.add_column(style="bold cyan", no_wrap=True)
+        keys.add_column()
+        for key, description in self.keys:
+            keys.add_row(key, description)
+        legend = Table.grid(padding=(0, 1))
+        for state, label in LEGEND:
+            legend.add_row(Text(GLYPHS[state], style=STATE_STYLES[state]), label)
+        terms = Text.from_markup(
+            "[bold]held[/] blocks in use × block bundle · [bold]pinned[/] in-use pages × page bundle\n"
+            "[bold]waste[/] pinned / held (1.00× is ideal) · [bold]packed floor[/] ceil(used blocks / blocks per page)\n"
+            "[bold]shrinking[/] a lowered limit waits for pages to empty (deferred) · "
+            "[bold]stale[/] the process is gone or its heartbeat is old · [bold]legacy[/] an upstream kvcached segment"
+        )
+        with VerticalScroll(id="dialog"):
+            yield Label("kvtop — keys" + ("  (read-only: trim and limit are disabled)" if self.readonly else ""),
+                        id="question")
+            yield Static(keys)
+            yield Label("page map", classes="section")
+            yield Static(legend)
+            yield Static(terms, classes="section")
+            yield Static("Escape, q or ? closes", id="hint")
+
+
+class DetailsScreen(_InfoScreen):
+    """Everything about one model: identity, counters, limit and trim acknowledgements, worst pages."""
+
+    def __init__(self, model: ModelSnapshot) -> None:
+        super().__init__(classes="dialog")
+        self.model = model
+
+    def compose(self) -> ComposeResult:
+        m = self.model
+        info = Table.grid(padding=(0, 2))
+        info.add_column(style="grey70", no_wrap=True)
+        info.add_column()
+        rows = [
+            ("model", m.model), ("segment", m.path), ("engine", m.engine), ("backend", m.backend),
+            ("pid", str(m.pid)), ("device", str(m.device)), ("status", m.display_status),
+            ("tensor parallel", f"{m.tp_world} ranks" if m.tp_world > 1 else "no"),
+        ]
+        if m.status != "legacy":
+            rows += [
+                ("geometry", f"{m.num_layers} layers × {m.num_kv_buffers} KV buffers, page {format_bytes(m.page_size)}, "
+                             f"block {format_bytes(m.block_bytes)}, {m.blocks_per_page} blocks/page"),
+                ("pages", f"{m.pages_total:,} virtual · {m.pages_inuse:,} in use · {m.pages_reserved:,} reserved"),
+                ("blocks", f"{m.blocks_used:,} used · {m.blocks_cached:,} cached · {m.num_blocks:,} total"),
+                ("limit", f"{m.limit_status}, effective {format_bytes(m.limit_bytes)}, requested "
+                          f"{format_bytes(m.requested_limit)}, revision {m.applied_revision}/{m.limit_revision}"),
+                ("trim", f"{m.trim_ack_seq}/{m.trim_seq} acknowledged, last returned {format_bytes(m.trim_bytes)}, "
+                         f"{format_bytes(m.trimmed_total)} in all"),
+                ("traffic", f"{m.alloc_count:,} allocs ({m.alloc_blocks:,} blocks) · {m.free_count:,} frees · "
+                            f"{m.evicted_blocks:,} evicted"),
+                ("device capacity", format_bytes(m.device_capacity) if m.device_capacity else "N/A"),
+            ]
+            for r in m.ranks:
+                rows.append((f"rank {r.rank}", f"device {r.device}, pid {r.pid}, {format_bytes(r.mapped_bytes)}"
+                             + ("" if r.alive else " (gone)")))
+        for key, value in rows:
+            info.add_row(key, value)
+        with VerticalScroll(id="dialog"):
+            yield Label(f"{m.name}", id="question")
+            yield Static(info)
+            yield Label("fragmentation", classes="section")
+            yield Static(frag_table(m))
+            if m.pages is not None and m.status != "legacy":
+                worst = fragmentation(m).worst_pages
+                if worst:
+                    yield Label("emptiest in-use pages (what pins memory)", classes="section")
+                    yield Static(Text("  ".join(f"#{p.page} {p.used}/{p.capacity}" for p in worst)))
+            yield Static("Escape or Enter closes", id="hint")

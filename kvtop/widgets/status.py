@@ -1,0 +1,35 @@
+"""The top line: host, the frame's time, the refresh interval, and whether kvtop is paused."""
+
+from __future__ import annotations
+
+import time
+
+from rich.text import Text
+from textual.widgets import Static
+
+from kvtop.source import Frame
+
+
+class StatusLine(Static):
+    """Drawn from the frame's own clock, so a replayed frame always reads the same."""
+
+    def show(self, frame: Frame | None, *, interval: float, paused: bool, readonly: bool,
+             sort_key: str, filter_text: str, waiting_for: str | None = None) -> None:
+        text = Text(no_wrap=True, overflow="ellipsis")
+        text.append(" kvtop ", style="bold reverse")
+        if frame is not None:
+            text.append(f" {frame.host} ", style="bold")
+            text.append(time.strftime("%H:%M:%S", time.localtime(frame.taken_at)))
+            live = sum(1 for m in frame.models if m.status == "live")
+            text.append(f" · {len(frame.models)} models, {live} live")
+        text.append(f" · every {interval:g} s")
+        text.append(f" · sort {sort_key}")
+        if filter_text:
+            text.append(f" · filter {filter_text!r}", style="bold cyan")
+        if waiting_for:
+            text.append(f" · waiting for {waiting_for!r}", style="yellow")
+        if readonly:
+            text.append(" · read-only", style="bold magenta")
+        if paused:
+            text.append("  PAUSED ", style="bold black on yellow")
+        self.update(text)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import platform
@@ -45,18 +46,28 @@ MISS_US = 200.0  # an alloc slower than this mapped on its own thread (pool miss
 
 
 # -- native floor ------------------------------------------------------------------------------------
-def build_floor(workdir: Path) -> Path:
+def build_floor(workdir: Path) -> Path | None:
+    """Compile the native floor with nvcc (else cc and CUDA's headers); None when nothing builds it."""
     src = ROOT / "benchmarks" / "native" / "vmm_floor.c"
     exe = workdir / "vmm_floor"
-    nvcc = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
-    if nvcc:
-        cuda = Path(nvcc).resolve().parents[1]
-        cmd = [nvcc, "-O2", "-o", str(exe), str(src), f"-L{cuda}/lib64/stubs", "-lcuda"]
-    else:
-        cuda = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
-        cmd = ["cc", "-O2", f"-I{cuda}/include", "-o", str(exe), str(src), f"-L{cuda}/lib64/stubs", "-lcuda"]
-    subprocess.run(cmd, check=True)
-    return exe
+    nvcc = shutil.which("nvcc") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/nvcc"))), None)
+    homes = [Path(nvcc).resolve().parents[1]] if nvcc else []
+    homes += [Path(p) for p in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda") if p]
+    libdirs = [f"-L{h}/{sub}" for h in homes for sub in ("lib64/stubs", "targets/x86_64-linux/lib/stubs", "lib64")]
+    libdirs += ["-L/usr/local/nvidia/lib64", "-L/usr/lib/x86_64-linux-gnu"]
+    attempts = []
+    for lib in ("-lcuda", "-l:libcuda.so.1"):
+        if nvcc:
+            attempts.append([nvcc, "-O2", "-o", str(exe), str(src), *libdirs, lib])
+        attempts += [["cc", "-O2", f"-I{h}/include", "-o", str(exe), str(src), *libdirs, lib] for h in homes]
+    for cmd in attempts:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode == 0:
+            print("built native floor:", " ".join(cmd[:2]), flush=True)
+            return exe
+        last = done.stderr.strip().splitlines()[-1:] if done.stderr else []
+        print("native floor build failed:", " ".join(cmd[:2]), *last, flush=True)
+    return None
 
 
 def run_floor(exe: Path, layout: str, layers: int, buffers: int, page_mb: int, pages: int, rounds: int,
@@ -220,12 +231,27 @@ def environment() -> dict:
     return env
 
 
+def binding_overhead_us(calls: int = 20000) -> float:
+    """Median cost of one trivial cuda-python driver call (cuCtxGetCurrent): the wrapper's own price."""
+    from cuda.bindings import driver as d  # noqa: PLC0415
+
+    d.cuInit(0)
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            d.cuCtxGetCurrent()
+        samples.append((time.perf_counter_ns() - t0) / calls / 1000)
+    return round(statistics.median(samples), 3)
+
+
 def markdown(report: dict) -> str:
     env, cfg = report["environment"], report["config"]
     lines = [
         f"# CUDA VMM backend on {env.get('gpu', '?')} ({env['date']})",
         "",
-        f"Driver {env.get('driver', '?')}, cuda-bindings {env.get('cuda_bindings')}, Python {env['python']}. "
+        f"Driver {env.get('driver', '?')}, cuda-bindings {env.get('cuda_bindings')} (one trivial binding call: "
+        f"{env.get('binding_call_us')} µs), Python {env['python']}. "
         f"Model shape: {cfg['layers']} layers x {cfg['buffers']} KV buffers, {cfg['page_mb']} MiB pages "
         f"(one page id = {cfg['layers'] * cfg['buffers'] * cfg['page_mb']} MiB), {cfg['pages']} page ids per trial, "
         f"medians of {2 * cfg['rounds']} rounds (native and Python interleaved). `benchmarks/vmm.py` made this file.",
@@ -235,7 +261,7 @@ def markdown(report: dict) -> str:
         "| layout | batch | op | native µs | python µs | python / native |",
         "|---|---|---|---|---|---|",
     ]
-    for r in report["compare"]:
+    for r in report.get("compare", []):
         if r["python_us"] is None and r["native_us"] is None:
             continue
         lines.append(f"| {r['layout']} | {r['batch']} | {r['op']} | {fmt(r['native_us']).strip()} | "
@@ -252,13 +278,18 @@ def markdown(report: dict) -> str:
         "| first alloc µs | free p50 / p99 / max µs |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in report["alloc"]:
+    for r in report.get("alloc", []):
         lines.append(f"| {r['layout']} | {r['interval_us']:.0f} µs | {r['page_ids_per_s_demanded']} | {r['allocs']} | "
                      f"{r['alloc_p50_us']} | {r['alloc_p99_us']} | {r['alloc_p999_us']} | {r['alloc_max_us']} | "
                      f"{r['misses_over_200us']} | {r['first_alloc_us']} | {r['free_p50_us']} / {r['free_p99_us']} / "
                      f"{r['free_max_us']} |")
     lines.append("")
     return "\n".join(lines)
+
+
+def save(report: dict, out: Path) -> None:
+    (out / "vmm.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "vmm.md").write_text(markdown(report))
 
 
 def main() -> int:
@@ -278,15 +309,19 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"environment": environment(), "config": {k: v for k, v in vars(args).items() if k != "out"}}
     report["config"]["out"] = str(args.out)
+    report["environment"]["binding_call_us"] = binding_overhead_us()
     print(json.dumps(report["environment"]), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("KVCACHED_SHM_DIR", tmp)
         exe = None if args.no_native else build_floor(Path(tmp))
+        report["native_floor_built"] = exe is not None
         report["compare"] = [] if args.skip_compare else compare(exe, args)
-        report["alloc"] = [alloc_latency(layout, int(us) / 1e6, args)
-                           for layout in ("layer", "page") for us in args.intervals_us.split(",")]
-    (args.out / "vmm.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "vmm.md").write_text(markdown(report))
+        save(report, args.out)  # keep what we have if the next part fails
+        report["alloc"] = []
+        for layout in ("layer", "page"):
+            for us in args.intervals_us.split(","):
+                report["alloc"].append(alloc_latency(layout, int(us) / 1e6, args))
+                save(report, args.out)
     print(markdown(report))
     return 0
 

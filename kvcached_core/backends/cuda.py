@@ -216,6 +216,7 @@ class CudaBackend(Backend):
         self._set_claimed: Callable[[int], None] | None = None
         self._views_keep: list = []
         self._va = 0
+        self._bases: list[int] = []
         self._ctx: Any = None
 
         d = self._d = _load_driver()
@@ -270,6 +271,8 @@ class CudaBackend(Backend):
                 )
             _free, self._total = self._check("cuMemGetInfo", d.cuMemGetInfo())
             self._va = int(self._check("cuMemAddressReserve", d.cuMemAddressReserve(self.va_bytes, g.page_size, 0, 0)))
+        # where slice s of page 0 starts; slice s of page p is p * slice_bytes further
+        self._bases = [self._va + s * g.range_bytes for s in range(self.slices)] if self.layout == "layer" else [self._va]
 
     # -- plumbing --------------------------------------------------------------------------------
     def _err_name(self, err: Any) -> str:
@@ -294,9 +297,7 @@ class CudaBackend(Backend):
         return _CtxGuard(self)
 
     def _addr(self, page: int, s: int) -> int:
-        if self.layout == "layer":
-            return self._va + s * self.geometry.range_bytes + page * self.slice_bytes
-        return self._va + page * self.slice_bytes
+        return self._bases[s] + page * self.slice_bytes
 
     def _check_pages(self, pages: Sequence[int]) -> None:
         if self._closed:
@@ -321,55 +322,58 @@ class CudaBackend(Backend):
         return done
 
     def _map(self, pages: list[int]) -> list[int]:
-        d, S, size = self._d, self.slices, self.slice_bytes
+        # Hot loop: the driver's cost is ~30-40 us per handle, Python's should stay a few percent of it.
+        d, S, size, bases = self._d, self.slices, self.slice_bytes, self._bases
         create, cmap, prop, OK, OOM = d.cuMemCreate, d.cuMemMap, self._prop, self._OK, self._OOM
-        addr = self._addr
+        pool, lock, mapped = self._pool, self._lock, self._mapped
         done: list[int] = []
         for page in pages:
-            if page in self._mapped:
+            if page in mapped:
                 raise BackendError(f"page id {page} is already mapped")
-            with self._lock:
-                handles = self._pool[len(self._pool) - S:] if len(self._pool) >= S else self._pool[:]
-                del self._pool[len(self._pool) - len(handles):]
-            short = False
+            with lock:
+                take = min(S, len(pool))
+                handles = pool[len(pool) - take:]
+                del pool[len(pool) - take:]
+            miss = False
             while len(handles) < S:
                 res = create(size, prop, 0)
                 if res[0] != OK:
+                    self._return(handles)
                     if res[0] != OOM:
-                        self._return(handles)
                         self._rollback(done)
                         raise BackendError(f"cuMemCreate({size} bytes) failed: {self._err_name(res[0])}")
-                    short = True
+                    miss = True
                     break
                 handles.append(res[1])
                 self.created += 1
-            if short:
-                self._return(handles)
+            if miss:
                 break
-            for s, h in enumerate(handles):
-                err = cmap(addr(page, s), size, 0, h, 0)[0]
+            offset = page * size
+            for s, (base, h) in enumerate(zip(bases, handles, strict=True)):
+                err = cmap(base + offset, size, 0, h, 0)[0]
                 if err != OK:
                     for k in range(s):
-                        self._check("cuMemUnmap", d.cuMemUnmap(addr(page, k), size))
+                        self._check("cuMemUnmap", d.cuMemUnmap(bases[k] + offset, size))
                     self._return(handles)
-                    if err == OOM:
-                        short = True
-                        break
-                    self._rollback(done)
-                    raise BackendError(f"cuMemMap(page {page}) failed: {self._err_name(err)}")
-            if short:
+                    if err != OOM:
+                        self._rollback(done)
+                        raise BackendError(f"cuMemMap(page {page}) failed: {self._err_name(err)}")
+                    miss = True
+                    break
+            if miss:
                 break
-            self._mapped[page] = handles
+            mapped[page] = handles
             done.append(page)
         return self._grant(done)
 
     def _grant(self, done: list[int]) -> list[int]:
         """Give the device read/write access to ``done``; one call per run of adjacent pages and range."""
-        d, S, size, addr, OK = self._d, self.slices, self.slice_bytes, self._addr, self._OK
-        setaccess, access = d.cuMemSetAccess, self._access
+        size, bases, OK = self.slice_bytes, self._bases, self._OK
+        setaccess, access = self._d.cuMemSetAccess, self._access
         for i, first, n in runs(done):
-            for s in range(S):
-                err = setaccess(addr(first, s), n * size, access, 1)[0]
+            start, length = first * size, n * size
+            for base in bases:
+                err = setaccess(base + start, length, access, 1)[0]
                 if err != OK:
                     self._unmap(done[i:], keep=True)
                     if err == self._OOM:
@@ -389,16 +393,20 @@ class CudaBackend(Backend):
             room = max(0, self.pool_pages * self.slices - len(self._pool))
             keep, drop = handles[:room], handles[room:]
             self._pool.extend(keep)
+        release, OK = self._d.cuMemRelease, self._OK
         for h in drop:
-            self._check("cuMemRelease", self._d.cuMemRelease(h))
+            err = release(h)[0]
+            if err != OK:
+                raise BackendError(f"cuMemRelease failed: {self._err_name(err)}")
             self.released += 1
 
     def _unmap(self, pages: list[int], *, keep: bool) -> None:
-        d, S, size, addr, OK = self._d, self.slices, self.slice_bytes, self._addr, self._OK
-        unmap = d.cuMemUnmap
+        size, bases, OK = self.slice_bytes, self._bases, self._OK
+        unmap = self._d.cuMemUnmap
         for _i, first, n in runs(pages):
-            for s in range(S):
-                err = unmap(addr(first, s), n * size)[0]
+            start, length = first * size, n * size
+            for base in bases:
+                err = unmap(base + start, length)[0]
                 if err != OK:
                     raise BackendError(f"cuMemUnmap(pages {first}..{first + n - 1}) failed: {self._err_name(err)}")
         handles: list[Any] = []

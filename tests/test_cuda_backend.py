@@ -88,7 +88,7 @@ def test_block_views_are_disjoint_and_inside_the_reservation(layers, buffers, pa
             assert flat == (layout == "layer" and g.page_size % block_bytes == 0)
             for block in range(num_blocks):
                 index = (block,) if flat else divmod(block, bpp)
-                start = spec.offset + sum(i * s for i, s in zip(index, spec.strides, strict=True))
+                start = spec.offset + sum(i * s for i, s in zip(index, spec.strides[: len(index)], strict=True))
                 seen.append((start, start + block_bytes))
                 # a block never straddles a page of its own buffer
                 page_start = range_spec(layout, g, layer, kv).offset + (block // bpp) * range_spec(

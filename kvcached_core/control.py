@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import layout as L
-from .legacy import write_legacy_limit
+from .legacy import flock_within, write_legacy_limit
 from .reader import read_segment, resolve, list_models
 from .snapshot import ModelSnapshot
 
 POLL_S = 0.002
 DEFAULT_WAIT_S = 2.0
+LOCK_TIMEOUT_S = 2.0  # controllers hold the lock for microseconds
 
 
 class ControlError(RuntimeError):
@@ -49,7 +50,10 @@ class Ack:
 
 
 def _open_for_control(path: Path) -> tuple[int, mmap.mmap]:
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ControlError(f"cannot open {path.name} for writing: {exc.strerror or exc}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -63,6 +67,13 @@ def _open_for_control(path: Path) -> tuple[int, mmap.mmap]:
         os.close(fd)
         raise
     return fd, mm
+
+
+def _lock(fd: int, path: Path) -> None:
+    try:
+        flock_within(fd, fcntl.LOCK_EX, LOCK_TIMEOUT_S)
+    except BlockingIOError as exc:
+        raise ControlError(f"{path.name}: another controller holds its lock ({exc})") from None
 
 
 def _target(name_or_snapshot: str | ModelSnapshot) -> ModelSnapshot:
@@ -95,14 +106,17 @@ def request_limit(name: str | ModelSnapshot, limit_bytes: int | None, *, wait: f
         raise ControlError("a limit cannot be negative")
     model = _target(name)
     if model.status == "legacy":
-        write_legacy_limit(Path(model.path), limit_bytes if limit_bytes is not None else 0)
+        try:
+            write_legacy_limit(Path(model.path), limit_bytes if limit_bytes is not None else 0)
+        except (OSError, ValueError) as exc:
+            raise ControlError(f"cannot write the limit of {model.name}: {exc}") from None
         return Ack(model.name, "limit", "legacy", 0, limit_bytes)
     if model.status != "live":
         raise ControlError(f"{model.name} is {model.status}: its process is gone, nothing would apply the limit")
     started = time.monotonic()
     fd, mm = _open_for_control(Path(model.path))
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _lock(fd, Path(model.path))
         try:
             revision = L.U64.unpack_from(mm, L.LIMIT_REV_OFF)[0] + 1
             value = -1 if limit_bytes is None else limit_bytes
@@ -137,7 +151,7 @@ def request_trim(name: str | ModelSnapshot, *, wait: float = DEFAULT_WAIT_S) -> 
     started = time.monotonic()
     fd, mm = _open_for_control(Path(model.path))
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _lock(fd, Path(model.path))
         try:
             seq = L.U64.unpack_from(mm, L.TRIM_REQ_OFF)[0] + 1
             L.U64.pack_into(mm, L.TRIM_REQ_OFF, seq)

@@ -9,12 +9,29 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
+import time
 from pathlib import Path
 
 from . import layout as L
 from .config import ipc_name_override
 from .names import LEGACY_PREFIX
 from .snapshot import ModelSnapshot
+
+READ_LOCK_TIMEOUT_S = 0.1  # upstream holds its flock for microseconds; longer means a hung holder
+WRITE_LOCK_TIMEOUT_S = 1.0
+
+
+def flock_within(fd: int, operation: int, timeout: float) -> None:
+    """flock ``fd``, raising BlockingIOError after ``timeout`` s: a hung lock holder must never hang us."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise BlockingIOError(f"locked by another process for more than {timeout:g} s") from None
+            time.sleep(0.001)
 
 
 def is_legacy_name(filename: str) -> bool:
@@ -37,7 +54,7 @@ def read_legacy(path: Path) -> ModelSnapshot:
             raise ValueError("not a regular file")
         if st.st_size != L.LEGACY_SIZE:
             raise ValueError(f"{st.st_size} bytes, not an upstream kvcached segment ({L.LEGACY_SIZE} bytes)")
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        flock_within(fd, fcntl.LOCK_SH, READ_LOCK_TIMEOUT_S)
         try:
             raw = os.pread(fd, L.LEGACY_SIZE, 0)
         finally:
@@ -66,7 +83,7 @@ def write_legacy_limit(path: Path, limit_bytes: int) -> None:
             raise PermissionError(f"{path} belongs to uid {st.st_uid}; refusing to write it")
         if not stat.S_ISREG(st.st_mode) or st.st_size != L.LEGACY_SIZE:
             raise ValueError(f"{path} is not an upstream kvcached segment")
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        flock_within(fd, fcntl.LOCK_EX, WRITE_LOCK_TIMEOUT_S)
         try:
             os.pwrite(fd, L.I64.pack(limit_bytes), 0)
         finally:

@@ -17,6 +17,8 @@ from .snapshot import ModelSnapshot, Problem, RankInfo, Scan
 
 HEARTBEAT_STALE_S = 3.0
 READ_RETRIES = 32
+QUIET_FAILURES = 3  # failed checks of an unchanging copy before the file is called corrupt
+MAX_PAGES = 1 << 24  # 64 MiB of page map (32 TiB per range at 2 MiB pages): more is a damaged header
 
 
 class ModelNotFound(LookupError):
@@ -31,6 +33,10 @@ class SegmentCorrupt(ValueError):
     """A file in our namespace that does not hold a valid segment."""
 
 
+class PublishUnfinished(SegmentCorrupt):
+    """The sequence stayed odd: the writer stopped (or died) in the middle of a publish."""
+
+
 def parse_header(raw: bytes) -> dict:
     if not raw.strip(b"\0"):
         raise SegmentCorrupt("empty header (being created, or never written)")
@@ -42,7 +48,7 @@ def parse_header(raw: bytes) -> dict:
     if fields["layout_version"] != L.LAYOUT_VERSION:
         raise SegmentCorrupt(f"layout version {fields['layout_version']} (this reader knows {L.LAYOUT_VERSION})")
     pages, ranks = fields["pages_total"], fields["ranks_max"]
-    if pages > 1 << 28 or ranks > 4096 or fields["header_bytes"] != L.HEADER_SIZE:
+    if pages > MAX_PAGES or ranks > 4096 or fields["header_bytes"] != L.HEADER_SIZE:
         raise SegmentCorrupt("implausible sizes in header")
     if fields["total_bytes"] != L.total_size(pages, ranks):
         raise SegmentCorrupt("header sizes disagree")
@@ -59,40 +65,54 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool) -> tuple[dict, arr
     end = L.total_size(pages_total, header["ranks_max"]) if with_pages else L.PAGE_MAP_OFF
     if os.fstat(fd).st_size < end:
         raise SegmentCorrupt("file shorter than its header says")
-    seqs_seen: set[bytes] = set()
+    seqs_seen: set[int] = set()
+    quiet_failures = 0
     for attempt in range(READ_RETRIES):
         raw = os.pread(fd, end, 0)
-        seqs_seen.add(raw[L.SEQ_OFF:L.SEQ_OFF + 8])
         if len(raw) < end:
             raise SegmentCorrupt("file shrank while reading")
         seq = L.U64.unpack_from(raw, L.SEQ_OFF)[0]
+        seqs_seen.add(seq)
         if seq & 1:
             time.sleep(0 if attempt < 8 else 0.0005)
             continue
         payload = raw[L.COUNTERS_OFF:L.CHECKSUM_OFF]
         check = L.U64.unpack_from(raw, L.CHECKSUM_OFF)[0]
+        pages = None
         if seq == 0:  # never published yet: all zeros
-            counters = dict.fromkeys(L.COUNTER_FIELDS, 0)
-            counters["effective_limit"] = -1
-            counters["requested_limit"] = -1
+            counters = _unpublished_counters()
         elif check != L.counters_checksum(payload, seq):
-            time.sleep(0 if attempt < 8 else 0.0005)
-            continue
+            counters = None
         else:
             counters = dict(zip(L.COUNTER_FIELDS, L.COUNTERS.unpack(payload)))
-        pages = None
-        if with_pages:
+        if counters is not None and with_pages:
             pages = array("I")
             pages.frombytes(raw[L.PAGE_MAP_OFF:L.PAGE_MAP_OFF + 4 * pages_total])
             if (sum(pages) & 0xFFFFFFFFFFFFFFFF) != counters["page_sum"]:
-                time.sleep(0 if attempt < 8 else 0.0005)
-                continue
+                counters = None
+        if counters is None:
+            if os.pread(fd, 8, L.SEQ_OFF) == raw[L.SEQ_OFF:L.SEQ_OFF + 8]:
+                quiet_failures += 1  # the writer did not move: the file really holds this
+                if quiet_failures >= QUIET_FAILURES:
+                    raise SegmentCorrupt("checksum mismatch in a quiet segment")
+            time.sleep(0 if attempt < 8 else 0.0005)
+            continue
         if os.pread(fd, 8, L.SEQ_OFF) != raw[L.SEQ_OFF:L.SEQ_OFF + 8]:
             continue  # the writer moved on during the copy
         return counters, pages, raw
     if len(seqs_seen) == 1:  # nobody is writing, yet no copy checks out
+        seq = seqs_seen.pop()
+        if seq & 1:
+            raise PublishUnfinished(f"a publish never finished (sequence {seq} stayed odd)")
         raise SegmentCorrupt("checksum mismatch in a quiet segment")
     raise BlockingIOError("no consistent copy after retries: the writer is very busy")
+
+
+def _unpublished_counters() -> dict:
+    counters = dict.fromkeys(L.COUNTER_FIELDS, 0)
+    counters["effective_limit"] = -1
+    counters["requested_limit"] = -1
+    return counters
 
 
 def _rank_bytes(fd: int, header: dict, body: bytes) -> bytes:
@@ -117,7 +137,17 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise SegmentCorrupt("not a regular file")
         header = parse_header(os.pread(fd, L.HEADER.size, 0))
-        counters, pages, body = _consistent_copy(fd, header, with_pages)
+        if path.name != SEGMENT_PREFIX + header["name"]:
+            raise SegmentCorrupt(f"the header names segment {header['name']!r}, not this file")
+        try:
+            counters, pages, body = _consistent_copy(fd, header, with_pages)
+        except PublishUnfinished as exc:
+            if is_alive(header["pid"], header["start_time"]):
+                raise BlockingIOError(f"{exc}: its writer (pid {header['pid']}) is alive but stuck") from None
+            # The writer died mid-publish: whatever it counted is no longer held. Show it stale and empty.
+            counters = _unpublished_counters()
+            body = os.pread(fd, L.total_size(header["pages_total"], header["ranks_max"]), 0)
+            pages = array("I", bytes(4 * header["pages_total"])) if with_pages else None
         rank_raw = _rank_bytes(fd, header, body) if header["tp_world"] > 1 else b""
     finally:
         os.close(fd)
@@ -194,6 +224,8 @@ def scan(*, with_pages: bool = False, directory: Path | None = None) -> Scan:
                 models.append(read_legacy(path))
             except FileNotFoundError:
                 continue
+            except BlockingIOError as exc:
+                problems.append(Problem(str(path), "busy", str(exc)))
             except (OSError, ValueError) as exc:
                 problems.append(Problem(str(path), "foreign", str(exc)))
     models.sort(key=lambda m: m.name)

@@ -63,6 +63,26 @@ def _owned_stale(path: Path) -> bool:
     return not is_alive(fields["pid"], fields["start_time"])
 
 
+def _why_taken(path: Path) -> str:
+    """Why an existing ``path`` may not be replaced, in words."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            return "is a symbolic link; refusing to follow or replace it"
+        if not stat.S_ISREG(st.st_mode):
+            return "is not a regular file"
+        if st.st_uid != os.getuid():
+            return f"belongs to uid {st.st_uid}, not you (uid {os.getuid()})"
+        with open(path, "rb") as fh:
+            raw = fh.read(L.HEADER.size)
+    except OSError as exc:
+        return f"cannot be inspected ({exc.strerror or exc})"
+    if len(raw) < L.HEADER.size or raw[:8] != L.MAGIC:
+        return "is not a kvcached_core segment; remove it if it is junk"
+    pid = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack(raw), strict=True))["pid"]
+    return f"is in use by a live allocator (pid {pid}); pick another name"
+
+
 def create_segment_file(name: str, size: int, directory: Path | None = None) -> tuple[Path, int]:
     """Create ``kvc.<name>`` owner-only with O_EXCL|O_NOFOLLOW; replace it only if it is our own stale one."""
     path = segment_path(validate(name), directory)
@@ -74,7 +94,7 @@ def create_segment_file(name: str, size: int, directory: Path | None = None) -> 
             if attempt == 0 and _owned_stale(path):
                 os.unlink(path)
                 continue
-            raise SegmentError(f"segment {path} already exists and belongs to a live process or another user") from None
+            raise SegmentError(f"segment name {name!r} is taken: {path} {_why_taken(path)}") from None
         except OSError as exc:
             raise SegmentError(f"cannot create segment {path}: {exc.strerror}") from None
         try:

@@ -77,6 +77,17 @@ class ModelSnapshot:
         return self.block_bytes * self.num_layers * self.num_kv_buffers * max(1, self.tp_world)
 
     @property
+    def devices(self) -> tuple[int, ...]:
+        """The devices holding the model's memory: its ranks' devices (tensor parallel), else its own."""
+        return tuple(sorted({r.device for r in self.ranks})) or (self.device,)
+
+    def device_share(self, device: int) -> float:
+        """Fraction of the model's memory on ``device``: every rank holds the same page bundle."""
+        if not self.ranks:
+            return 1.0 if device == self.device else 0.0
+        return sum(r.device == device for r in self.ranks) / len(self.ranks)
+
+    @property
     def held_bytes(self) -> int:
         """Bytes of blocks in use (active + cached), across layers and KV buffers."""
         if self.status == "legacy":

@@ -237,7 +237,7 @@ class KvtopApp(App[int]):
     def _filtered(self, frame: Frame) -> list[ModelSnapshot]:
         models: list[ModelSnapshot] = list(frame.models)
         if self.gpus is not None:
-            models = [m for m in models if m.device in self.gpus]
+            models = [m for m in models if any(d in self.gpus for d in m.devices)]
         return sort_models(filter_models(models, self.filter_text), self.sort_key, self.history)
 
     def _redraw(self) -> None:

@@ -56,7 +56,7 @@ def page_map(m, width: int, rows: int = MAP_ROWS) -> RenderableType:
 def render(frame: Frame, *, width: int, model: str | None = None, gpus: Sequence[int] | None = None,
            history: History | None = None) -> list[RenderableType]:
     """The snapshot as renderables: header, devices, models, and the chosen model's page map."""
-    models = [m for m in frame.models if gpus is None or m.device in gpus]
+    models = [m for m in frame.models if gpus is None or any(d in gpus for d in m.devices)]
     live = sum(1 for m in models if m.status == "live")
     out: list[RenderableType] = [Text.assemble(
         ("kvtop ", "bold"), f"{frame.host} · ", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(frame.taken_at)),

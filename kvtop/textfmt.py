@@ -86,6 +86,12 @@ def fmt_limit(m: ModelSnapshot) -> str:
     return f"{format_bytes(shown)} {m.limit_status}"
 
 
+def fmt_device(m: ModelSnapshot) -> str:
+    """``0``, or ``0,1 tp2`` for a model split over tensor-parallel ranks."""
+    text = ",".join(str(d) for d in m.devices)
+    return f"{text} tp{m.tp_world}" if m.tp_world > 1 else text
+
+
 def fmt_pages(m: ModelSnapshot) -> str:
     return "-" if m.status == "legacy" else f"{m.pages_inuse}/{m.pages_total}"
 
@@ -100,7 +106,7 @@ LIST_COLUMNS = (
 def list_row(m: ModelSnapshot) -> list[str]:
     """One ``kvctl list`` row."""
     return [
-        m.name, m.engine, str(m.pid), str(m.device), m.display_status,
+        m.name, m.engine, str(m.pid), fmt_device(m), m.display_status,
         fmt_bytes(m.mapped_bytes), fmt_bytes(m.held_bytes), fmt_bytes(m.reserved_bytes),
         "-" if m.status == "legacy" else fmt_bytes(m.cached_bytes),
         fmt_limit(m), fmt_ratio(m.waste_ratio), fmt_pages(m),

@@ -18,6 +18,7 @@ from kvcached_core.snapshot import ModelSnapshot
 from kvtop.history import History
 from kvtop.pagemap import GLYPHS, Cell
 from kvtop.source import Frame
+from kvtop.textfmt import fmt_device
 
 SORT_KEYS = ("name", "mapped", "waste", "alloc/s", "held")
 MODEL_COLOURS = ("dodger_blue1", "dark_orange", "medium_purple1", "spring_green2", "gold1", "hot_pink",
@@ -125,7 +126,7 @@ def model_cells(m: ModelSnapshot, history: History | None = None) -> dict[str, T
         "spark": Text(sparkline(history.mapped(m.name)) if history else "", style="cyan"),
         "engine": Text(m.engine),
         "pid": Text(str(m.pid) if m.pid else "-"),
-        "device": Text(str(m.device)),
+        "device": Text(fmt_device(m)),
     }
 
 
@@ -154,11 +155,13 @@ class DeviceBar:
         return max(0, self.total - self.taken)
 
 
-def _model_parts(models: Sequence[ModelSnapshot], names: Sequence[str]) -> tuple[list[Part], int]:
+def _model_parts(models: Sequence[ModelSnapshot], names: Sequence[str],
+                 device: int | None = None) -> tuple[list[Part], int]:
     parts, reserved = [], 0
     for m in sorted(models, key=lambda m: m.name):
-        in_use = max(0, m.mapped_bytes - m.reserved_bytes)
-        reserved += m.reserved_bytes
+        share = 1.0 if device is None else m.device_share(device)  # a tensor-parallel rank's part
+        in_use = round(max(0, m.mapped_bytes - m.reserved_bytes) * share)
+        reserved += round(m.reserved_bytes * share)
         if in_use:
             parts.append(Part(m.name, in_use, model_colour(m.name, names)))
     return parts, reserved
@@ -169,8 +172,8 @@ def device_bars(frame: Frame) -> list[DeviceBar]:
     names = [m.name for m in frame.models]
     bars = []
     for gpu in frame.gpus:
-        mine = [m for m in frame.models if m.backend != "host" and m.device == gpu.index and m.status != "stale"]
-        parts, reserved = _model_parts(mine, names)
+        mine = [m for m in frame.models if m.backend != "host" and gpu.index in m.devices and m.status != "stale"]
+        parts, reserved = _model_parts(mine, names, gpu.index)
         ours = sum(p.nbytes for p in parts) + reserved
         if reserved:
             parts.append(Part("reserved", reserved, RESERVED_STYLE, "▒"))

@@ -12,17 +12,11 @@ from pathlib import Path
 import pytest
 from conftest import child_env
 
-from kvcached_core import (
-    AckTimeout,
-    BackendError,
-    KVCacheManager,
-    list_models,
-    request_limit,
-    request_trim,
-    snapshot,
-)
-from kvcached_core.backends import Geometry
+from kvcached_core.backends import BackendError, Geometry
+from kvcached_core.control import AckTimeout, request_limit, request_trim
+from kvcached_core.manager import KVCacheManager
 from kvcached_core.procinfo import is_alive
+from kvcached_core.reader import list_models, snapshot
 from kvcached_core.tp import RankLost, TPWorker, scheduler
 
 KiB, MiB = 1024, 1024 * 1024
@@ -263,3 +257,39 @@ def test_worker_cli_rejects_bad_arguments(tmp_path: Path) -> None:
         assert out.returncode == 2
         assert out.stderr.count("\n") == 1 and out.stderr.startswith("error:") and "Traceback" not in out.stderr
         assert not (tmp_path / "s").exists()
+
+
+def test_kvctl_and_kvtop_group_the_ranks_under_one_model(managers) -> None:
+    import dataclasses
+    import json
+
+    from click.testing import CliRunner
+
+    from kvcached_core.nvml import GpuInfo
+    from kvtop.cli import main as kvctl
+    from kvtop.source import Frame
+    from kvtop.view import device_bars, model_cells
+
+    m = managers("tp-cli", 2)
+    assert m.alloc(8) is not None  # 2 pages
+    runner = CliRunner()
+    listed = json.loads(runner.invoke(kvctl, ["list", "--json"]).stdout)
+    assert len(listed) == 1  # one model, not one row per rank
+    row = listed[0]
+    assert row["tp_world"] == 2 and [r["rank"] for r in row["ranks"]] == [0, 1]
+    assert row["mapped_bytes"] == sum(r["mapped_bytes"] for r in row["ranks"]) == 2 * m.bundle_bytes
+    assert " 0 tp2 " in runner.invoke(kvctl, ["list"]).stdout
+    shown = runner.invoke(kvctl, ["show", "tp-cli"]).stdout
+    assert "x 2 ranks" in shown and "tp2" in shown
+    for r in m.backend.ranks:
+        assert f"rank {r.rank}" in shown and f"pid {r.pid}" in shown
+
+    # kvtop: "0,1 tp2" in the device column; each GPU's bar holds its rank's half of the model.
+    snap = snapshot(m.name)
+    gpu_snap = dataclasses.replace(snap, backend="cuda", ranks=tuple(
+        dataclasses.replace(r, device=r.rank) for r in snap.ranks))
+    assert model_cells(gpu_snap)["device"].plain == "0,1 tp2"
+    gpus = tuple(GpuInfo(i, "H200", None, 100 * MiB, 0, 100 * MiB) for i in range(2))
+    frame = Frame((gpu_snap,), (), gpus, "", 0, None, 0.0, "host")
+    for bar in device_bars(frame):
+        assert [(p.label, p.nbytes) for p in bar.parts] == [("tp-cli", m.bundle_bytes)]  # 2 pages in use / 2

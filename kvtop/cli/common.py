@@ -33,7 +33,7 @@ def read(*, with_pages: bool = False, include_stale: bool = True, warn_problems:
         for problem in found.problems:
             warn(problem_line(problem))
     models = tuple(m for m in found.models
-                   if (include_stale or m.status in SHOWN_BY_DEFAULT) and (gpu is None or m.device == gpu))
+                   if (include_stale or m.status in SHOWN_BY_DEFAULT) and (gpu is None or gpu in m.devices))
     return Scan(models, found.problems)
 
 

@@ -79,7 +79,7 @@ def show_cmd(model: str, as_json: bool, width: int, rows: int) -> None:
 
 def describe(m: ModelSnapshot, frag: Fragmentation) -> list[str]:
     """The text of ``kvctl show`` above the page map."""
-    lines = [f"{m.name}  (model {m.model}, engine {m.engine}, backend {m.backend}, pid {m.pid}, device {m.device})"]
+    lines = [f"{m.name}  (model {m.model}, engine {m.engine}, backend {m.backend}, pid {m.pid}, device {T.fmt_device(m)})"]
 
     def field(label: str, text: str) -> None:
         lines.append(f"  {label:<12} {text}")
@@ -89,7 +89,8 @@ def describe(m: ModelSnapshot, frag: Fragmentation) -> list[str]:
         free = m.pages_total - m.pages_inuse - m.pages_reserved
         field("pages", f"{m.pages_inuse} in use, {m.pages_reserved} reserved, {free} free, {m.pages_total} total "
                        f"(page {T.fmt_bytes(m.page_size)}, bundle {T.fmt_bytes(m.bundle_bytes)} "
-                       f"= {m.num_layers} layers x {m.num_kv_buffers} buffers)")
+                       f"= {m.num_layers} layers x {m.num_kv_buffers} buffers"
+                       + (f" x {m.tp_world} ranks)" if m.tp_world > 1 else ")"))
         field("blocks", f"{m.blocks_used} used ({m.blocks_cached} cached) of {m.num_blocks}, "
                         f"{m.blocks_per_page} per page, {T.fmt_bytes(m.block_bytes)} each per layer and buffer")
     field("memory", f"mapped {T.fmt_bytes(m.mapped_bytes)}, held {T.fmt_bytes(m.held_bytes)}, "
@@ -102,7 +103,7 @@ def describe(m: ModelSnapshot, frag: Fragmentation) -> list[str]:
         limit += f"; waiting for {m.pages_inuse - (m.limit_bytes or 0) // max(1, m.bundle_bytes)} pages to empty"
     field("limit", limit)
     if m.device_capacity:
-        field("capacity", f"{T.fmt_bytes(m.device_capacity)} on the device")
+        field("capacity", f"{T.fmt_bytes(m.device_capacity)} on the device" + ("s" if len(m.devices) > 1 else ""))
     field("waste", f"{T.fmt_ratio(frag.waste_ratio)} pinned/held; packed floor {frag.packed_floor_pages} pages "
                    f"({T.fmt_bytes(frag.packed_floor_bytes)}), pinned {T.fmt_ratio(frag.pinned_over_floor)} of it")
     field("reclaimable", f"{T.fmt_bytes(frag.reclaimable_trim_bytes)} now by trim, "

@@ -18,6 +18,7 @@ from kvcached_core import SizeError, format_bytes, parse_size
 from kvcached_core.frag import fragmentation
 from kvcached_core.snapshot import ModelSnapshot
 from kvtop.pagemap import GLYPHS, LEGEND
+from kvtop.textfmt import fmt_device
 from kvtop.view import STATE_STYLES, frag_table
 
 
@@ -237,7 +238,7 @@ class DetailsScreen(_InfoScreen):
         info.add_column()
         rows = [
             ("model", m.model), ("segment", m.path), ("engine", m.engine), ("backend", m.backend),
-            ("pid", str(m.pid)), ("device", str(m.device)), ("status", m.display_status),
+            ("pid", str(m.pid)), ("device", fmt_device(m)), ("status", m.display_status),
             ("tensor parallel", f"{m.tp_world} ranks" if m.tp_world > 1 else "no"),
         ]
         if m.status != "legacy":

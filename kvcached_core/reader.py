@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
@@ -62,8 +63,9 @@ def parse_header(raw: bytes) -> dict:
 def _consistent_copy(fd: int, header: dict, with_pages: bool) -> tuple[dict, array | None, bytes]:
     """Copy counters (and the page map) until one copy passes the seqlock and both checksums."""
     pages_total = header["pages_total"]
-    end = L.total_size(pages_total, header["ranks_max"]) if with_pages else L.PAGE_MAP_OFF
-    if os.fstat(fd).st_size < end:
+    size = L.total_size(pages_total, header["ranks_max"])
+    end = size if with_pages else L.PAGE_MAP_OFF
+    if os.fstat(fd).st_size < size:
         raise SegmentCorrupt("file shorter than its header says")
     seqs_seen: set[int] = set()
     quiet_failures = 0
@@ -132,7 +134,12 @@ def _rank_bytes(fd: int, header: dict, body: bytes) -> bytes:
 
 def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = None) -> ModelSnapshot:
     """Read one of our segments; raises SegmentCorrupt, BlockingIOError or OSError."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SegmentCorrupt("not a regular file: a symbolic link (never followed)") from None
+        raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise SegmentCorrupt("not a regular file")

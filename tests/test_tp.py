@@ -293,3 +293,57 @@ def test_kvctl_and_kvtop_group_the_ranks_under_one_model(managers) -> None:
     frame = Frame((gpu_snap,), (), gpus, "", 0, None, 0.0, "host")
     for bar in device_bars(frame):
         assert [(p.label, p.nbytes) for p in bar.parts] == [("tp-cli", m.bundle_bytes)]  # 2 pages in use / 2
+
+
+def _gpu_count() -> int:
+    from kvcached_core import nvml
+
+    return len(nvml.probe()) if nvml.available() else 0
+
+
+GPUS = _gpu_count()
+CUDA_GEOM = dict(num_blocks=64, block_bytes=512 * KiB, num_layers=2, page_size=2 * MiB)  # 8 MiB per rank
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 NVIDIA GPUs, found {GPUS}")
+def test_cuda_ranks_map_on_their_own_gpus(managers) -> None:
+    m = managers("tp-cuda", 2, backend="cuda", **CUDA_GEOM)
+    ids = m.alloc(10)  # 3 pages
+    assert ids is not None
+    assert m.backend.rank_pages() == [mapped_pages(m)] * 2 and len(mapped_pages(m)) == 3
+    snap = snapshot(m.name)
+    assert snap.backend == "cuda" and snap.devices == (0, 1) and snap.tp_world == 2
+    assert [r.mapped_bytes for r in snap.ranks] == [3 * 8 * MiB] * 2
+    assert snap.mapped_bytes == 3 * 16 * MiB
+    m.free(ids)
+    m.trim()
+    assert m.backend.rank_pages() == [[], []]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 NVIDIA GPUs, found {GPUS}")
+def test_cuda_embedded_workers_write_their_own_gpu(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    geometry = Geometry(2 * MiB, 16, 2, 2)
+    paths = [str(tmp_path / f"g{r}.sock") for r in range(2)]
+    workers = [TPWorker(path, r, r, "cuda", geometry) for r, path in enumerate(paths)]
+    for w in workers:
+        w.start()
+    m = KVCacheManager("tp-cuda-embed", name="tp-cuda-embed", backend="cuda", tp_workers=paths, **CUDA_GEOM)
+    try:
+        block = m.alloc(1)[0]
+        page, slot = divmod(block, m.blocks_per_page)
+        for r, w in enumerate(workers):
+            view = w.buffer(1, 1)
+            assert view.device.index == r
+            view[page, slot * m.block_bytes:slot * m.block_bytes + 8] = r + 1
+        for r, w in enumerate(workers):
+            torch.cuda.synchronize(r)
+            cell = w.buffer(1, 1)[page, slot * m.block_bytes:slot * m.block_bytes + 8]
+            assert torch.all(cell == r + 1)
+        del view, cell  # views keep the mapping's memory referenced
+    finally:
+        m.close()
+    for w in workers:
+        assert w.finished.wait(10) and not w.mapped

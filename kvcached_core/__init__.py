@@ -7,17 +7,50 @@ This package never imports textual, rich or click.
 
 from __future__ import annotations
 
-from .backends import BackendError, BackendUnavailable
-from .control import Ack, AckTimeout, ControlError, request_limit, request_trim
-from .frag import Fragmentation, fragmentation
-from .manager import KVCacheManager
-from .names import InvalidName
+import importlib
+from typing import TYPE_CHECKING
+
+# The reader's names load at once (the ``snapshot`` function must shadow the submodule of that name);
+# the allocator's and controller's load on first use, so ``kvctl list`` never pays for them.
 from .reader import ModelNotFound, list_models, resolve, scan, snapshot
-from .segment import SegmentError
 from .sizes import SizeError, format_bytes, parse_size
 from .snapshot import ModelSnapshot, Problem, Scan
 
+if TYPE_CHECKING:
+    from .backends import BackendError, BackendUnavailable
+    from .control import Ack, AckTimeout, ControlError, request_limit, request_trim
+    from .frag import Fragmentation, fragmentation
+    from .manager import KVCacheManager
+    from .names import InvalidName
+    from .segment import SegmentError
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "BackendError": "backends", "BackendUnavailable": "backends",
+    "Ack": "control", "AckTimeout": "control", "ControlError": "control",
+    "request_limit": "control", "request_trim": "control",
+    "Fragmentation": "frag", "fragmentation": "frag", "KVCacheManager": "manager", "InvalidName": "names",
+    "SegmentError": "segment",
+}
+
+
+def __getattr__(name: str):  # noqa: ANN202 - PEP 562 lazy attributes
+    module = _EXPORTS.get(name)
+    if module is None:
+        try:  # kvcached_core.<submodule> without importing it first, as the eager package allowed
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
 
 __all__ = [
     "Ack", "AckTimeout", "BackendError", "BackendUnavailable", "ControlError", "Fragmentation",

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvcached_core.frag import Fragmentation
 from kvcached_core.sizes import format_bytes
 from kvcached_core.snapshot import ModelSnapshot
 from kvtop.pagemap import GLYPHS, LEGEND, fold, grid_lines
@@ -111,6 +113,85 @@ def list_row(m: ModelSnapshot) -> list[str]:
         "-" if m.status == "legacy" else fmt_bytes(m.cached_bytes),
         fmt_limit(m), fmt_ratio(m.waste_ratio), fmt_pages(m),
     ]
+
+
+# -- show and frag ---------------------------------------------------------------------
+
+def show_lines(m: ModelSnapshot, frag: Fragmentation) -> list[str]:
+    """The text of ``kvctl show`` above the page map."""
+    lines = [f"{m.name}  (model {m.model}, engine {m.engine}, backend {m.backend}, pid {m.pid}, device {fmt_device(m)})"]
+
+    def field(label: str, text: str) -> None:
+        lines.append(f"  {label:<12} {text}")
+
+    field("status", m.display_status)
+    if m.status != "legacy":
+        free = m.pages_total - m.pages_inuse - m.pages_reserved
+        field("pages", f"{m.pages_inuse} in use, {m.pages_reserved} reserved, {free} free, {m.pages_total} total "
+                       f"(page {fmt_bytes(m.page_size)}, bundle {fmt_bytes(m.bundle_bytes)} "
+                       f"= {m.num_layers} layers x {m.num_kv_buffers} buffers"
+                       + (f" x {m.tp_world} ranks)" if m.tp_world > 1 else ")"))
+        field("blocks", f"{m.blocks_used} used ({m.blocks_cached} cached) of {m.num_blocks}, "
+                        f"{m.blocks_per_page} per page, {fmt_bytes(m.block_bytes)} each per layer and buffer")
+    field("memory", f"mapped {fmt_bytes(m.mapped_bytes)}, held {fmt_bytes(m.held_bytes)}, "
+                    f"pinned {fmt_bytes(m.pinned_bytes)}, reserved {fmt_bytes(m.reserved_bytes)}"
+                    + ("" if m.status == "legacy" else f", cached {fmt_bytes(m.cached_bytes)}"))
+    limit = fmt_limit(m)
+    if m.limit_revision:
+        limit += f" (revision {m.limit_revision}, applied {m.applied_revision})"
+    if m.requested_limit is not None and m.limit_status == "deferred":
+        limit += f"; waiting for {m.pages_inuse - (m.limit_bytes or 0) // max(1, m.bundle_bytes)} pages to empty"
+    field("limit", limit)
+    if m.device_capacity:
+        field("capacity", f"{fmt_bytes(m.device_capacity)} on the device" + ("s" if len(m.devices) > 1 else ""))
+    field("waste", f"{fmt_ratio(frag.waste_ratio)} pinned/held; packed floor {frag.packed_floor_pages} pages "
+                   f"({fmt_bytes(frag.packed_floor_bytes)}), pinned {fmt_ratio(frag.pinned_over_floor)} of it")
+    field("reclaimable", f"{fmt_bytes(frag.reclaimable_trim_bytes)} now by trim, "
+                         f"{fmt_bytes(frag.reclaimable_evict_bytes)} by evicting cached blocks")
+    if m.status != "legacy":
+        field("activity", f"{m.alloc_count} allocs ({m.alloc_blocks} blocks), {m.free_count} frees "
+                          f"({m.free_blocks} blocks), {m.evicted_blocks} evicted, trimmed {fmt_bytes(m.trimmed_total)}, "
+                          f"idle returned {fmt_bytes(m.idle_returned)}")
+        if m.heartbeat_ns:
+            field("heartbeat", f"{max(0.0, (time.time_ns() - m.heartbeat_ns) / 1e9):.1f} s ago")
+    for r in m.ranks:
+        field(f"rank {r.rank}", f"device {r.device}, pid {r.pid}, mapped {fmt_bytes(r.mapped_bytes)}"
+                                f"{'' if r.alive else ' (dead)'}")
+    return lines
+
+
+FRAG_COLUMNS = (
+    Column("NAME"), Column("HELD", True), Column("PINNED", True), Column("WASTE", True),
+    Column("FLOOR", True), Column("OVER-FLOOR", True), Column("TRIM-NOW", True), Column("EVICT", True),
+)
+
+
+def frag_lines(m: ModelSnapshot, f: Fragmentation) -> list[str]:
+    """The text of ``kvctl frag MODEL``."""
+    lines = [f"{m.name}  ({m.display_status})"]
+    rows = [
+        ("held", f"{fmt_bytes(f.held_bytes)}  (used blocks x block bundle)"),
+        ("pinned", f"{fmt_bytes(f.pinned_bytes)}  (in-use pages x page bundle)"),
+        ("waste", f"{fmt_ratio(f.waste_ratio)}  (pinned / held; 1.00x is ideal)"),
+        ("packed floor", f"{f.packed_floor_pages} pages = {fmt_bytes(f.packed_floor_bytes)}; "
+                         f"pinned is {fmt_ratio(f.pinned_over_floor)} of it"),
+        ("trim now", f"{fmt_bytes(f.reclaimable_trim_bytes)}  (reserved pages: kvctl trim {m.name})"),
+        ("evict", f"{fmt_bytes(f.reclaimable_evict_bytes)}  (pages holding only cached blocks)"),
+    ]
+    lines += [f"  {label:<13}{text}" for label, text in rows]
+    if f.worst_pages:
+        lines.append("  emptiest in-use pages:")
+        for p in f.worst_pages:
+            cached = f", {p.cached} cached" if p.cached else ""
+            lines.append(f"    page {p.page:>6}  {p.used}/{p.capacity} blocks used{cached}")
+    return lines
+
+
+def frag_row(m: ModelSnapshot, f: Fragmentation) -> list[str]:
+    """One row of ``kvctl frag`` without MODEL."""
+    return [m.name, fmt_bytes(f.held_bytes), fmt_bytes(f.pinned_bytes), fmt_ratio(f.waste_ratio),
+            f"{f.packed_floor_pages} pages", fmt_ratio(f.pinned_over_floor),
+            fmt_bytes(f.reclaimable_trim_bytes), fmt_bytes(f.reclaimable_evict_bytes)]
 
 
 # -- the page map --------------------------------------------------------------------------

@@ -257,7 +257,7 @@ class KvtopApp(App[int]):
             old = table.order
             index = old.index(self.selected) if self.selected in old else 0
             self.selected = names[min(index, len(names) - 1)] if names else None
-        self.table.show(self._visible, self.history, self.selected)
+        self.table.show(self._visible, self.history, self.selected, [m.name for m in frame.models])
         self.devices.show(frame)
         self._draw_selected()
         self._draw_status()
@@ -507,6 +507,7 @@ def _exit_on_signals() -> Iterator[None]:
         raise SystemExit(128 + signum)
 
     saved = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    saved[signal.SIGINT] = signal.getsignal(signal.SIGINT)
     try:
         yield
     finally:
@@ -541,6 +542,8 @@ def run(*, demo: bool, demo_models: int, once: bool, interval: float, gpus: list
             return app.return_code or 0
         finally:
             if fleet is not None:
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # let the cleanup finish
+                    signal.signal(sig, signal.SIG_IGN)
                 fleet.stop()
 
 

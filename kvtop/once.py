@@ -36,8 +36,9 @@ def models_table(models: Sequence, history: History | None = None) -> Table:
         if key == "spark":
             continue
         table.add_column(header, justify="right" if right else "left", no_wrap=True)
+    names = [m.name for m in models]
     for m in models:
-        cells = model_cells(m, history)
+        cells = model_cells(m, history, names)
         table.add_row(*(cells[key] for key, *_ in COLUMNS if key != "spark"))
     return table
 

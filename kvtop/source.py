@@ -238,35 +238,38 @@ class FakeSource:
         pass
 
 
-def sample_fleet(*, gpus: bool = False, big_pages: int = 100_000) -> FakeSource:
+def sample_fleet(*, gpus: bool = False, big_pages: int = 100_000, steps: int = 6) -> FakeSource:
     """A fleet that shows every state: live, stale, shrinking, legacy and a model with 100k pages.
 
-    Two refreshes: the second one has the stale model gone stale, a limit acknowledged and a trim,
-    so the event log has something to say.
+    ``steps`` refreshes, one second apart: llama grows, qwen sheds pages under a deferred limit,
+    mistral goes stale at step 3, qwen's second limit revision is acknowledged at step 4 and
+    deepseek is trimmed at step 5, so the sparklines and the event log have something to say.
     """
     bpp = 8
-    llama_pages = fake_pages(768, inuse=300, reserved=10, bpp=bpp, cached_pages=40, seed=1)
-    qwen_pages = fake_pages(512, inuse=120, reserved=6, bpp=bpp, seed=2, fill=0.3)
     mistral_pages = fake_pages(384, inuse=90, reserved=0, bpp=bpp, seed=3)
-    big = fake_pages(big_pages, inuse=24_000, reserved=10, bpp=bpp, cached_pages=3000, seed=4, fill=0.8)
+    big = fake_pages(big_pages, inuse=big_pages * 6 // 25, reserved=10, bpp=bpp, cached_pages=big_pages * 3 // 100,
+                     seed=4, fill=0.8)
+    llama = [fake_pages(768, inuse=150 + 30 * i, reserved=10, bpp=bpp, cached_pages=40, seed=1) for i in range(steps)]
+    qwen = [fake_pages(512, inuse=130 - 2 * i, reserved=6, bpp=bpp, seed=2, fill=0.3) for i in range(steps)]
     backend, capacity = ("cuda", 140 * GiB) if gpus else ("host", 128 * GiB)
     bundle = 2 * MiB * 32 * 2  # page bundle of a 32-layer K/V model
     qwen_limit = 100 * bundle
 
     def fleet(step: int) -> tuple[ModelSnapshot, ...]:
         return (
-            fake_model("llama-3-8b", pages=llama_pages, engine="vllm", pid=1201, backend=backend,
+            fake_model("llama-3-8b", pages=llama[step], engine="vllm", pid=1201, backend=backend,
                        device_capacity=capacity, alloc_blocks=9000 + 1500 * step),
-            fake_model("qwen2-7b", pages=qwen_pages, engine="sglang", pid=1202, backend=backend,
+            fake_model("qwen2-7b", pages=qwen[step], engine="sglang", pid=1202, backend=backend,
                        device=1 if gpus else 0, device_capacity=capacity,
-                       limit_bytes=qwen_limit, limit_status="deferred", revision=1 + step,
+                       limit_bytes=qwen_limit, limit_status="deferred", revision=1 + (step >= 4),
                        alloc_blocks=4000 + 200 * step),
             fake_model("mistral-7b", pages=mistral_pages, engine="vllm", pid=1203, backend=backend,
-                       status="live" if step == 0 else "stale", device_capacity=capacity,
-                       alloc_blocks=3000),
+                       status="live" if step < 3 else "stale", device_capacity=capacity,
+                       alloc_blocks=3000 + 100 * min(step, 2)),
             fake_model("deepseek-v3-100k", pages=big, engine="custom", pid=1204, backend=backend,
                        page_size=256 * KiB, block_bytes=32 * KiB, num_layers=2, device_capacity=capacity,
-                       alloc_blocks=150_000 + 8000 * step, trim_ack_seq=step, trim_bytes=12 * MiB if step else 0),
+                       alloc_blocks=150_000 + 8000 * step, trim_ack_seq=int(step >= 5),
+                       trim_bytes=12 * MiB if step >= 5 else 0),
             fake_model("kvcached_vllm_3311", legacy=(24 * GiB, 10 * GiB, 2 * GiB), engine="vllm", pid=3311),
         )
 
@@ -276,4 +279,4 @@ def sample_fleet(*, gpus: bool = False, big_pages: int = 100_000) -> FakeSource:
             GpuInfo(0, "NVIDIA H200", "GPU-0", 140 * GiB, 100 * GiB, 40 * GiB, {1201: 40 * GiB, 3311: 12 * GiB}),
             GpuInfo(1, "NVIDIA H200", "GPU-1", 140 * GiB, 30 * GiB, 110 * GiB, {1202: 16 * GiB}),
         )
-    return FakeSource([fleet(0), fleet(1)], gpus=gpu_infos, host_capacity=capacity)
+    return FakeSource([fleet(i) for i in range(steps)], gpus=gpu_infos, host_capacity=capacity)

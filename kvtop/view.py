@@ -107,13 +107,14 @@ def mapped_cell(m: ModelSnapshot) -> Text:
     return Text(format_bytes(m.mapped_bytes), style=style)
 
 
-def model_cells(m: ModelSnapshot, history: History | None = None) -> dict[str, Text]:
-    """One table row, keyed like :data:`COLUMNS`."""
+def model_cells(m: ModelSnapshot, history: History | None = None, names: Sequence[str] = ()) -> dict[str, Text]:
+    """One table row, keyed like :data:`COLUMNS`; ``names`` (every model) picks the colour swatch."""
     legacy = m.status == "legacy"
     rate = history.rate(m.name) if history else None
     status = m.display_status
     return {
-        "name": Text(m.name, style="bold" if status == "live" else ""),
+        "name": Text.assemble(("■ ", model_colour(m.name, names) if names else "grey50"),
+                              (m.name, "bold" if status == "live" else "")),
         "status": Text(status, style=STATUS_STYLES.get(status, "")),
         "mapped": mapped_cell(m),
         "limit": limit_cell(m),
@@ -245,7 +246,7 @@ def legend_text() -> Text:
     text = Text(no_wrap=True, overflow="ellipsis")
     for state, label in (("free", "free"), ("reserved", "reserved"), ("cached", "cached")):
         text.append(GLYPHS[state], style=STATE_STYLES[state])
-        text.append(f" {label}  ")
+        text.append(f" {label} ")
     for state in ("low", "mid", "high", "full"):
         text.append(GLYPHS[state], style=STATE_STYLES[state])
     text.append(" in use: low→full")
@@ -279,15 +280,16 @@ def frag_table(m: ModelSnapshot | None) -> Table | Text:
     grid.add_row("pinned", format_bytes(f.pinned_bytes))
     waste = "-" if f.waste_ratio is None else f"{f.waste_ratio:.2f}×"
     grid.add_row("waste", Text(waste, style=waste_style(f.waste_ratio)))
-    grid.add_row("packed floor", f"{f.packed_floor_pages:,} pages")
-    grid.add_row("trim returns", Text(format_bytes(f.reclaimable_trim_bytes), style=RESERVED_STYLE))
+    grid.add_row("floor", f"{f.packed_floor_pages:,} pages")
+    grid.add_row("trim frees", Text(format_bytes(f.reclaimable_trim_bytes), style=RESERVED_STYLE))
     if m.pages is not None:
         grid.add_row("evict frees", Text(format_bytes(f.reclaimable_evict_bytes), style="magenta"))
-    limit = Text(size(m.limit_bytes))
     if m.limit_status in ("deferred", "conflict"):
-        limit = Text(f"{size(m.requested_limit)} {m.limit_status}", style="bold yellow")
-    grid.add_row("limit", limit)
+        grid.add_row("limit", Text(f"↓{size(m.requested_limit)}", style="bold yellow"))
+        grid.add_row("limit is", Text(m.limit_status, style="bold yellow"))
+    else:
+        grid.add_row("limit", size(m.limit_bytes))
     over = "-" if f.pinned_over_floor is None else f"{f.pinned_over_floor:.2f}×"
-    grid.add_row("pinned/floor", over)
+    grid.add_row("pinned÷floor", over)
     grid.add_row("page bundle", format_bytes(m.bundle_bytes))
     return grid

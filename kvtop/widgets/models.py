@@ -30,8 +30,10 @@ class ModelTable(DataTable):
     def order(self) -> list[str]:
         return list(self._order)
 
-    def show(self, models: Sequence[ModelSnapshot], history: History, selected: str | None) -> None:
-        rows = {m.name: model_cells(m, history) for m in models}
+    def show(self, models: Sequence[ModelSnapshot], history: History, selected: str | None,
+             names: Sequence[str] = ()) -> None:
+        """``names``: every model's name (filtered out too), so a model keeps its colour."""
+        rows = {m.name: model_cells(m, history, names) for m in models}
         order = [m.name for m in models]
         if order != self._order:
             self.clear()

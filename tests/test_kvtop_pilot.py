@@ -1,0 +1,231 @@
+"""kvtop driven by key presses (Textual's pilot) against real allocators in child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+from conftest import send
+from textual.pilot import Pilot
+
+import kvcached_core as kc
+from kvcached_core.reader import snapshot as read_model
+from kvtop.app import KvtopApp
+from kvtop.source import LiveSource
+from kvtop.widgets import ConfirmScreen, LimitScreen
+
+MiB = 1024 * 1024
+BUNDLE = 256 * 1024 * 2 * 2  # spawn_allocator's page bundle: 256 KiB pages x 2 layers x K/V = 1 MiB
+TIMEOUT_S = 30.0
+
+
+def drive(app: KvtopApp, script: Callable[[Pilot], Awaitable[None]], size: tuple[int, int] = (140, 44)) -> None:
+    async def main() -> None:
+        async with app.run_test(size=size) as pilot:
+            await script(pilot)
+
+    asyncio.run(main())
+
+
+async def until(pilot: Pilot, condition: Callable[[], object], what: str, timeout: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def log_has(app: KvtopApp, text: str) -> bool:
+    return any(text in line for line in app.event_log.lines_text)
+
+
+def seen(app: KvtopApp, name: str, check: Callable[[kc.ModelSnapshot], bool] = lambda m: True) -> bool:
+    m = app.frame.model(name) if app.frame else None
+    return m is not None and check(m)
+
+
+def test_t_then_y_trims_the_selected_model(spawn_allocator) -> None:
+    proc = spawn_allocator("m1", script="ids = m.alloc(20)\n")
+    send(proc, "m.try_to_reserve(40)")  # maps 5 more pages up front: reserved, empty
+    before = read_model("m1")
+    assert before.pages_reserved >= 5
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1") and app.selected == "m1", "m1 on screen")
+        await pilot.press("t")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirm dialog")
+        await pilot.press("y")
+        await until(pilot, lambda: read_model("m1").trim_ack_seq >= 1, "the segment to acknowledge the trim")
+        await until(pilot, lambda: log_has(app, "trim acknowledged"), "the trim in the event log")
+
+    drive(app, script)
+    after = read_model("m1")
+    assert after.trim_seq == after.trim_ack_seq == 1
+    assert after.trim_bytes >= 5 * BUNDLE and after.trim_bytes % BUNDLE == 0  # whole reserved pages
+    assert after.pages_reserved == 0
+    assert after.blocks_used == 20  # pages in use untouched
+    assert log_has(app, f"trim acknowledged: {kc.format_bytes(after.trim_bytes)} returned")
+
+
+def test_l_sets_a_limit_deferred_then_a_percentage(spawn_allocator) -> None:
+    spawn_allocator("m1", script="ids = m.alloc(20)\n")  # 5 pages in use (4 blocks per page)
+    capacity = read_model("m1").device_capacity
+    assert capacity == 2048 * MiB
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    async def set_limit(pilot: Pilot, text: str) -> None:
+        await pilot.press("l")
+        await until(pilot, lambda: isinstance(app.screen, LimitScreen), "the limit dialog")
+        await pilot.press(*text)
+        await pilot.press("enter")
+        await until(pilot, lambda: not isinstance(app.screen, LimitScreen), "the dialog to close")
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1"), "m1 on screen")
+        await set_limit(pilot, "3MiB")  # below the 5 MiB in use: deferred
+        await until(pilot, lambda: read_model("m1").applied_revision >= 1, "revision 1 acknowledged")
+        await until(pilot, lambda: log_has(app, "limit r1 acknowledged: deferred"), "the deferral in the log")
+        await until(pilot, lambda: seen(app, "m1", lambda m: m.display_status == "shrinking"), "m1 shown shrinking")
+        snap = read_model("m1")
+        assert (snap.limit_revision, snap.limit_status, snap.requested_limit) == (1, "deferred", 3 * MiB)
+        await set_limit(pilot, "30%")
+        await until(pilot, lambda: read_model("m1").applied_revision >= 2, "revision 2 acknowledged")
+        await until(pilot, lambda: log_has(app, "limit r2 acknowledged: applied"), "the new limit in the log")
+
+    drive(app, script)
+    snap = read_model("m1")
+    wanted = int(capacity * 0.3)
+    assert snap.limit_revision == snap.applied_revision == 2
+    assert snap.limit_status == "applied"
+    assert snap.requested_limit == wanted
+    assert snap.limit_bytes == wanted // BUNDLE * BUNDLE
+
+
+def test_invalid_limit_keeps_the_dialog_open_and_writes_nothing(spawn_allocator) -> None:
+    spawn_allocator("m1")
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1"), "m1 on screen")
+        await pilot.press("l")
+        await until(pilot, lambda: isinstance(app.screen, LimitScreen), "the limit dialog")
+        await pilot.press(*"12 parsecs", "enter")
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, LimitScreen)
+        error = str(app.screen.query_one("#error").render())
+        assert "unknown unit 'parsecs'" in error
+        assert app.screen.has_class("-invalid")
+        for _ in range(len("12 parsecs")):
+            await pilot.press("backspace")
+        await pilot.press(*"-5G", "enter")
+        await pilot.pause(0.2)
+        assert "cannot be negative" in str(app.screen.query_one("#error").render())
+        await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, LimitScreen), "escape to close the dialog")
+
+    drive(app, script)
+    snap = read_model("m1")
+    assert snap.limit_revision == 0 and snap.limit_bytes is None
+
+
+def test_readonly_refuses_trim_and_limit_and_says_so(spawn_allocator) -> None:
+    proc = spawn_allocator("m1", script="ids = m.alloc(8)\n")
+    send(proc, "m.try_to_reserve(40)")
+    app = KvtopApp(LiveSource(), interval=0.2, readonly=True)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1"), "m1 on screen")
+        for key in ("t", "T", "l"):
+            await pilot.press(key)
+            await pilot.pause(0.1)
+            assert not isinstance(app.screen, ConfirmScreen | LimitScreen)
+        await until(pilot, lambda: sum("read-only" in line for line in app.event_log.lines_text) == 3,
+                    "three read-only refusals in the log")
+        assert "read-only" in app.status_line.render().plain  # type: ignore[union-attr]
+
+    drive(app, script)
+    snap = read_model("m1")
+    assert snap.trim_seq == 0 and snap.limit_revision == 0 and snap.pages_reserved > 0
+
+
+def test_trim_all_from_the_command_palette(spawn_allocator) -> None:
+    procs = [spawn_allocator(name, script="ids = m.alloc(4)\n") for name in ("a1", "a2")]
+    for proc in procs:
+        send(proc, "m.try_to_reserve(24)")
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "a1") and seen(app, "a2"), "both models on screen")
+        await pilot.press("ctrl+p")
+        await pilot.pause(0.3)
+        await pilot.press(*"trim all")
+        await pilot.pause(0.5)
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirm dialog")
+        await pilot.press("enter")  # Enter confirms too
+        await until(pilot, lambda: all(read_model(n).trim_ack_seq >= 1 for n in ("a1", "a2")), "both trims acked")
+        await until(pilot, lambda: sum("trim acknowledged" in line or "trimmed:" in line
+                                       for line in app.event_log.lines_text) >= 2, "two trims in the log")
+
+    drive(app, script)
+    for name in ("a1", "a2"):
+        snap = read_model(name)
+        assert snap.pages_reserved == 0 and snap.blocks_used == 4
+
+
+def test_events_follow_models_appearing_and_going_stale(spawn_allocator) -> None:
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: log_has(app, "watching 0 models"), "the first refresh")
+        proc = spawn_allocator("late")
+        await until(pilot, lambda: log_has(app, "late appeared"), "the appearance")
+        send(proc, "ids = m.alloc(6)")
+        await until(pilot, lambda: seen(app, "late", lambda m: m.blocks_used == 6), "the allocation on screen")
+        proc.kill()
+        proc.wait()
+        await until(pilot, lambda: log_has(app, "late went stale"), "the model going stale")
+        assert app.table.order == ["late"]
+
+    drive(app, script)
+
+
+@pytest.mark.parametrize("keys, check", [
+    (("s",), lambda app: app.sort_key == "mapped"),
+    (("space",), lambda app: app.paused and "PAUSED" in app.status_line.render().plain),
+    (("minus",), lambda app: app.interval == 0.25),
+    (("plus",), lambda app: app.interval == 0.1),
+])
+def test_view_keys_change_state(spawn_allocator, keys, check) -> None:
+    spawn_allocator("m1")
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1"), "m1 on screen")
+        await pilot.press(*keys)
+        await pilot.pause(0.1)
+        assert check(app)
+
+    drive(app, script)
+
+
+def test_paused_kvtop_stops_reading(spawn_allocator) -> None:
+    proc = spawn_allocator("m1")
+    app = KvtopApp(LiveSource(), interval=0.1)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1"), "m1 on screen")
+        await pilot.press("space")
+        await pilot.pause(0.3)
+        frames = app.frames_seen
+        send(proc, "ids = m.alloc(9)")
+        await pilot.pause(0.6)
+        assert app.frames_seen == frames and app.frame.model("m1").blocks_used == 0
+        await pilot.press("space")
+        await until(pilot, lambda: seen(app, "m1", lambda m: m.blocks_used == 9), "fresh frames after resuming")
+
+    drive(app, script)

@@ -1,0 +1,148 @@
+"""``kvtop --demo`` in a real terminal: tmux runs it, capture-pane reads the screen, send-keys types."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import child_env
+
+from kvcached_core.procinfo import is_alive
+from kvcached_core.reader import list_models
+
+pytestmark = pytest.mark.slow
+TIMEOUT_S = 60.0
+
+
+class Tmux:
+    """One private tmux server (its own socket, no user config) holding one session."""
+
+    def __init__(self) -> None:
+        self.socket = f"kvtop-test-{uuid.uuid4().hex[:8]}"
+        self.session = "kvtop"
+
+    def __call__(self, *args: str) -> str:
+        out = subprocess.run(["tmux", "-L", self.socket, "-f", "/dev/null", *args], capture_output=True,
+                             text=True, timeout=20)
+        if out.returncode != 0:
+            raise AssertionError(f"tmux {' '.join(args)} failed: {out.stderr.strip()}")
+        return out.stdout
+
+    def screen(self) -> str:
+        return self("capture-pane", "-p", "-t", self.session)
+
+    def keys(self, *keys: str) -> None:
+        self("send-keys", "-t", self.session, *keys)
+
+    def wait_for(self, condition: Callable[[str], bool], what: str, timeout: float = TIMEOUT_S) -> str:
+        deadline = time.monotonic() + timeout
+        screen = ""
+        while time.monotonic() < deadline:
+            screen = self.screen()
+            if condition(screen):
+                return screen
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}; the screen was:\n{screen}")
+
+    def kill(self) -> None:
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=20)
+
+
+@pytest.fixture
+def tmux():
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed")
+    server = Tmux()
+    yield server
+    server.kill()
+
+
+def title_line(screen: str) -> str:
+    return next((line for line in screen.splitlines() if "page map" in line), "")
+
+
+def test_kvtop_demo_in_tmux(tmux: Tmux, shm_dir: Path, tmp_path: Path) -> None:
+    rc_file = tmp_path / "rc"
+    kvtop = Path(sys.executable).with_name("kvtop")
+    command = [str(kvtop)] if kvtop.exists() else [sys.executable, "-m", "kvtop.app"]
+    shell = f"{' '.join(command)} --demo --demo-models 3 --interval 0.25; echo $? > {rc_file}"
+    env = child_env()
+    tmux("new-session", "-d", "-s", tmux.session, "-x", "132", "-y", "40",
+         "-e", f"KVCACHED_SHM_DIR={env['KVCACHED_SHM_DIR']}", "-e", f"KVCACHED_HOST_CAPACITY={env['KVCACHED_HOST_CAPACITY']}",
+         "-e", f"PYTHONPATH={env['PYTHONPATH']}", "-e", "TERM=xterm-256color", "sh", "-c", shell)
+
+    names = ("demo-llama-3-8b", "demo-mistral-7b", "demo-qwen2-7b")
+    screen = tmux.wait_for(lambda s: all(n in s for n in names) and "page map · demo-" in s, "the demo fleet")
+    assert "no NVIDIA GPU: host backend" in screen or "GPU 0" in screen
+    assert "page map · demo-llama-3-8b" in title_line(screen)  # first by name is selected
+    demo_pids = {m.name: (m.pid, m.start_time) for m in list_models()}
+    assert set(demo_pids) == set(names)
+    tmux.wait_for(lambda s: "watching 3 models" in s or "appeared" in s, "the event log")
+
+    tmux.keys("j")
+    tmux.wait_for(lambda s: "page map · demo-mistral-7b" in title_line(s), "j to select the next model")
+    tmux.keys("s")
+    tmux.wait_for(lambda s: "sort mapped" in s, "s to sort by mapped bytes")
+    tmux.keys("space")
+    tmux.wait_for(lambda s: "PAUSED" in s, "space to pause")
+    frozen = tmux.screen()
+    time.sleep(1.0)  # paused: nothing is read, the clock in the status line stands still
+    assert tmux.screen().splitlines()[0] == frozen.splitlines()[0]
+    tmux.keys("space")
+    tmux.wait_for(lambda s: "PAUSED" not in s, "space to resume")
+    tmux.keys("z")
+    tmux.wait_for(lambda s: "(zoom)" in title_line(s), "z to zoom the page map")
+    tmux.keys("?")
+    tmux.wait_for(lambda s: "kvtop — keys" in s and "Trim all" in s, "the help screen")
+    tmux.keys("Escape")
+    tmux.wait_for(lambda s: "kvtop — keys" not in s and "page map" in s, "escape to close the help")
+    tmux.keys("t")
+    tmux.wait_for(lambda s: "Trim demo-" in s, "the trim confirmation")
+    tmux.keys("n")
+    tmux.wait_for(lambda s: "Trim demo-" not in s, "n to cancel the trim")
+
+    tmux.keys("q")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not rc_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert rc_file.exists(), "kvtop did not exit after q:\n" + tmux.screen()
+    assert rc_file.read_text().strip() == "0"
+    assert not [f for f in os.listdir(shm_dir) if f.startswith("kvc.")], "a demo segment was left behind"
+    deadline = time.monotonic() + 10
+    while any(is_alive(pid, started) for pid, started in demo_pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(is_alive(pid, started) for pid, started in demo_pids.values()), "a demo model outlived kvtop"
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_interrupted_kvtop_stops_the_demo_fleet(tmux: Tmux, shm_dir: Path, how: str) -> None:
+    """Ctrl-C or SIGTERM (not q) still stops the demo models and removes their segments."""
+    env = child_env()
+    shell = f"exec {sys.executable} -m kvtop.app --demo --demo-models 2"
+    tmux("new-session", "-d", "-s", tmux.session, "-x", "100", "-y", "30",
+         "-e", f"KVCACHED_SHM_DIR={env['KVCACHED_SHM_DIR']}", "-e", f"KVCACHED_HOST_CAPACITY={env['KVCACHED_HOST_CAPACITY']}",
+         "-e", f"PYTHONPATH={env['PYTHONPATH']}", "-e", "TERM=xterm-256color", "sh", "-c", shell)
+    tmux("set-option", "-t", tmux.session, "remain-on-exit", "on")
+    tmux.wait_for(lambda s: "demo-qwen2-7b" in s and "page map · demo-" in s, "the demo fleet")
+    demo = [(m.pid, m.start_time) for m in list_models()]
+    assert len(demo) == 2
+    if how == "ctrl-c":
+        tmux.keys("C-c")
+    else:
+        os.kill(int(tmux("display-message", "-p", "-t", tmux.session, "#{pane_pid}").strip()), 15)
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        if tmux("display-message", "-p", "-t", tmux.session, "#{pane_dead}").strip() == "1":
+            break
+        time.sleep(0.1)
+    status = tmux("display-message", "-p", "-t", tmux.session, "#{pane_dead_status}").strip()
+    assert status == "0", f"kvtop exited with {status!r}"
+    assert not [f for f in os.listdir(shm_dir) if f.startswith("kvc.")]
+    assert not any(is_alive(p, s) for p, s in demo)

@@ -61,13 +61,29 @@ def print_table(columns: Sequence[Column], rows: Sequence[Sequence[str]], *, ric
         return
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=title, title_justify="left", box=None, header_style="bold", pad_edge=False)
     for col in columns:
         table.add_column(col.header, justify="right" if col.right else "left", no_wrap=True)
     for row in rows:
-        table.add_row(*row)
-    Console(highlight=False).print(table)
+        table.add_row(*(Text(cell, style=cell_style(col.header, cell)) for col, cell in zip(columns, row, strict=True)))
+    console = Console(highlight=False)
+    console.width = max(console.width, len(plain_table(columns, rows).split("\n", 1)[0]) + 4)  # wrap, never truncate
+    console.print(table)
+
+
+STATUS_STYLES = {"live": "green", "shrinking": "magenta", "stale": "red", "legacy": "yellow"}
+
+
+def cell_style(header: str, cell: str) -> str:
+    """Colour for a person at a terminal: status by state, waste by how far from 1.00x it is."""
+    if header == "STATUS":
+        return STATUS_STYLES.get(cell, "")
+    if header == "WASTE" and cell.endswith("x"):
+        ratio = float(cell[:-1])
+        return "red" if ratio >= 4 else "yellow" if ratio >= 2 else ""
+    return ""
 
 
 # -- human figures -------------------------------------------------------------------------
@@ -144,11 +160,11 @@ def show_lines(m: ModelSnapshot, frag: Fragmentation) -> list[str]:
     field("limit", limit)
     if m.device_capacity:
         field("capacity", f"{fmt_bytes(m.device_capacity)} on the device" + ("s" if len(m.devices) > 1 else ""))
-    field("waste", f"{fmt_ratio(frag.waste_ratio)} pinned/held; packed floor {frag.packed_floor_pages} pages "
-                   f"({fmt_bytes(frag.packed_floor_bytes)}), pinned {fmt_ratio(frag.pinned_over_floor)} of it")
-    field("reclaimable", f"{fmt_bytes(frag.reclaimable_trim_bytes)} now by trim, "
-                         f"{fmt_bytes(frag.reclaimable_evict_bytes)} by evicting cached blocks")
     if m.status != "legacy":
+        field("waste", f"{fmt_ratio(frag.waste_ratio)} pinned/held; packed floor {frag.packed_floor_pages} pages "
+                       f"({fmt_bytes(frag.packed_floor_bytes)}), pinned {fmt_ratio(frag.pinned_over_floor)} of it")
+        field("reclaimable", f"{fmt_bytes(frag.reclaimable_trim_bytes)} now by trim, "
+                             f"{fmt_bytes(frag.reclaimable_evict_bytes)} by evicting cached blocks")
         field("activity", f"{m.alloc_count} allocs ({m.alloc_blocks} blocks), {m.free_count} frees "
                           f"({m.free_blocks} blocks), {m.evicted_blocks} evicted, trimmed {fmt_bytes(m.trimmed_total)}, "
                           f"idle returned {fmt_bytes(m.idle_returned)}")

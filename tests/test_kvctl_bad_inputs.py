@@ -78,6 +78,7 @@ CASES = [
     Case("nothing-to-limit", ("limit", "--all", "1G"), FAILURE, "no live models", ("stale",)),
     Case("nothing-to-trim", ("trim", "--all"), FAILURE, "no live models", ("legacy",)),
     Case("legacy-trim", ("trim", "kvcached_vllm_77"), FAILURE, "cannot be trimmed", ("legacy",)),
+    Case("legacy-frag", ("frag", "kvcached"), FAILURE, "publishes no page map", ("legacy",)),
     Case("theirs-limit", ("limit", "theirs", "1G"), FAILURE, f"uid {OTHER_UID}", ("live", "theirs")),
     Case("theirs-trim", ("trim", "theirs"), FAILURE, f"uid {OTHER_UID}", ("theirs",)),
     Case("theirs-legacy-limit", ("limit", "kvcached_vllm_77", "1G"), FAILURE, f"uid {OTHER_UID}",

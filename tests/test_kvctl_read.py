@@ -197,3 +197,14 @@ def test_readme_documents_every_list_json_key(spawn_allocator):
     documented = set(re.findall(r"^\| `([a-z_.\[\]]+)`", section, flags=re.M))
     assert keys <= documented, sorted(keys - documented)
     assert {"ranks[].rank", "ranks[].device", "ranks[].pid", "ranks[].mapped_bytes", "ranks[].alive"} <= documented
+
+
+def test_rich_table_for_a_terminal_never_truncates(capsys, monkeypatch):
+    from kvtop import textfmt as T
+
+    monkeypatch.setenv("COLUMNS", "30")
+    columns = (T.Column("NAME"), T.Column("STATUS"), T.Column("WASTE", True))
+    T.print_table(columns, [["a-rather-long-model-name-indeed", "live", "4.50x"]], rich=True)
+    out = capsys.readouterr().out
+    assert "a-rather-long-model-name-indeed" in out and "…" not in out
+    assert T.cell_style("WASTE", "4.50x") == "red" and T.cell_style("STATUS", "stale") == "red"

@@ -6,7 +6,7 @@ import click
 
 from kvcached_core import fragmentation
 from kvcached_core import layout as L
-from kvtop.cli import model_argument
+from kvtop.cli import Failure, model_argument
 from kvtop.cli.common import emit_json, pick, read
 
 JSON_HELP = "Print JSON (the schema is documented in the README) instead of text."
@@ -80,8 +80,9 @@ def show_cmd(model: str, as_json: bool, width: int, rows: int) -> None:
 def frag_cmd(model: str | None, as_json: bool, worst: int) -> None:
     """The fragmentation report: held vs pinned, waste, packed floor, what trim or eviction would return.
 
-    Without MODEL, one row per live or legacy model; with MODEL, the full report including the
-    emptiest in-use pages. --json prints an object for one model, an array otherwise.
+    Without MODEL, one row per live model; with MODEL (stale ones too), the full report
+    including the emptiest in-use pages. Upstream kvcached (legacy) segments publish no page
+    map, so they have no report. --json prints an object for one model, an array otherwise.
 
     \b
     Examples:
@@ -91,6 +92,9 @@ def frag_cmd(model: str | None, as_json: bool, worst: int) -> None:
     """
     if model is not None:
         snap = pick(model, read(with_pages=True))
+        if snap.status == "legacy":
+            raise Failure(f"{snap.name} is an upstream kvcached segment: it publishes no page map, "
+                          "so its fragmentation is unknown")
         frag = fragmentation(snap, worst)
         if as_json:
             emit_json({"name": snap.name, "status": snap.status, **frag.to_dict()})
@@ -100,7 +104,7 @@ def frag_cmd(model: str | None, as_json: bool, worst: int) -> None:
         click.echo("\n".join(T.frag_lines(snap, frag)))
         return
     found = read(with_pages=True, include_stale=False)
-    reports = [(m, fragmentation(m, worst)) for m in found.models]
+    reports = [(m, fragmentation(m, worst)) for m in found.models if m.status != "legacy"]
     if as_json:
         emit_json([{"name": m.name, "status": m.status, **f.to_dict()} for m, f in reports])
         return

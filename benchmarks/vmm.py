@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import glob
 import json
 import os
@@ -30,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -85,7 +87,7 @@ def run_floor(exe: Path, layout: str, layers: int, buffers: int, page_mb: int, p
 def run_backend(layout: str, layers: int, buffers: int, page_mb: int, pages: int, rounds: int,
                 batch: int) -> dict[str, list[float]]:
     geometry = Geometry(page_mb * MiB, pages, layers, buffers)
-    backend = CudaBackend(geometry, 0, layout=layout, pool_pages=0)
+    backend = CudaBackend(geometry, 0, layout=layout, pool_pages=0, async_unmap=False)  # same work as the floor
     ids = list(range(pages))
     batches = [ids[i:i + batch] for i in range(0, pages, batch)]
     result: dict[str, list[float]] = {op: [] for op in OPS}
@@ -154,56 +156,156 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def alloc_latency(layout: str, interval_s: float, args: argparse.Namespace, seed: int = 7) -> dict:
+class Pacer:
+    """Time between allocs. ``gpu``: an engine waiting for its forward pass (a spinning GPU kernel,
+    then torch.cuda.synchronize, which spins with the GIL released); ``sleep``: time.sleep, where
+    the thread's core idles and wakes cold."""
+
+    def __init__(self) -> None:
+        self.torch = None
+        try:
+            import torch  # noqa: PLC0415
+
+            if torch.cuda.is_available():
+                torch.cuda.init()
+                torch.cuda._sleep(1000)
+                torch.cuda.synchronize()
+                cycles = 20_000_000
+                t0 = time.perf_counter()
+                torch.cuda._sleep(cycles)
+                torch.cuda.synchronize()
+                self.cycles_per_us = cycles / ((time.perf_counter() - t0) * 1e6)
+                self.torch = torch
+        except Exception as exc:  # noqa: BLE001
+            print("no GPU pacing:", exc, flush=True)
+
+    def wait(self, mode: str, seconds: float) -> None:
+        if mode == "gpu" and self.torch is not None:
+            self.torch.cuda._sleep(int(seconds * 1e6 * self.cycles_per_us))
+            self.torch.cuda.synchronize()
+        else:
+            time.sleep(seconds)
+
+
+def instrument(mgr, spans: dict[str, float]) -> None:  # noqa: ANN001
+    """Time the manager's placement and publish steps when the benchmark thread runs them."""
+    main = threading.get_ident()
+    for name in ("_place", "_publish"):
+        original = getattr(mgr, name)
+
+        def timed(*a, _orig=original, _name=name):  # noqa: ANN002, ANN202
+            t0 = time.perf_counter_ns()
+            try:
+                return _orig(*a)
+            finally:
+                if threading.get_ident() == main:
+                    spans[_name] += (time.perf_counter_ns() - t0) / 1000
+
+        setattr(mgr, name, timed)
+
+
+def alloc_latency(label: str, layout: str, pacing: str, interval_s: float, args: argparse.Namespace, pacer: Pacer,
+                  *, grow: bool = True, churn: bool = False, gc_freeze: bool = True, async_unmap: bool = True,
+                  seed: int = 7) -> dict:
     from kvcached_core import KVCacheManager  # noqa: PLC0415
 
     os.environ["KVCACHED_CUDA_LAYOUT"] = layout
+    os.environ["KVCACHED_CUDA_ASYNC_UNMAP"] = "1" if async_unmap else "0"
     bpp = args.page_mb * MiB // args.block_kib // 1024
-    mgr = KVCacheManager(f"bench-{layout}", num_blocks=bpp * (args.grow_pages + 64), block_bytes=args.block_kib * 1024,
+    mgr = KVCacheManager(f"bench-{label}", num_blocks=bpp * (args.grow_pages + 64), block_bytes=args.block_kib * 1024,
                          num_layers=args.layers, num_kv_buffers=args.buffers, page_size=args.page_mb * MiB,
                          backend="cuda")
     rng = random.Random(seed)
-    sizes = [1, 1, 2, 2, 4, 8, 16]  # decode-heavy, with some prefill chunks
+    sizes = [16, 32, 64] if churn else [1, 1, 2, 2, 4, 8, 16]  # decode-heavy, some prefill chunks
     lat: list[float] = []
+    place: list[float] = []
+    publish: list[float] = []
+    free_lat: list[float] = []
     held: list[list[int]] = []
+    spans = {"_place": 0.0, "_publish": 0.0}
     try:
+        if not grow or churn:
+            assert mgr.try_to_reserve(bpp * (args.grow_pages if not grow else args.grow_pages // 2))
+        instrument(mgr, spans)
         first = time.perf_counter_ns()
         held.append(mgr.alloc(1))
         first_us = (time.perf_counter_ns() - first) / 1000
+        gc.collect()
+        if gc_freeze:
+            gc.freeze()  # as serving engines do after start-up
+        created0 = mgr.backend.created
         t_start = time.perf_counter()
-        while mgr.pages.mapped_pages < args.grow_pages:
+        steps = 0
+        def more() -> bool:
+            if churn:
+                return steps < args.churn_steps
+            if not grow:  # every page mapped beforehand: fill most of them
+                return mgr.pages.pages_inuse < args.grow_pages - 8 and len(lat) < 20000
+            return mgr.pages.mapped_pages < args.grow_pages and len(lat) < 20000
+
+        while more():
+            steps += 1
             n = rng.choice(sizes)
+            spans["_place"] = spans["_publish"] = 0.0
             t0 = time.perf_counter_ns()
             ids = mgr.alloc(n)
             lat.append((time.perf_counter_ns() - t0) / 1000)
+            place.append(spans["_place"])
+            publish.append(spans["_publish"])
             if ids is None:
                 raise RuntimeError("alloc returned None during the latency benchmark")
             held.append(ids)
-            time.sleep(interval_s)
-        grow_s = time.perf_counter() - t_start
-        blocks = sum(len(h) for h in held)
-        rng.shuffle(held)
-        free_lat = []
-        for ids in held:
-            t0 = time.perf_counter_ns()
-            mgr.free(ids)
-            free_lat.append((time.perf_counter_ns() - t0) / 1000)
+            if churn and len(held) > args.churn_held:
+                victim = held.pop(0)
+                t0 = time.perf_counter_ns()
+                mgr.free(victim)
+                free_lat.append((time.perf_counter_ns() - t0) / 1000)
+            pacer.wait(pacing, interval_s)
+        run_s = time.perf_counter() - t_start
+        mapped_pages = mgr.pages.mapped_pages
+        created = mgr.backend.created - created0
+        if not churn:
+            rng.shuffle(held)
+            for ids in held:
+                t0 = time.perf_counter_ns()
+                mgr.free(ids)
+                free_lat.append((time.perf_counter_ns() - t0) / 1000)
     finally:
+        if gc_freeze:
+            gc.unfreeze()
         mgr.close()
-    misses = sum(1 for x in lat if x > MISS_US)
+    other = [t - a - b for t, a, b in zip(lat, place, publish, strict=True)]
     row = {
-        "layout": layout, "interval_us": interval_s * 1e6, "allocs": len(lat), "blocks": blocks,
-        "pages_grown": args.grow_pages, "grow_seconds": round(grow_s, 3),
-        "page_ids_per_s_demanded": round(args.grow_pages / grow_s, 1),
+        "label": label, "layout": layout, "pacing": pacing, "interval_us": interval_s * 1e6, "grow": grow,
+        "churn": churn, "gc_frozen": gc_freeze, "async_unmap": async_unmap, "allocs": len(lat),
+        "seconds": round(run_s, 3), "mapped_pages_end": mapped_pages, "handles_created": created,
+        "page_ids_per_s": round(mapped_pages / run_s, 1) if grow and not churn else None,
         "first_alloc_us": round(first_us, 1),
         "alloc_p50_us": round(pct(lat, 0.50), 2), "alloc_p99_us": round(pct(lat, 0.99), 2),
         "alloc_p999_us": round(pct(lat, 0.999), 2), "alloc_max_us": round(max(lat), 1),
-        "misses_over_200us": misses,
+        "misses_over_200us": sum(1 for x in lat if x > MISS_US),
+        "place_p50_us": round(pct(place, 0.5), 2), "place_p99_us": round(pct(place, 0.99), 2),
+        "publish_p50_us": round(pct(publish, 0.5), 2), "publish_p99_us": round(pct(publish, 0.99), 2),
+        "other_p50_us": round(pct(other, 0.5), 2), "other_p99_us": round(pct(other, 0.99), 2),
         "free_p50_us": round(pct(free_lat, 0.50), 2), "free_p99_us": round(pct(free_lat, 0.99), 2),
         "free_max_us": round(max(free_lat), 1),
     }
     print(json.dumps(row), flush=True)
     return row
+
+
+ALLOC_RUNS = (  # label, layout, pacing, interval us, options
+    ("grow-layer-gpu-1000", "layer", "gpu", 1000, {}),
+    ("grow-layer-gpu-250", "layer", "gpu", 250, {}),
+    ("grow-page-gpu-1000", "page", "gpu", 1000, {}),
+    ("grow-page-gpu-250", "page", "gpu", 250, {}),
+    ("nogrow-layer-gpu-1000", "layer", "gpu", 1000, {"grow": False}),
+    ("grow-layer-sleep-1000", "layer", "sleep", 1000, {}),
+    ("grow-layer-gpu-1000-gc", "layer", "gpu", 1000, {"gc_freeze": False}),
+    ("churn-layer-gpu-500", "layer", "gpu", 500, {"churn": True}),
+    ("churn-layer-gpu-500-syncunmap", "layer", "gpu", 500, {"churn": True, "async_unmap": False}),
+    ("churn-page-gpu-500", "page", "gpu", 500, {"churn": True}),
+)
 
 
 # -- report -----------------------------------------------------------------------------------------
@@ -272,17 +374,26 @@ def markdown(report: dict) -> str:
         "them); `shrink_keep`: unmap into the pool; `shrink_release`: unmap and cuMemRelease; `grow_naive` / "
         "`shrink_naive` (native only): one create/map/set-access (unmap/release) call per handle.",
         "",
-        "## alloc latency while the reserve pool grows (refill thread maps in the background)",
+        "## alloc and free latency (the refill thread maps, the unmapper thread unmaps, in the background)",
         "",
-        "| layout | alloc every | page ids/s demanded | allocs | p50 µs | p99 µs | p99.9 µs | max µs | misses (>200 µs) "
-        "| first alloc µs | free p50 / p99 / max µs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "`grow`: the model starts empty and grows to the page count while the engine-like loop allocates 1-16 blocks "
+        "per step; `nogrow`: the same with every page mapped beforehand; `churn`: 200 requests of 16-64 blocks held "
+        "FIFO, one alloc and one free per step, so pages empty, get unmapped and come back. Pacing `gpu`: a spinning "
+        "GPU kernel then torch.cuda.synchronize between steps (an engine waiting on its forward pass); `sleep`: "
+        "time.sleep. `gc`: the run without gc.freeze(). place / publish: the allocator's placement and segment publish "
+        "inside alloc; other: lock, GIL and call overhead. Misses: allocs over 200 µs (mapped on the caller's thread).",
+        "",
+        "| run | allocs | alloc p50 | p99 | p99.9 | max | misses | place p50/p99 | publish p50/p99 | other p50/p99 "
+        "| free p50 / p99 / max | page ids/s | handles created |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report.get("alloc", []):
-        lines.append(f"| {r['layout']} | {r['interval_us']:.0f} µs | {r['page_ids_per_s_demanded']} | {r['allocs']} | "
-                     f"{r['alloc_p50_us']} | {r['alloc_p99_us']} | {r['alloc_p999_us']} | {r['alloc_max_us']} | "
-                     f"{r['misses_over_200us']} | {r['first_alloc_us']} | {r['free_p50_us']} / {r['free_p99_us']} / "
-                     f"{r['free_max_us']} |")
+        lines.append(
+            f"| {r['label']} | {r['allocs']} | {r['alloc_p50_us']} | {r['alloc_p99_us']} | {r['alloc_p999_us']} | "
+            f"{r['alloc_max_us']} | {r['misses_over_200us']} | {r['place_p50_us']} / {r['place_p99_us']} | "
+            f"{r['publish_p50_us']} / {r['publish_p99_us']} | {r['other_p50_us']} / {r['other_p99_us']} | "
+            f"{r['free_p50_us']} / {r['free_p99_us']} / {r['free_max_us']} | {r['page_ids_per_s'] or ''} | "
+            f"{r['handles_created']} |")
     lines.append("")
     return "\n".join(lines)
 
@@ -302,7 +413,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--block-kib", type=int, default=32, help="block bytes per layer per buffer (KiB)")
     ap.add_argument("--grow-pages", type=int, default=160, help="page ids the alloc benchmark grows to")
-    ap.add_argument("--intervals-us", default="1000,250", help="alloc pacing, comma-separated microseconds")
+    ap.add_argument("--churn-steps", type=int, default=1500, help="alloc+free steps in the churn runs")
+    ap.add_argument("--churn-held", type=int, default=200, help="requests held during churn (FIFO)")
     ap.add_argument("--no-native", action="store_true")
     ap.add_argument("--skip-compare", action="store_true")
     args = ap.parse_args()
@@ -318,10 +430,11 @@ def main() -> int:
         report["compare"] = [] if args.skip_compare else compare(exe, args)
         save(report, args.out)  # keep what we have if the next part fails
         report["alloc"] = []
-        for layout in ("layer", "page"):
-            for us in args.intervals_us.split(","):
-                report["alloc"].append(alloc_latency(layout, int(us) / 1e6, args))
-                save(report, args.out)
+        pacer = Pacer()
+        report["environment"]["gpu_pacing"] = pacer.torch is not None
+        for label, layout, pacing, us, options in ALLOC_RUNS:
+            report["alloc"].append(alloc_latency(label, layout, pacing, us / 1e6, args, pacer, **options))
+            save(report, args.out)
     print(markdown(report))
     return 0
 

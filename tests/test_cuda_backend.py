@@ -120,6 +120,10 @@ def test_layout_setting_is_validated_before_touching_the_driver(monkeypatch: pyt
     monkeypatch.setenv("KVCACHED_CUDA_POOL_PAGES", "-1")
     with pytest.raises(ConfigError, match="KVCACHED_CUDA_POOL_PAGES"):
         CudaBackend(Geometry(2 * MiB, 4, 2, 2), layout="layer")
+    monkeypatch.setenv("KVCACHED_CUDA_POOL_PAGES", "3")
+    monkeypatch.setenv("KVCACHED_CUDA_ASYNC_UNMAP", "later")
+    with pytest.raises(ConfigError, match="KVCACHED_CUDA_ASYNC_UNMAP"):
+        CudaBackend(Geometry(2 * MiB, 4, 2, 2), layout="layer")
 
 
 @pytest.mark.skipif(GPU_MISSING is None, reason="a GPU is present: construction succeeds here")
@@ -218,11 +222,12 @@ def test_pool_reuses_handles_and_trim_pool_releases_beyond_keep(layout) -> None:
         assert b.map_pages([0, 1, 2, 3]) == [0, 1, 2, 3]
         assert b.created == 4 * per_page and b.mapped_bytes() == 4 * b.geometry.bundle_bytes
         b.unmap_pages([0, 1, 2, 3])
+        b.flush()
         assert b.pooled_bytes() == 4 * b.geometry.bundle_bytes and b.released == 0
         assert b.map_pages([4, 6, 7]) == [4, 6, 7]
         assert b.created == 4 * per_page, "regrowth must come from the pool"
         b.unmap_pages([4, 6, 7])
-        b.trim_pool(1)
+        b.trim_pool(1)  # finishes the deferred unmaps first
         assert b.pooled_bytes() == b.geometry.bundle_bytes and b.released == 3 * per_page
         with pytest.raises(BackendError, match="not mapped"):
             b.unmap_pages([5])
@@ -232,13 +237,52 @@ def test_pool_reuses_handles_and_trim_pool_releases_beyond_keep(layout) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
-def test_driver_errors_name_the_call_and_page_size_must_match_granularity() -> None:
+@LAYOUTS
+def test_deferred_unmap_hands_back_a_pending_page_without_driver_work(layout) -> None:
+    b = CudaBackend(Geometry(2 * MiB, 8, 4, 2), layout=layout, pool_pages=0)
+    idle = threading.Thread(target=lambda: None)
+    idle.start()
+    idle.join()
+    b._unmapper = idle  # an unmapper that never runs: deferred pages stay pending until flush()
+    try:
+        bundle = b.geometry.bundle_bytes
+        assert b.map_pages([1, 2]) == [1, 2]
+        kept = b._mapped[2]
+        b.unmap_pages([1, 2])
+        assert b.returning_bytes() == 2 * bundle and b.mapped_bytes() == 0
+        assert b.held_bytes() == 2 * bundle and b.free_bytes() >= 2 * bundle
+        created = b.created
+        assert b.map_pages([2, 5]) == [2, 5]
+        assert b._mapped[2] is kept, "page 2 was still mapped: it must come back as it was"
+        assert b.created == created + b.slices  # only page 5 needed new memory
+        with pytest.raises(BackendError, match="not mapped"):
+            b.unmap_pages([1])  # already on its way out
+        b.flush()
+        assert b.returning_bytes() == 0 and b.mapped_bytes() == 2 * bundle
+        assert b.released == b.slices  # page 1's handles (pool_pages=0)
+    finally:
+        b.close()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_driver_errors_name_the_call_and_leave_nothing_half_mapped() -> None:
     from cuda.bindings import driver as d
 
-    b = CudaBackend(Geometry(2 * MiB, 2, 1, 1), layout="layer")
+    b = CudaBackend(Geometry(2 * MiB, 4, 1, 1), layout="layer", async_unmap=False)
     try:
-        with b._context(), pytest.raises(BackendError, match=r"cuMemUnmap failed: CUDA_ERROR_\w+"):
-            b._check("cuMemUnmap", d.cuMemUnmap(b.base_address, 2 * MiB))  # nothing mapped there
+        with b._context():
+            err, stray = d.cuMemCreate(2 * MiB, b._prop, 0)
+            assert err == d.CUresult.CUDA_SUCCESS
+            squatted = b.base_address + 2 * MiB  # page 1, mapped behind the backend's back
+            assert d.cuMemMap(squatted, 2 * MiB, 0, stray, 0)[0] == d.CUresult.CUDA_SUCCESS
+        with pytest.raises(BackendError, match=r"cuMemMap\(page 1\) failed: CUDA_ERROR_\w+"):
+            b.map_pages([0, 1])
+        assert b.mapped_bytes() == 0, "page 0 must be rolled back when page 1 fails"
+        with b._context():
+            assert d.cuMemUnmap(squatted, 2 * MiB)[0] == d.CUresult.CUDA_SUCCESS
+            assert d.cuMemRelease(stray)[0] == d.CUresult.CUDA_SUCCESS
+        assert b.map_pages([0, 1]) == [0, 1]
     finally:
         b.close()
     with pytest.raises(BackendError, match="granularity"):

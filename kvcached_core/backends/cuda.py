@@ -24,6 +24,12 @@ sit next to each other get one ``cuMemSetAccess`` / ``cuMemUnmap`` per range ins
 per handle. Running out of device memory is a short answer from ``map_pages`` (a miss);
 every other driver error raises :class:`BackendError` naming the call.
 
+Unmapping is deferred by default (``KVCACHED_CUDA_ASYNC_UNMAP=0`` turns it off): the allocator
+unmaps while it holds its lock, often inside an engine's ``free``, and a layer-separated page
+id takes ~2-3 ms to unmap, so a backend thread does it instead. A page asked for again before
+that thread reached it is handed back as it is, with no driver call; ``trim_pool`` and
+``flush`` wait for the deferred work, so a trim still returns its memory before it answers.
+
 Driver calls release the GIL (cuda-bindings >= 12.9.1), so the allocator's refill thread maps
 while the engine's thread keeps allocating. torch is optional: :meth:`CudaBackend.buffer` and
 :func:`tensor_views` import it only when called and hand tensors over through DLPack.
@@ -45,6 +51,7 @@ from .base import Backend, BackendError, BackendUnavailable, Geometry
 LAYOUTS = ("layer", "page")
 LAYOUT_ENV = "KVCACHED_CUDA_LAYOUT"
 POOL_ENV = "KVCACHED_CUDA_POOL_PAGES"
+ASYNC_ENV = "KVCACHED_CUDA_ASYNC_UNMAP"
 
 
 def layout_from_env() -> str:
@@ -65,6 +72,13 @@ def pool_pages_from_env() -> int:
     if value < 0:
         raise ConfigError(f"{POOL_ENV}={value} cannot be negative")
     return value
+
+
+def async_unmap_from_env() -> bool:
+    raw = os.environ.get(ASYNC_ENV, "").strip().lower() or "1"
+    if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ConfigError(f"{ASYNC_ENV}={raw!r} is not a boolean (1 or 0)")
+    return raw in ("1", "true", "yes", "on")
 
 
 def runs(pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -198,21 +212,28 @@ class CudaBackend(Backend):
     name = "cuda"
 
     def __init__(self, geometry: Geometry, device: int = 0, *, layout: str | None = None,
-                 pool_pages: int | None = None) -> None:
+                 pool_pages: int | None = None, async_unmap: bool | None = None) -> None:
         super().__init__(geometry, device)
         self.layout = layout_from_env() if layout is None else layout
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
         self.pool_pages = pool_pages_from_env() if pool_pages is None else pool_pages
+        self.async_unmap = async_unmap_from_env() if async_unmap is None else async_unmap
         g = geometry
         self.slices = g.num_layers * g.num_kv_buffers if self.layout == "layer" else 1
         self.slice_bytes = g.page_size if self.layout == "layer" else g.bundle_bytes
         self.va_bytes = g.range_bytes * g.num_layers * g.num_kv_buffers
         self.created = self.released = 0  # physical handles, for tests and benchmarks
         self._closed = False
-        self._lock = threading.Lock()  # guards the pool and the page -> handles table
-        self._mapped: dict[int, list[Any]] = {}
+        self._lock = threading.Lock()  # guards the pool and the deferred-unmap sets
+        self._cv = threading.Condition(self._lock)
+        self._mapped: dict[int, list[Any]] = {}  # page id -> its handles (pages waiting to be unmapped too)
         self._pool: list[Any] = []
+        self._pending: set[int] = set()  # unmap asked for, not started
+        self._busy: set[int] = set()  # being unmapped by the unmapper thread
+        self._unmapper: threading.Thread | None = None
+        self._stopping = False
+        self._async_error: BaseException | None = None
         self._set_claimed: Callable[[int], None] | None = None
         self._views_keep: list = []
         self._va = 0
@@ -302,10 +323,11 @@ class CudaBackend(Backend):
     def _check_pages(self, pages: Sequence[int]) -> None:
         if self._closed:
             raise BackendError("the CUDA backend is closed")
+        self._raise_async()
         n = self.geometry.num_pages
-        for page in pages:
-            if not 0 <= page < n:
-                raise BackendError(f"page id {page} out of range 0..{n - 1}")
+        if pages and (min(pages) < 0 or max(pages) >= n):
+            bad = next(p for p in pages if not 0 <= p < n)
+            raise BackendError(f"page id {bad} out of range 0..{n - 1}")
 
     def _claimed(self) -> None:
         if self._set_claimed is not None:
@@ -313,7 +335,10 @@ class CudaBackend(Backend):
 
     # -- Backend ---------------------------------------------------------------------------------
     def map_pages(self, pages: Sequence[int]) -> list[int]:
-        """Back ``pages`` with memory; stops at the first page the device cannot back (a miss)."""
+        """Back ``pages`` with memory; stops at the first page the device cannot back (a miss).
+
+        A page whose deferred unmap has not run yet is taken back as it is: no driver call.
+        """
         pages = list(pages)
         self._check_pages(pages)
         with self._context():
@@ -322,68 +347,112 @@ class CudaBackend(Backend):
         return done
 
     def _map(self, pages: list[int]) -> list[int]:
-        # Hot loop: the driver's cost is ~30-40 us per handle, Python's should stay a few percent of it.
-        d, S, size, bases = self._d, self.slices, self.slice_bytes, self._bases
-        create, cmap, prop, OK, OOM = d.cuMemCreate, d.cuMemMap, self._prop, self._OK, self._OOM
-        pool, lock, mapped = self._pool, self._lock, self._mapped
+        # Hot loop: the driver's cost is ~30-40 us per handle; Python's share should stay small.
+        S, size, bases = self.slices, self.slice_bytes, self._bases
+        cmap, OK, OOM = self._d.cuMemMap, self._OK, self._OOM
+        mapped = self._mapped
         done: list[int] = []
+        fresh: list[int] = []  # mapped by this call, still without access
         for page in pages:
             if page in mapped:
-                raise BackendError(f"page id {page} is already mapped")
-            with lock:
-                take = min(S, len(pool))
-                handles = pool[len(pool) - take:]
-                del pool[len(pool) - take:]
-            miss = False
-            while len(handles) < S:
-                res = create(size, prop, 0)
-                if res[0] != OK:
-                    self._return(handles)
-                    if res[0] != OOM:
-                        self._rollback(done)
-                        raise BackendError(f"cuMemCreate({size} bytes) failed: {self._err_name(res[0])}")
-                    miss = True
-                    break
-                handles.append(res[1])
-                self.created += 1
-            if miss:
-                break
+                if not self._revive(page):
+                    raise BackendError(f"page id {page} is already mapped")
+                if page in mapped:  # revived: still mapped and accessible
+                    done.append(page)
+                    continue
+            handles = self._acquire(S)
+            if handles is None:
+                break  # out of device memory: a miss
             offset = page * size
-            for s, (base, h) in enumerate(zip(bases, handles, strict=True)):
-                err = cmap(base + offset, size, 0, h, 0)[0]
+            for s in range(S):
+                err = cmap(bases[s] + offset, size, 0, handles[s], 0)[0]
                 if err != OK:
                     for k in range(s):
-                        self._check("cuMemUnmap", d.cuMemUnmap(bases[k] + offset, size))
+                        self._check("cuMemUnmap", self._d.cuMemUnmap(bases[k] + offset, size))
                     self._return(handles)
                     if err != OOM:
-                        self._rollback(done)
+                        self._rollback(done, fresh, 0)
                         raise BackendError(f"cuMemMap(page {page}) failed: {self._err_name(err)}")
-                    miss = True
+                    handles = None
                     break
-            if miss:
+            if handles is None:
                 break
             mapped[page] = handles
             done.append(page)
-        return self._grant(done)
+            fresh.append(page)
+        return self._grant(done, fresh) if fresh else done
 
-    def _grant(self, done: list[int]) -> list[int]:
-        """Give the device read/write access to ``done``; one call per run of adjacent pages and range."""
+    def _revive(self, page: int) -> bool:
+        """True when ``page`` was waiting to be unmapped: it is kept if the unmapper has not started
+        on it, else we wait for the unmapper and the caller maps it afresh."""
+        with self._cv:
+            if page in self._pending:
+                self._pending.discard(page)
+                return True
+            if page not in self._busy:
+                return False
+            while page in self._busy:
+                self._cv.wait()
+            return True
+
+    def _acquire(self, count: int) -> list[Any] | None:
+        """``count`` handles, pooled first; None (nothing held) when the device is out of memory."""
+        create, prop, size, OK = self._d.cuMemCreate, self._prop, self.slice_bytes, self._OK
+        handles = self._take_pooled(count)
+        drained = False
+        while len(handles) < count:
+            res = create(size, prop, 0)
+            err = res[0]
+            if err == OK:
+                handles.append(res[1])
+                self.created += 1
+                continue
+            if err == self._OOM and not drained and (self._pending or self._busy):
+                drained = True  # memory is on its way back: finish the deferred unmaps, then retry
+                self._drain()
+                handles += self._take_pooled(count - len(handles))
+                continue
+            self._return(handles)
+            if err == self._OOM:
+                return None
+            raise BackendError(f"cuMemCreate({size} bytes) failed: {self._err_name(err)}")
+        return handles
+
+    def _take_pooled(self, count: int) -> list[Any]:
+        with self._lock:
+            pool = self._pool
+            take = min(count, len(pool))
+            handles = pool[len(pool) - take:]
+            del pool[len(pool) - take:]
+        return handles
+
+    def _grant(self, done: list[int], fresh: list[int]) -> list[int]:
+        """Give the device access to ``fresh``: one call per run of adjacent pages and range."""
         size, bases, OK = self.slice_bytes, self._bases, self._OK
         setaccess, access = self._d.cuMemSetAccess, self._access
-        for i, first, n in runs(done):
+        for _i, first, n in runs(fresh):
             start, length = first * size, n * size
             for base in bases:
                 err = setaccess(base + start, length, access, 1)[0]
                 if err != OK:
-                    self._unmap(done[i:], keep=True)
+                    cut = done.index(first)
+                    self._rollback(done, fresh, cut)
                     if err == self._OOM:
-                        return done[:i]
+                        return done[:cut]
                     raise BackendError(f"cuMemSetAccess(pages {first}..{first + n - 1}) failed: {self._err_name(err)}")
         return done
 
-    def _rollback(self, done: list[int]) -> None:
-        if done:
-            self._unmap(done, keep=True)
+    def _rollback(self, done: list[int], fresh: list[int], cut: int) -> None:
+        """Undo ``map_pages`` for ``done[cut:]``: unmap what it mapped, and hand what it revived back
+        to the unmapper."""
+        undo = done[cut:]
+        fresh_set = set(fresh)
+        mapped_here = [p for p in undo if p in fresh_set]
+        revived = [p for p in undo if p not in fresh_set]
+        if mapped_here:
+            self._unmap(mapped_here, keep=True)
+        if revived:
+            self._defer(revived)
 
     def _return(self, handles: list[Any]) -> None:
         """Put handles back into the pool, releasing what does not fit."""
@@ -416,19 +485,84 @@ class CudaBackend(Backend):
             self._return(handles)
 
     def unmap_pages(self, pages: Sequence[int]) -> None:
+        """Return ``pages``. With deferred unmapping (the default) a backend thread does the driver
+        work, so the caller (often holding the allocator's lock) does not wait ~2-3 ms per page id."""
         pages = sorted(pages)
         self._check_pages(pages)
-        missing = [p for p in pages if p not in self._mapped]
+        with self._lock:
+            missing = [p for p in pages if p not in self._mapped or p in self._pending or p in self._busy]
         if missing:
             raise BackendError(f"page ids {missing[:8]} are not mapped")
+        if self.async_unmap:
+            self._defer(pages)
+            return
         with self._context():
             self._unmap(pages, keep=True)
         self._claimed()
+
+    # -- deferred unmapping ----------------------------------------------------------------------
+    def _defer(self, pages: list[int]) -> None:
+        with self._cv:
+            self._pending.update(pages)
+            if self._unmapper is None:
+                self._unmapper = threading.Thread(target=self._unmap_loop, name="kvc-cuda-unmap", daemon=True)
+                self._unmapper.start()
+            self._cv.notify_all()
+
+    def _unmap_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._stopping:
+                    self._cv.wait()
+                if not self._pending:
+                    return
+                batch = self._take_pending()
+            self._unmap_batch(batch)
+
+    def _take_pending(self) -> list[int]:
+        batch = sorted(self._pending)
+        self._pending.clear()
+        self._busy.update(batch)
+        return batch
+
+    def _unmap_batch(self, batch: list[int]) -> None:
+        try:
+            with self._context():
+                self._unmap(batch, keep=True)
+        except BaseException as exc:  # noqa: BLE001 - reported to the next caller
+            self._async_error = exc if isinstance(exc, BackendError) else BackendError(f"deferred unmap failed: {exc}")
+        finally:
+            with self._cv:
+                self._busy.difference_update(batch)
+                self._cv.notify_all()
+        self._claimed()
+
+    def _drain(self) -> None:
+        """Finish every deferred unmap now (this thread does what is still queued)."""
+        with self._cv:
+            batch = self._take_pending() if self._pending else []
+        if batch:
+            self._unmap_batch(batch)
+        with self._cv:
+            while self._busy:
+                self._cv.wait()
+        self._raise_async()
+
+    def flush(self) -> None:
+        """Wait until every unmap asked for so far has returned its memory."""
+        if not self._closed:
+            self._drain()
+
+    def _raise_async(self) -> None:
+        exc, self._async_error = self._async_error, None
+        if exc is not None:
+            raise exc
 
     def trim_pool(self, keep_pages: int) -> None:
         """Release pooled handles beyond ``keep_pages`` page ids' worth."""
         if self._closed:
             return
+        self._drain()
         with self._lock:
             keep = max(0, keep_pages) * self.slices
             drop = self._pool[keep:]
@@ -450,17 +584,23 @@ class CudaBackend(Backend):
         """Free device memory (all processes) plus what our pool holds and could map without asking."""
         with self._context():
             free, _total = self._check("cuMemGetInfo", self._d.cuMemGetInfo())
-        return int(free) + self.pooled_bytes()
+        return int(free) + self.pooled_bytes() + self.returning_bytes()
 
     def pooled_bytes(self) -> int:
+        """Unmapped physical handles kept for regrowth."""
         return len(self._pool) * self.slice_bytes
 
+    def returning_bytes(self) -> int:
+        """Pages whose deferred unmap has not finished yet."""
+        return (len(self._pending) + len(self._busy)) * self.slices * self.slice_bytes
+
     def mapped_bytes(self) -> int:
-        return len(self._mapped) * self.slices * self.slice_bytes
+        """Pages mapped for the allocator (not counting those on their way back)."""
+        return len(self._mapped) * self.slices * self.slice_bytes - self.returning_bytes()
 
     def held_bytes(self) -> int:
-        """Device memory this backend holds: mapped pages plus the handle pool."""
-        return self.mapped_bytes() + self.pooled_bytes()
+        """Device memory this backend holds: mapped pages, pages being unmapped, the handle pool."""
+        return len(self._mapped) * self.slices * self.slice_bytes + self.pooled_bytes()
 
     @property
     def base_address(self) -> int:
@@ -491,6 +631,12 @@ class CudaBackend(Backend):
         """
         if self._closed:
             return
+        with self._cv:
+            self._stopping = True
+            self._pending.clear()  # everything still mapped is unmapped below
+            self._cv.notify_all()
+        if self._unmapper is not None and self._unmapper is not threading.current_thread():
+            self._unmapper.join()
         self._closed = True
         d = self._d
         errors: list[str] = []

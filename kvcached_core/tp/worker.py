@@ -96,6 +96,7 @@ class TPWorker:
         self.attached = threading.Event()
         self.finished = threading.Event()
         self._thread: threading.Thread | None = None
+        self._conn: socket.socket | None = None
         if geometry is not None:
             self.backend = make_rank_backend(backend_name, geometry, device, capacity)
         try:
@@ -140,6 +141,7 @@ class TPWorker:
             pid, uid, _gid = PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
             if uid != os.getuid():
                 return
+            self._conn = conn
             self._loop(conn)
         except (OSError, P.ProtocolError):
             pass  # the scheduler went away: release below
@@ -147,7 +149,10 @@ class TPWorker:
             self._shutdown(conn)
 
     def close(self) -> None:
-        """Stop listening (if no scheduler came) and release all memory."""
+        """Stop serving (hang up on the scheduler, or stop listening) and release all memory."""
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.shutdown(socket.SHUT_RDWR)  # the serving thread sees the end and releases
         if self._listener is not None:
             with contextlib.suppress(OSError):
                 self._listener.shutdown(socket.SHUT_RDWR)

@@ -18,6 +18,7 @@ from .snapshot import ModelSnapshot, Problem, RankInfo, Scan
 
 HEARTBEAT_STALE_S = 3.0
 READ_RETRIES = 32
+DEAD_WRITER_CHECK = 12  # odd-sequence attempts (~8 ms) before asking whether the writer still lives
 QUIET_FAILURES = 3  # failed checks of an unchanging copy before the file is called corrupt
 MAX_PAGES = 1 << 24  # 64 MiB of page map (32 TiB per range at 2 MiB pages): more is a damaged header
 
@@ -60,6 +61,12 @@ def parse_header(raw: bytes) -> dict:
     return fields
 
 
+def _backoff(attempt: int) -> None:
+    """Spin a few times, then sleep longer and longer (up to ~0.4 s in all): a Python writer
+    preempted inside its publish window (GIL switch, a busy CPU) can hold it for milliseconds."""
+    time.sleep(0 if attempt < 8 else min(0.0005 * 2 ** (attempt - 8), 0.02))
+
+
 def _consistent_copy(fd: int, header: dict, with_pages: bool) -> tuple[dict, array | None, bytes]:
     """Copy counters (and the page map) until one copy passes the seqlock and both checksums."""
     pages_total = header["pages_total"]
@@ -76,7 +83,9 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool) -> tuple[dict, arr
         seq = L.U64.unpack_from(raw, L.SEQ_OFF)[0]
         seqs_seen.add(seq)
         if seq & 1:
-            time.sleep(0 if attempt < 8 else 0.0005)
+            if attempt == DEAD_WRITER_CHECK and seqs_seen == {seq} and not is_alive(header["pid"], header["start_time"]):
+                raise PublishUnfinished(f"a publish never finished (sequence {seq} stayed odd)")
+            _backoff(attempt)
             continue
         payload = raw[L.COUNTERS_OFF:L.CHECKSUM_OFF]
         check = L.U64.unpack_from(raw, L.CHECKSUM_OFF)[0]
@@ -97,7 +106,7 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool) -> tuple[dict, arr
                 quiet_failures += 1  # the writer did not move: the file really holds this
                 if quiet_failures >= QUIET_FAILURES:
                     raise SegmentCorrupt("checksum mismatch in a quiet segment")
-            time.sleep(0 if attempt < 8 else 0.0005)
+            _backoff(attempt)
             continue
         if os.pread(fd, 8, L.SEQ_OFF) != raw[L.SEQ_OFF:L.SEQ_OFF + 8]:
             continue  # the writer moved on during the copy

@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "watch": "kvtop.cli.watch:watch_cmd",
     "clean": "kvtop.cli.clean:clean_cmd",
     "demo": "kvtop.cli.demo:demo_cmd",
+    "export": "kvtop.cli.export:export_cmd",
 }
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}

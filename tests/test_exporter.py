@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
 
 import pytest
-from conftest import send
+from conftest import child_env, send
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvcached_core as kc
@@ -151,3 +154,49 @@ def test_problem_files_are_counted_and_do_not_break_a_scrape(spawn_allocator, ex
 def test_a_busy_port_is_a_clear_error():
     with Exporter("127.0.0.1", 0) as first, pytest.raises(OSError):
         Exporter("127.0.0.1", first.port)
+
+
+def kvctl(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kvtop.cli", *args], env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_kvctl_export_serves_until_sigterm(spawn_allocator):
+    spawn_allocator("epsilon", script="b = m.alloc(3)")
+    proc = kvctl("export", "--port", "0", "--interval", "0.2")
+    try:
+        line = proc.stderr.readline()
+        match = re.search(r"serving (http://127\.0\.0\.1:\d+/metrics)", line)
+        assert match, line
+        samples = scrape(match.group(1))
+        assert models_in(samples) == {"epsilon"}
+        assert value(samples, "kvcached_held_bytes", model="epsilon") > 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert proc.stdout.read() == ""  # stdout carries data only; a server has none
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(("args", "code", "message"), [
+    (("--port", "70000"), 2, "Invalid value for '--port'"),
+    (("--interval", "0"), 2, "Invalid value for '--interval'"),
+    (("--host", "no.such.host.invalid"), 1, "cannot serve on no.such.host.invalid:"),
+])
+def test_kvctl_export_bad_input(args, code, message):
+    proc = kvctl("export", *args)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == code
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert out == ""
+
+
+def test_kvctl_export_on_a_busy_port_fails_in_one_line():
+    with Exporter("127.0.0.1", 0) as taken:
+        proc = kvctl("export", "--port", str(taken.port))
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert f"cannot serve on 127.0.0.1:{taken.port}: Address already in use" in err
+    assert len(err.strip().splitlines()) == 1 and out == ""

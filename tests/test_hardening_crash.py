@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -163,3 +164,39 @@ def test_a_live_holder_of_the_name_is_never_replaced(spawn_allocator):
         kc.KVCacheManager("taken", name="taken", num_blocks=16, block_bytes=1 << 16, num_layers=1, page_size=1 << 18)
     assert model("taken").pid == holder.pid
     send(holder, "m.alloc(1)")
+
+
+def tool(*argv: str) -> subprocess.CompletedProcess:
+    """Run ``kvctl`` / ``kvtop`` as a user would (a wide terminal for kvtop's table)."""
+    module = {"kvctl": "kvtop.cli", "kvtop": "kvtop.app"}[argv[0]]
+    env = dict(child_env(), COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", module, *argv[1:]], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_kvctl_and_kvtop_show_the_crash_and_kvctl_clean_removes_it(spawn_allocator, shm_dir):
+    spawn_allocator("alive")
+    victim = spawn_allocator("victim", script="held = m.alloc(5)")
+    os.kill(victim.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    victim.wait()
+    while True:  # within 2 s, both tools say so
+        listed = tool("kvctl", "list", "--all", "--json")
+        assert listed.returncode == 0, listed.stderr
+        status = {m["name"]: m["status"] for m in json.loads(listed.stdout)}
+        if status.get("victim") == "stale":
+            break
+        assert time.monotonic() - killed < STALE_WITHIN_S
+    assert status == {"alive": "live", "victim": "stale"}
+    once = tool("kvtop", "--once")
+    assert once.returncode == 0 and "Traceback" not in once.stderr
+    rows = {line.split()[1]: line for line in once.stdout.splitlines() if line.split()[1:2] in (["alive"], ["victim"])}
+    assert "stale" in rows["victim"] and "live" in rows["alive"]
+
+    cleaned = tool("kvctl", "clean")
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert f"removed {shm_dir / 'kvc.victim'}" in cleaned.stdout
+    assert not (shm_dir / "kvc.victim").exists() and (shm_dir / "kvc.alive").exists()
+    assert [m.name for m in kc.list_models()] == ["alive"]
+    again = tool("kvctl", "clean")
+    assert again.returncode == 0 and "nothing to clean" in again.stdout

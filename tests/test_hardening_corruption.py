@@ -9,14 +9,18 @@ whose checks pass with random contents must not break anything that consumes a s
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import socket
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from conftest import child_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -259,3 +263,31 @@ def test_a_hung_lock_on_an_upstream_segment_does_not_hang_a_scan(good, shm_dir):
     finally:
         os.close(holder)
     assert [m.name for m in kc.list_models()] == ["good", "kvcached_vllm_4242"]
+
+
+def test_kvctl_and_kvtop_keep_working_beside_damaged_files(good, shm_dir):
+    data = bytearray(IMAGE)
+    data[L.COUNTERS_OFF + 3] ^= 0x10
+    damaged = {"kvc.fuzz": bytes(data), "kvc.short": IMAGE[:700], "kvc.junk": b"\x7fELF" + bytes(2000),
+               "kvcached_vllm_9": b"abc"}
+    for name, content in damaged.items():
+        write(shm_dir / name, content)
+
+    def tool(module: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", module, *args], env=dict(child_env(), COLUMNS="200"),
+                              capture_output=True, text=True, timeout=60)
+
+    listed = tool("kvtop.cli", "list", "--all", "--json")
+    assert listed.returncode == 0 and [m["name"] for m in json.loads(listed.stdout)] == ["good"]
+    warned = {Path(re.match(r"kvctl: warning: (\S+): ", line).group(1)).name for line in listed.stderr.splitlines()}
+    assert warned == set(damaged)  # one warning line per damaged file, nothing else
+    shown = tool("kvtop.cli", "show", "good", "--json")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["blocks_used"] == 5
+    refused = tool("kvtop.cli", "show", "fuzz")
+    assert refused.returncode == 1 and "checksum mismatch" in refused.stderr and "Traceback" not in refused.stderr
+    once = tool("kvtop.app", "--once")
+    assert once.returncode == 0 and "Traceback" not in once.stderr
+    assert any(line.split()[1:2] == ["good"] for line in once.stdout.splitlines() if line.split())
+    cleaned = tool("kvtop.cli", "clean")
+    assert cleaned.returncode == 0
+    assert all((shm_dir / name).exists() for name in damaged)  # clean never removes what it cannot read

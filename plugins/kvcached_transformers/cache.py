@@ -225,12 +225,19 @@ class PagedKVCache(Cache):
             raise ValueError(f"new lengths {list(new_lengths)} must lie in [0, {q}]")
         bt = self.block_tokens
         need = [max(0, -(-(s.length + n) // bt) - len(s.blocks)) for s, n in zip(self._seqs, new_lengths, strict=True)]
-        total = sum(need)
-        ids = alloc_blocks(self.manager, total, wait=self.wait) if total else []
-        at = 0
-        for seq, n in zip(self._seqs, need, strict=True):
-            seq.blocks.extend(ids[at:at + n])
-            at += n
+        # One alloc per growing row keeps each sequence's blocks together (a prompt's run, a decode
+        # block) as the placement policy intends; a miss gives back what this step took.
+        got: list[list[int]] = []
+        try:
+            for n in need:
+                got.append(alloc_blocks(self.manager, n, wait=self.wait) if n else [])
+        except BaseException:
+            taken = [b for ids in got for b in ids]
+            if taken:
+                self.manager.free(taken)
+            raise
+        for seq, ids in zip(self._seqs, got, strict=True):
+            seq.blocks.extend(ids)
         past = [s.length for s in self._seqs]
         for seq, n in zip(self._seqs, new_lengths, strict=True):
             seq.length += n

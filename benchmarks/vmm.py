@@ -4,12 +4,13 @@ Run on a GPU machine from the checkout (writes vmm.json and vmm.md under --out):
 
     PYTHONPATH=. python3 benchmarks/vmm.py --out results/
 
-1. Floor vs backend. ``benchmarks/native/vmm_floor.c`` is compiled here (nvcc, else cc with
-   CUDA's headers) and grows/shrinks page ids with the same driver calls in the same order as
-   :class:`kvcached_core.backends.cuda.CudaBackend`; the backend then does the same work through
-   cuda-python. Both layouts (``layer``, ``page``), batches of 1 page id (the refill thread's
-   steady state) and 5 (a refill after a burst), native and Python runs interleaved twice.
-   Reported: median microseconds per page id and the Python/native ratio.
+1. Floor vs backend. ``benchmarks/native/vmm_floor.c`` is compiled here as a shared library
+   (nvcc, else cc with CUDA's headers) and loaded into this process; it grows/shrinks page ids
+   with the same driver calls in the same order as :class:`kvcached_core.backends.cuda.CudaBackend`,
+   which then does the same work through cuda-python. Rounds alternate between the two (who goes
+   first alternates too), sharing one context. Both layouts (``layer``, ``page``), batches of 1
+   page id (the refill thread's steady state) and 5 (a refill after a burst). Reported: median
+   microseconds per page id and the Python/native ratio.
 2. Alloc latency while the pool grows: a real KVCacheManager(backend="cuda") starts empty and an
    engine-like loop allocates 1-16 blocks every ``interval`` (sleeping in between, as an engine
    waits on the GPU) while the refill thread maps in the background; p50/p99/max of ``alloc``,
@@ -19,6 +20,7 @@ Run on a GPU machine from the checkout (writes vmm.json and vmm.md under --out):
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import gc
 import glob
@@ -47,100 +49,112 @@ OPS = ("grow_cold", "shrink_keep", "grow_warm", "shrink_release")
 MISS_US = 200.0  # an alloc slower than this mapped on its own thread (pool miss)
 
 
-# -- native floor ------------------------------------------------------------------------------------
-def build_floor(workdir: Path) -> Path | None:
-    """Compile the native floor with nvcc (else cc and CUDA's headers); None when nothing builds it."""
+# -- native floor, loaded into this process -----------------------------------------------------------
+def build_floor(workdir: Path) -> ctypes.CDLL | None:
+    """Compile the native floor as a shared library (nvcc, else cc with CUDA's headers) and load it."""
     src = ROOT / "benchmarks" / "native" / "vmm_floor.c"
-    exe = workdir / "vmm_floor"
+    lib = workdir / "libvmm_floor.so"
     nvcc = shutil.which("nvcc") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/nvcc"))), None)
     homes = [Path(nvcc).resolve().parents[1]] if nvcc else []
     homes += [Path(p) for p in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda") if p]
     libdirs = [f"-L{h}/{sub}" for h in homes for sub in ("lib64/stubs", "targets/x86_64-linux/lib/stubs", "lib64")]
     libdirs += ["-L/usr/local/nvidia/lib64", "-L/usr/lib/x86_64-linux-gnu"]
     attempts = []
-    for lib in ("-lcuda", "-l:libcuda.so.1"):
+    for cuda_lib in ("-lcuda", "-l:libcuda.so.1"):
         if nvcc:
-            attempts.append([nvcc, "-O2", "-o", str(exe), str(src), *libdirs, lib])
-        attempts += [["cc", "-O2", f"-I{h}/include", "-o", str(exe), str(src), *libdirs, lib] for h in homes]
+            attempts.append([nvcc, "-O2", "-Xcompiler", "-fPIC", "-shared", "-o", str(lib), str(src), *libdirs, cuda_lib])
+        attempts += [["cc", "-O2", "-fPIC", "-shared", f"-I{h}/include", "-o", str(lib), str(src), *libdirs, cuda_lib]
+                     for h in homes]
     for cmd in attempts:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode == 0:
             print("built native floor:", " ".join(cmd[:2]), flush=True)
-            return exe
+            floor = ctypes.CDLL(str(lib))
+            floor.floor_setup.restype = ctypes.c_int
+            floor.floor_setup.argtypes = [ctypes.c_int] + [ctypes.c_size_t] * 5
+            floor.floor_op.restype = ctypes.c_double
+            floor.floor_op.argtypes = [ctypes.c_int]
+            floor.floor_teardown.restype = None
+            return floor
         last = done.stderr.strip().splitlines()[-1:] if done.stderr else []
         print("native floor build failed:", " ".join(cmd[:2]), *last, flush=True)
     return None
 
 
-def run_floor(exe: Path, layout: str, layers: int, buffers: int, page_mb: int, pages: int, rounds: int,
-              batch: int) -> dict[str, list[float]]:
-    out = subprocess.run([str(exe), layout, str(layers), str(buffers), str(page_mb), str(pages), str(rounds),
-                          str(batch)], check=True, capture_output=True, text=True).stdout
-    result: dict[str, list[float]] = {}
-    for line in out.splitlines():
-        row = json.loads(line)
-        result.setdefault(row["op"], []).append(row["us_per_page_id"])
-    return result
+NATIVE_OPS = ("grow_cold", "shrink_keep", "grow_warm", "shrink_release", "grow_naive", "shrink_naive")
 
 
 # -- the backend, same sequence ----------------------------------------------------------------------
-def run_backend(layout: str, layers: int, buffers: int, page_mb: int, pages: int, rounds: int,
-                batch: int) -> dict[str, list[float]]:
-    geometry = Geometry(page_mb * MiB, pages, layers, buffers)
-    backend = CudaBackend(geometry, 0, layout=layout, pool_pages=0, async_unmap=False)  # same work as the floor
-    ids = list(range(pages))
-    batches = [ids[i:i + batch] for i in range(0, pages, batch)]
-    result: dict[str, list[float]] = {op: [] for op in OPS}
+class BackendRounds:
+    """The backend doing the floor's sequence: grow from cuMemCreate, shrink into the pool, grow
+    from the pool, shrink releasing (synchronous unmapping: the same driver work as the floor)."""
 
-    def grow() -> float:
+    def __init__(self, layout: str, args: argparse.Namespace, batch: int) -> None:
+        geometry = Geometry(args.page_mb * MiB, args.pages, args.layers, args.buffers)
+        self.backend = CudaBackend(geometry, 0, layout=layout, pool_pages=0, async_unmap=False)
+        ids = list(range(args.pages))
+        self.batches = [ids[i:i + batch] for i in range(0, args.pages, batch)]
+        self.pages = args.pages
+
+    def grow(self) -> float:
         t0 = time.perf_counter_ns()
-        for chunk in batches:
-            got = backend.map_pages(chunk)
+        for chunk in self.batches:
+            got = self.backend.map_pages(chunk)
             assert len(got) == len(chunk), "device ran out of memory during the benchmark"
-        return (time.perf_counter_ns() - t0) / 1000 / pages
+        return (time.perf_counter_ns() - t0) / 1000 / self.pages
 
-    def shrink() -> float:
+    def shrink(self) -> float:
         t0 = time.perf_counter_ns()
-        for chunk in batches:
-            backend.unmap_pages(chunk)
-        return (time.perf_counter_ns() - t0) / 1000 / pages
+        for chunk in self.batches:
+            self.backend.unmap_pages(chunk)
+        return (time.perf_counter_ns() - t0) / 1000 / self.pages
 
-    try:
-        grow()
-        shrink()  # warm-up, released (pool_pages=0)
-        for _ in range(rounds):
-            backend.trim_pool(0)
-            result["grow_cold"].append(grow())
-            backend.pool_pages = pages
-            result["shrink_keep"].append(shrink())
-            result["grow_warm"].append(grow())
-            backend.pool_pages = 0
-            result["shrink_release"].append(shrink())
-    finally:
-        backend.close()
-    return result
+    def round(self) -> dict[str, float]:
+        b = self.backend
+        b.trim_pool(0)
+        out = {"grow_cold": self.grow()}
+        b.pool_pages = self.pages
+        out["shrink_keep"] = self.shrink()
+        out["grow_warm"] = self.grow()
+        b.pool_pages = 0
+        out["shrink_release"] = self.shrink()
+        return out
 
 
-def compare(exe: Path | None, args: argparse.Namespace) -> list[dict]:
+def compare(floor: ctypes.CDLL | None, args: argparse.Namespace) -> list[dict]:
     rows = []
     for layout in ("layer", "page"):
         for batch in (1, 5):
-            native: dict[str, list[float]] = {}
-            python: dict[str, list[float]] = {}
-            for _ in range(2):  # interleave: native, python, native, python
-                if exe is not None:
-                    for op, xs in run_floor(exe, layout, args.layers, args.buffers, args.page_mb, args.pages,
-                                            args.rounds, batch).items():
-                        native.setdefault(op, []).extend(xs)
-                for op, xs in run_backend(layout, args.layers, args.buffers, args.page_mb, args.pages,
-                                          args.rounds, batch).items():
-                    python.setdefault(op, []).extend(xs)
-            for op in (*OPS, "grow_naive", "shrink_naive"):
+            native: dict[str, list[float]] = {op: [] for op in NATIVE_OPS}
+            python: dict[str, list[float]] = {op: [] for op in OPS}
+            ours = BackendRounds(layout, args, batch)
+            if floor is not None:
+                assert floor.floor_setup(int(layout == "layer"), args.layers, args.buffers, args.page_mb, args.pages,
+                                         batch) == 0
+                floor.floor_op(0)
+                floor.floor_op(3)  # warm-up
+            ours.round()  # warm-up
+            try:
+                for r in range(args.rounds):
+                    sides = ("native", "python") if r % 2 == 0 else ("python", "native")
+                    for side in sides:  # alternate who goes first: drift hits both alike
+                        if side == "native" and floor is not None:
+                            for i, op in enumerate(NATIVE_OPS):
+                                native[op].append(floor.floor_op(i))
+                        elif side == "python":
+                            for op, us in ours.round().items():
+                                python[op].append(us)
+            finally:
+                ours.backend.close()
+                if floor is not None:
+                    floor.floor_teardown()
+            for op in NATIVE_OPS:
                 n = statistics.median(native[op]) if native.get(op) else None
                 p = statistics.median(python[op]) if python.get(op) else None
                 rows.append({"layout": layout, "batch": batch, "op": op, "native_us": n, "python_us": p,
                              "ratio": round(p / n, 3) if n and p else None,
-                             "native_samples": native.get(op, []), "python_samples": python.get(op, [])})
+                             "native_samples": [round(x, 1) for x in native.get(op, [])],
+                             "python_samples": [round(x, 1) for x in python.get(op, [])]})
                 print(f"{layout:5s} batch {batch} {op:15s} native {fmt(n)} us  python {fmt(p)} us  "
                       f"ratio {rows[-1]['ratio']}", flush=True)
     return rows
@@ -356,7 +370,8 @@ def markdown(report: dict) -> str:
         f"{env.get('binding_call_us')} µs), Python {env['python']}. "
         f"Model shape: {cfg['layers']} layers x {cfg['buffers']} KV buffers, {cfg['page_mb']} MiB pages "
         f"(one page id = {cfg['layers'] * cfg['buffers'] * cfg['page_mb']} MiB), {cfg['pages']} page ids per trial, "
-        f"medians of {2 * cfg['rounds']} rounds (native and Python interleaved). `benchmarks/vmm.py` made this file.",
+        f"medians of {cfg['rounds']} rounds each, native and Python alternating in one process. "
+        "`benchmarks/vmm.py` made this file.",
         "",
         "## Grow and shrink per page id: backend (cuda-python) vs native C floor, same calls in the same order",
         "",
@@ -410,7 +425,7 @@ def main() -> int:
     ap.add_argument("--buffers", type=int, default=2)
     ap.add_argument("--page-mb", type=int, default=2)
     ap.add_argument("--pages", type=int, default=64, help="page ids per grow/shrink trial")
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--block-kib", type=int, default=32, help="block bytes per layer per buffer (KiB)")
     ap.add_argument("--grow-pages", type=int, default=160, help="page ids the alloc benchmark grows to")
     ap.add_argument("--churn-steps", type=int, default=1500, help="alloc+free steps in the churn runs")
@@ -425,9 +440,9 @@ def main() -> int:
     print(json.dumps(report["environment"]), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("KVCACHED_SHM_DIR", tmp)
-        exe = None if args.no_native else build_floor(Path(tmp))
-        report["native_floor_built"] = exe is not None
-        report["compare"] = [] if args.skip_compare else compare(exe, args)
+        floor = None if args.no_native else build_floor(Path(tmp))
+        report["native_floor_built"] = floor is not None
+        report["compare"] = [] if args.skip_compare else compare(floor, args)
         save(report, args.out)  # keep what we have if the next part fails
         report["alloc"] = []
         pacer = Pacer()

@@ -124,6 +124,10 @@ def test_layout_setting_is_validated_before_touching_the_driver(monkeypatch: pyt
     monkeypatch.setenv("KVCACHED_CUDA_ASYNC_UNMAP", "later")
     with pytest.raises(ConfigError, match="KVCACHED_CUDA_ASYNC_UNMAP"):
         CudaBackend(Geometry(2 * MiB, 4, 2, 2), layout="layer")
+    monkeypatch.setenv("KVCACHED_CUDA_ASYNC_UNMAP", "1")
+    monkeypatch.setenv("KVCACHED_CUDA_UNMAP_DELAY_MS", "soon")
+    with pytest.raises(ConfigError, match="KVCACHED_CUDA_UNMAP_DELAY_MS"):
+        CudaBackend(Geometry(2 * MiB, 4, 2, 2), layout="layer")
 
 
 @pytest.mark.skipif(GPU_MISSING is None, reason="a GPU is present: construction succeeds here")
@@ -254,6 +258,7 @@ def test_deferred_unmap_hands_back_a_pending_page_without_driver_work(layout) ->
         created = b.created
         assert b.map_pages([2, 5]) == [2, 5]
         assert b._mapped[2] is kept, "page 2 was still mapped: it must come back as it was"
+        assert b.revived == 1
         assert b.created == created + b.slices  # only page 5 needed new memory
         with pytest.raises(BackendError, match="not mapped"):
             b.unmap_pages([1])  # already on its way out

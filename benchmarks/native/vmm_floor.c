@@ -12,7 +12,12 @@
  *          "page"  = one handle of LAYERS*BUFFERS*PAGE_MB per page id in one range.
  * Prints one JSON object per op and round: microseconds per page id.
  *
+ * benchmarks/vmm.py loads it as a shared library and calls floor_setup / floor_op /
+ * floor_teardown from the same process as the Python backend, alternating rounds, so both
+ * share one context and one driver state (separate processes drifted by +-15 % between runs).
+ *
  * Build: nvcc -O2 -o vmm_floor vmm_floor.c -lcuda   (or cc -O2 -I$CUDA/include ... -lcuda)
+ *        nvcc -O2 -Xcompiler -fPIC -shared -o libvmm_floor.so vmm_floor.c -lcuda
  * Run:   ./vmm_floor layer 32 2 2 64 5 1
  */
 #include <cuda.h>
@@ -95,32 +100,20 @@ static void shrink_naive(void) {
         }
 }
 
-static void report(const char *layout, const char *op, int round, double us) {
-    printf("{\"impl\": \"native\", \"layout\": \"%s\", \"op\": \"%s\", \"batch\": %zu, \"round\": %d, "
-           "\"us_per_page_id\": %.3f}\n", layout, op, batch, round, us / npages);
-    fflush(stdout);
-}
+static size_t total_bytes;
+static CUdevice dev;
 
-int main(int argc, char **argv) {
-    if (argc != 8) {
-        fprintf(stderr, "usage: %s layer|page LAYERS BUFFERS PAGE_MB NPAGES ROUNDS BATCH\n", argv[0]);
-        return 2;
-    }
-    layer_layout = strcmp(argv[1], "layer") == 0;
-    size_t layers = atoi(argv[2]), buffers = atoi(argv[3]), page = (size_t)atoi(argv[4]) << 20;
-    npages = atoi(argv[5]);
-    int rounds = atoi(argv[6]);
-    batch = atoi(argv[7]);
-    if (!layers || !buffers || !page || !npages || rounds <= 0 || !batch) {
-        fprintf(stderr, "all numbers must be positive\n");
-        return 2;
-    }
+/* Set up one layout; 0 on success. The primary context is shared with whoever else uses device 0. */
+int floor_setup(int layer, size_t layers, size_t buffers, size_t page_mb, size_t pages, size_t batch_ids) {
+    size_t page = page_mb << 20;
+    layer_layout = layer;
+    npages = pages;
+    batch = batch_ids;
     slices = layer_layout ? layers * buffers : 1;
     slice_bytes = layer_layout ? page : page * layers * buffers;
     range_bytes = page * npages;
-
+    total_bytes = page * layers * buffers * npages;
     CK(cuInit(0));
-    CUdevice dev;
     CK(cuDeviceGet(&dev, 0));
     CUcontext ctx;
     CK(cuDevicePrimaryCtxRetain(&ctx, dev));
@@ -132,30 +125,63 @@ int main(int argc, char **argv) {
     memset(&acc, 0, sizeof acc);
     acc.location = prop.location;
     acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    size_t total = page * layers * buffers * npages;
-    CK(cuMemAddressReserve(&va, total, page, 0, 0));
+    CK(cuMemAddressReserve(&va, total_bytes, page, 0, 0));
     mapped = calloc(npages * slices, sizeof *mapped);
     pool = calloc(npages * slices, sizeof *pool);
+    pool_len = 0;
+    return mapped && pool ? 0 : 1;
+}
 
-    grow(0); shrink(1); /* warm-up: first touches of the driver's page tables */
-    for (int r = 0; r < rounds; r++) {
-        double t0 = now_us(); grow(0);
-        double t1 = now_us(); shrink(0);
-        double t2 = now_us(); grow(1);
-        double t3 = now_us(); shrink(1);
-        double t4 = now_us(); grow_naive();
-        double t5 = now_us(); shrink_naive();
-        double t6 = now_us();
-        report(argv[1], "grow_cold", r, t1 - t0);
-        report(argv[1], "shrink_keep", r, t2 - t1);
-        report(argv[1], "grow_warm", r, t3 - t2);
-        report(argv[1], "shrink_release", r, t4 - t3);
-        report(argv[1], "grow_naive", r, t5 - t4);
-        report(argv[1], "shrink_naive", r, t6 - t5);
+/* One op over all page ids; microseconds per page id. Ops must run in the order
+ * grow_cold(0) shrink_keep(1) grow_warm(2) shrink_release(3), then grow_naive(4) shrink_naive(5). */
+double floor_op(int op) {
+    double t0 = now_us();
+    switch (op) {
+        case 0: grow(0); break;
+        case 1: shrink(0); break;
+        case 2: grow(1); break;
+        case 3: shrink(1); break;
+        case 4: grow_naive(); break;
+        case 5: shrink_naive(); break;
+        default: return -1;
     }
-    CK(cuMemAddressFree(va, total));
+    return (now_us() - t0) / npages;
+}
+
+void floor_teardown(void) {
+    CK(cuMemAddressFree(va, total_bytes));
     CK(cuDevicePrimaryCtxRelease(dev));
     free(mapped);
     free(pool);
+    mapped = pool = NULL;
+}
+
+static void report(const char *layout, const char *op, int round, double us) {
+    printf("{\"impl\": \"native\", \"layout\": \"%s\", \"op\": \"%s\", \"batch\": %zu, \"round\": %d, "
+           "\"us_per_page_id\": %.3f}\n", layout, op, batch, round, us);
+    fflush(stdout);
+}
+
+int main(int argc, char **argv) {
+    static const char *names[] = {"grow_cold", "shrink_keep", "grow_warm", "shrink_release", "grow_naive",
+                                  "shrink_naive"};
+    if (argc != 8) {
+        fprintf(stderr, "usage: %s layer|page LAYERS BUFFERS PAGE_MB NPAGES ROUNDS BATCH\n", argv[0]);
+        return 2;
+    }
+    int rounds = atoi(argv[6]);
+    if (atoi(argv[2]) <= 0 || atoi(argv[3]) <= 0 || atoi(argv[4]) <= 0 || atoi(argv[5]) <= 0 || rounds <= 0 ||
+        atoi(argv[7]) <= 0) {
+        fprintf(stderr, "all numbers must be positive\n");
+        return 2;
+    }
+    if (floor_setup(strcmp(argv[1], "layer") == 0, atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), atoi(argv[5]),
+                    atoi(argv[7])))
+        return 1;
+    floor_op(0);
+    floor_op(3); /* warm-up: first touches of the driver's page tables */
+    for (int r = 0; r < rounds; r++)
+        for (int op = 0; op < 6; op++) report(argv[1], names[op], r, floor_op(op));
+    floor_teardown();
     return 0;
 }

@@ -26,9 +26,11 @@ every other driver error raises :class:`BackendError` naming the call.
 
 Unmapping is deferred by default (``KVCACHED_CUDA_ASYNC_UNMAP=0`` turns it off): the allocator
 unmaps while it holds its lock, often inside an engine's ``free``, and a layer-separated page
-id takes ~2-3 ms to unmap, so a backend thread does it instead. A page asked for again before
-that thread reached it is handed back as it is, with no driver call; ``trim_pool`` and
-``flush`` wait for the deferred work, so a trim still returns its memory before it answers.
+id takes ~1.5-2.5 ms to unmap, so a backend thread does it instead, one page id at a time,
+``KVCACHED_CUDA_UNMAP_DELAY_MS`` (20) after it was asked. A page asked for again before then is
+handed back as it is, with no driver call (churn costs nothing); ``trim_pool``, ``flush`` and a
+map that runs out of memory finish the deferred work at once, so a trim still returns its
+memory before it answers.
 
 Driver calls release the GIL (cuda-bindings >= 12.9.1), so the allocator's refill thread maps
 while the engine's thread keeps allocating. torch is optional: :meth:`CudaBackend.buffer` and
@@ -40,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -52,6 +55,8 @@ LAYOUTS = ("layer", "page")
 LAYOUT_ENV = "KVCACHED_CUDA_LAYOUT"
 POOL_ENV = "KVCACHED_CUDA_POOL_PAGES"
 ASYNC_ENV = "KVCACHED_CUDA_ASYNC_UNMAP"
+DELAY_ENV = "KVCACHED_CUDA_UNMAP_DELAY_MS"
+DEFAULT_UNMAP_DELAY_MS = 20.0
 
 
 def layout_from_env() -> str:
@@ -79,6 +84,19 @@ def async_unmap_from_env() -> bool:
     if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
         raise ConfigError(f"{ASYNC_ENV}={raw!r} is not a boolean (1 or 0)")
     return raw in ("1", "true", "yes", "on")
+
+
+def unmap_delay_from_env() -> float:
+    raw = os.environ.get(DELAY_ENV, "").strip()
+    if not raw:
+        return DEFAULT_UNMAP_DELAY_MS / 1000
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{DELAY_ENV}={raw!r} is not a number of milliseconds") from None
+    if not 0 <= value <= 60_000:
+        raise ConfigError(f"{DELAY_ENV}={raw} must be between 0 and 60000 milliseconds")
+    return value / 1000
 
 
 def runs(pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -212,24 +230,27 @@ class CudaBackend(Backend):
     name = "cuda"
 
     def __init__(self, geometry: Geometry, device: int = 0, *, layout: str | None = None,
-                 pool_pages: int | None = None, async_unmap: bool | None = None) -> None:
+                 pool_pages: int | None = None, async_unmap: bool | None = None,
+                 unmap_delay_s: float | None = None) -> None:
         super().__init__(geometry, device)
         self.layout = layout_from_env() if layout is None else layout
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
         self.pool_pages = pool_pages_from_env() if pool_pages is None else pool_pages
         self.async_unmap = async_unmap_from_env() if async_unmap is None else async_unmap
+        self.unmap_delay_s = unmap_delay_from_env() if unmap_delay_s is None else unmap_delay_s
         g = geometry
         self.slices = g.num_layers * g.num_kv_buffers if self.layout == "layer" else 1
         self.slice_bytes = g.page_size if self.layout == "layer" else g.bundle_bytes
         self.va_bytes = g.range_bytes * g.num_layers * g.num_kv_buffers
         self.created = self.released = 0  # physical handles, for tests and benchmarks
+        self.revived = 0  # pages taken back before their deferred unmap ran
         self._closed = False
         self._lock = threading.Lock()  # guards the pool and the deferred-unmap sets
         self._cv = threading.Condition(self._lock)
         self._mapped: dict[int, list[Any]] = {}  # page id -> its handles (pages waiting to be unmapped too)
         self._pool: list[Any] = []
-        self._pending: set[int] = set()  # unmap asked for, not started
+        self._pending: dict[int, float] = {}  # unmap asked for, not started: page -> when it is due
         self._busy: set[int] = set()  # being unmapped by the unmapper thread
         self._unmapper: threading.Thread | None = None
         self._stopping = False
@@ -387,7 +408,8 @@ class CudaBackend(Backend):
         on it, else we wait for the unmapper and the caller maps it afresh."""
         with self._cv:
             if page in self._pending:
-                self._pending.discard(page)
+                del self._pending[page]
+                self.revived += 1
                 return True
             if page not in self._busy:
                 return False
@@ -502,22 +524,35 @@ class CudaBackend(Backend):
 
     # -- deferred unmapping ----------------------------------------------------------------------
     def _defer(self, pages: list[int]) -> None:
+        due = time.monotonic() + self.unmap_delay_s
         with self._cv:
-            self._pending.update(pages)
+            for page in pages:
+                self._pending[page] = due
             if self._unmapper is None:
                 self._unmapper = threading.Thread(target=self._unmap_loop, name="kvc-cuda-unmap", daemon=True)
                 self._unmapper.start()
             self._cv.notify_all()
 
     def _unmap_loop(self) -> None:
+        """Unmap pages whose delay has passed, one page id at a time: a map that needs a page the
+        unmapper holds waits for one page id's unmap, never for a batch."""
         while True:
             with self._cv:
-                while not self._pending and not self._stopping:
-                    self._cv.wait()
-                if not self._pending:
-                    return
-                batch = self._take_pending()
-            self._unmap_batch(batch)
+                while True:
+                    if not self._pending:
+                        if self._stopping:
+                            return
+                        self._cv.wait()
+                        continue
+                    page, due = min(self._pending.items(), key=lambda item: item[1])
+                    wait = due - time.monotonic()
+                    if wait > 0 and not self._stopping:
+                        self._cv.wait(wait)
+                        continue
+                    del self._pending[page]
+                    self._busy.add(page)
+                    break
+            self._unmap_batch([page])
 
     def _take_pending(self) -> list[int]:
         batch = sorted(self._pending)

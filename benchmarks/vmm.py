@@ -278,6 +278,7 @@ def alloc_latency(label: str, layout: str, pacing: str, interval_s: float, args:
         run_s = time.perf_counter() - t_start
         mapped_pages = mgr.pages.mapped_pages
         created = mgr.backend.created - created0
+        revived = mgr.backend.revived
         if not churn:
             rng.shuffle(held)
             for ids in held:
@@ -292,7 +293,7 @@ def alloc_latency(label: str, layout: str, pacing: str, interval_s: float, args:
     row = {
         "label": label, "layout": layout, "pacing": pacing, "interval_us": interval_s * 1e6, "grow": grow,
         "churn": churn, "gc_frozen": gc_freeze, "async_unmap": async_unmap, "allocs": len(lat),
-        "seconds": round(run_s, 3), "mapped_pages_end": mapped_pages, "handles_created": created,
+        "seconds": round(run_s, 3), "mapped_pages_end": mapped_pages, "handles_created": created, "pages_revived": revived,
         "page_ids_per_s": round(mapped_pages / run_s, 1) if grow and not churn else None,
         "first_alloc_us": round(first_us, 1),
         "alloc_p50_us": round(pct(lat, 0.50), 2), "alloc_p99_us": round(pct(lat, 0.99), 2),
@@ -399,8 +400,8 @@ def markdown(report: dict) -> str:
         "inside alloc; other: lock, GIL and call overhead. Misses: allocs over 200 µs (mapped on the caller's thread).",
         "",
         "| run | allocs | alloc p50 | p99 | p99.9 | max | misses | place p50/p99 | publish p50/p99 | other p50/p99 "
-        "| free p50 / p99 / max | page ids/s | handles created |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| free p50 / p99 / max | page ids/s | handles created | pages revived |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report.get("alloc", []):
         lines.append(
@@ -408,7 +409,7 @@ def markdown(report: dict) -> str:
             f"{r['alloc_max_us']} | {r['misses_over_200us']} | {r['place_p50_us']} / {r['place_p99_us']} | "
             f"{r['publish_p50_us']} / {r['publish_p99_us']} | {r['other_p50_us']} / {r['other_p99_us']} | "
             f"{r['free_p50_us']} / {r['free_p99_us']} / {r['free_max_us']} | {r['page_ids_per_s'] or ''} | "
-            f"{r['handles_created']} |")
+            f"{r['handles_created']} | {r.get('pages_revived', '')} |")
     lines.append("")
     return "\n".join(lines)
 

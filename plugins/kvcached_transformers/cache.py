@@ -234,7 +234,7 @@ class PagedKVCache(Cache):
         except BaseException:
             taken = [b for ids in got for b in ids]
             if taken:
-                self.manager.free(taken)
+                self._free(taken)
             raise
         for seq, ids in zip(self._seqs, got, strict=True):
             seq.blocks.extend(ids)
@@ -256,8 +256,11 @@ class PagedKVCache(Cache):
         batch = len(self._seqs)
         width = max(past, default=0) + q
         slots = [self._token_slots(s) if s.length else (torch.zeros(0, dtype=torch.long),) * 2 for s in self._seqs]
-        read_page = torch.zeros((batch, width), dtype=torch.long)
-        read_tok = torch.zeros((batch, width), dtype=torch.long)
+        # Every index must land on a block we hold (an unmapped page faults on a GPU): an empty
+        # row reads some row's first token, masked out like any padding.
+        anchor = next(((page[0], tok[0]) for page, tok in slots if len(page)), (0, 0))
+        read_page = torch.full((batch, width), int(anchor[0]), dtype=torch.long)
+        read_tok = torch.full((batch, width), int(anchor[1]), dtype=torch.long)
         mask = torch.zeros((batch, width), dtype=torch.long)
         positions = torch.zeros((batch, q), dtype=torch.long)
         wp, wt = [], []
@@ -362,7 +365,7 @@ class PagedKVCache(Cache):
             self._copy_blocks(src_blocks, dst_blocks)
         self._seqs = new
         if dropped:
-            self.manager.free(dropped)
+            self._free(dropped)
         self._set_width()
 
     def _copy_blocks(self, src: list[int], dst: list[int]) -> None:
@@ -379,6 +382,12 @@ class PagedKVCache(Cache):
         for k_pool, v_pool in self.pools:
             k_pool[dp, dt] = k_pool[sp, st]
             v_pool[dp, dt] = v_pool[sp, st]
+
+    def _free(self, blocks: list[int]) -> None:
+        """Give blocks back once no queued kernel can still touch them (their page may be unmapped next)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.manager.free(blocks)
 
     def _set_width(self) -> None:
         width = max((s.length for s in self._seqs), default=0)
@@ -406,7 +415,7 @@ class PagedKVCache(Cache):
             freed += seq.blocks[keep:]
             del seq.blocks[keep:]
         if freed:
-            self.manager.free(freed)
+            self._free(freed)
         self._set_width()
 
     def reset(self) -> None:
@@ -417,7 +426,7 @@ class PagedKVCache(Cache):
         blocks = [b for s in self._seqs for b in s.blocks]
         self._seqs = []
         if blocks:
-            self.manager.free(blocks)
+            self._free(blocks)
         self._set_width()
 
     def close(self) -> None:

@@ -86,11 +86,16 @@ def _wait(model: ModelSnapshot, done, wait: float, kind: str, pending: Ack, star
     deadline = started + wait
     path = Path(model.path)
     while True:
-        snap = read_segment(path)
-        ack = done(snap)
+        try:
+            snap = read_segment(path)
+        except BlockingIOError:  # a publish under way for long: not an answer yet
+            snap = None
+        except (OSError, ValueError) as exc:
+            raise ControlError(f"{model.name} went away before acknowledging the {kind} ({exc})") from None
+        ack = done(snap) if snap is not None else None
         if ack is not None:
             return ack
-        if snap.status != "live":
+        if snap is not None and snap.status != "live":
             raise ControlError(f"{model.name} stopped answering (status {snap.status}) before acknowledging the {kind}")
         if time.monotonic() >= deadline:
             raise AckTimeout(f"{model.name} did not acknowledge the {kind} within {wait:g} s", pending)

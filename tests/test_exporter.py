@@ -184,7 +184,7 @@ def test_kvctl_export_serves_until_sigterm(spawn_allocator):
     (("--port", "70000"), 2, "Invalid value for '--port'"),
     (("--interval", "0"), 2, "Invalid value for '--interval'"),
     (("--host", "no.such.host.invalid"), 1, "cannot serve on no.such.host.invalid:"),
-])
+], ids=["port-70000", "interval-0", "host-unresolvable"])
 def test_kvctl_export_bad_input(args, code, message):
     proc = kvctl("export", *args)
     out, err = proc.communicate(timeout=30)

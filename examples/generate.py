@@ -65,10 +65,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep between steps, to watch it in kvtop")
     p.add_argument("--hold", type=float, default=0.0, metavar="S",
                    help="keep the segment alive S seconds after generating, so kvtop keeps showing it")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for torch (default 1: the model is tiny, more threads mostly contend)")
     p.add_argument("--check", action="store_true", help="also generate with DynamicCache and compare tokens")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     args = p.parse_args(argv)
-    for name in ("requests", "max_batch", "max_new_tokens", "prompt_len", "block_tokens"):
+    for name in ("requests", "max_batch", "max_new_tokens", "prompt_len", "block_tokens", "threads"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.prompt_len < 2:
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type not in ("cpu", "cuda"):
         return fail(f"--device must be cpu or cuda, not {args.device!r}")
     dtype = DTYPES[args.dtype]
+    torch.set_num_threads(args.threads)
     if args.page_size is None and device.type == "cpu" and not os.environ.get("KVCACHED_PAGE_SIZE_MB"):
         args.page_size = parse_size(HOST_PAGE)
 

@@ -215,7 +215,7 @@ class StressResult:
 def stress(writers: int, readers: int, updates_per_writer: int, *, timed: bool = False,
            directory: str | None = None, timeout: float = 300) -> StressResult:
     """Run ``writers`` writer and ``readers`` reader processes until every writer has published its updates."""
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")  # no fork of a caller that may run threads (pytest, an app)
     with tempfile.TemporaryDirectory(prefix="kvc-stress-", dir=directory or _default_dir()) as tmp:
         names = [f"stress{w}" for w in range(writers)]
         ids = {name: w + 1 for w, name in enumerate(names)}

@@ -87,6 +87,10 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool) -> tuple[dict, arr
                 raise PublishUnfinished(f"a publish never finished (sequence {seq} stayed odd)")
             _backoff(attempt)
             continue
+        if os.pread(fd, 8, L.SEQ_OFF) != raw[L.SEQ_OFF:L.SEQ_OFF + 8]:
+            _backoff(attempt)  # the writer moved on during the copy: check again right away, no work wasted
+            continue
+        # The sequence was even and unchanged around the copy: verify it (on weakly ordered CPUs too).
         payload = raw[L.COUNTERS_OFF:L.CHECKSUM_OFF]
         check = L.U64.unpack_from(raw, L.CHECKSUM_OFF)[0]
         pages = None
@@ -102,14 +106,11 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool) -> tuple[dict, arr
             if (sum(pages) & 0xFFFFFFFFFFFFFFFF) != counters["page_sum"]:
                 counters = None
         if counters is None:
-            if os.pread(fd, 8, L.SEQ_OFF) == raw[L.SEQ_OFF:L.SEQ_OFF + 8]:
-                quiet_failures += 1  # the writer did not move: the file really holds this
-                if quiet_failures >= QUIET_FAILURES:
-                    raise SegmentCorrupt("checksum mismatch in a quiet segment")
+            quiet_failures += 1  # the writer did not move: the file really holds this
+            if quiet_failures >= QUIET_FAILURES:
+                raise SegmentCorrupt("checksum mismatch in a quiet segment")
             _backoff(attempt)
             continue
-        if os.pread(fd, 8, L.SEQ_OFF) != raw[L.SEQ_OFF:L.SEQ_OFF + 8]:
-            continue  # the writer moved on during the copy
         return counters, pages, raw
     if len(seqs_seen) == 1:  # nobody is writing, yet no copy checks out
         seq = seqs_seen.pop()

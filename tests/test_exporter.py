@@ -200,3 +200,25 @@ def test_kvctl_export_on_a_busy_port_fails_in_one_line():
     assert proc.returncode == 1
     assert f"cannot serve on 127.0.0.1:{taken.port}: Address already in use" in err
     assert len(err.strip().splitlines()) == 1 and out == ""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not nvml.available(), reason=f"needs an NVIDIA GPU: {nvml.unavailable_reason()}")
+def test_nvml_memory_and_a_cuda_allocator_on_the_gpu(spawn_allocator, exporter):
+    proc = spawn_allocator("gpu0", backend="cuda", device=0, num_blocks=1024, block_bytes=64 * 1024,
+                           page_size=2 << 20, script="b = m.alloc(100)")
+    samples = scrape(exporter.url)
+    (gpu,) = [g for g in nvml.probe() if g.index == 0]
+    labels = {"device": "0", "host": socket.gethostname()}
+    assert value(samples, "kvcached_nvml_up") == 1
+    assert value(samples, "kvcached_gpu_memory_total_bytes", **labels) == gpu.total_bytes > 0
+    used = value(samples, "kvcached_gpu_memory_used_bytes", **labels)
+    free = value(samples, "kvcached_gpu_memory_free_bytes", **labels)
+    assert 0 < used <= gpu.total_bytes and 0 <= free <= gpu.total_bytes
+    mapped = value(samples, "kvcached_mapped_bytes", model="gpu0", pid=str(proc.pid), device="0")
+    assert value(samples, "kvcached_model_info", model="gpu0", backend="cuda") == 1
+    assert mapped >= 4 * (2 << 20) * 2 * 2  # 100 blocks of 32 per page: at least 4 pages of 2 layers x K/V
+    process = [v for (n, lab), v in samples.items()
+               if n == "kvcached_gpu_process_memory_bytes" and ("pid", str(proc.pid)) in lab]
+    if process:  # NVML lists processes only where the driver sees the container's pids
+        assert process[0] >= mapped

@@ -43,6 +43,7 @@ if str(ROOT) not in sys.path:
 
 from kvcached_core.backends import Geometry  # noqa: E402
 from kvcached_core.backends.cuda import CudaBackend  # noqa: E402
+from kvcached_core.backends.cuda_native import build as build_native  # noqa: E402
 
 MiB = 1 << 20
 OPS = ("grow_cold", "shrink_keep", "grow_warm", "shrink_release")
@@ -89,9 +90,11 @@ class BackendRounds:
     """The backend doing the floor's sequence: grow from cuMemCreate, shrink into the pool, grow
     from the pool, shrink releasing (synchronous unmapping: the same driver work as the floor)."""
 
-    def __init__(self, layout: str, args: argparse.Namespace, batch: int) -> None:
+    def __init__(self, layout: str, args: argparse.Namespace, batch: int, native: str) -> None:
         geometry = Geometry(args.page_mb * MiB, args.pages, args.layers, args.buffers)
-        self.backend = CudaBackend(geometry, 0, layout=layout, pool_pages=0, async_unmap=False)
+        self.backend = CudaBackend(geometry, 0, layout=layout, pool_pages=0, async_unmap=False, native=native)
+        if native == "on":
+            assert self.backend._native is not None, self.backend.native_reason
         ids = list(range(args.pages))
         self.batches = [ids[i:i + batch] for i in range(0, args.pages, batch)]
         self.pages = args.pages
@@ -121,42 +124,53 @@ class BackendRounds:
         return out
 
 
-def compare(floor: ctypes.CDLL | None, args: argparse.Namespace) -> list[dict]:
+def compare(floor: ctypes.CDLL | None, args: argparse.Namespace, native_ok: bool) -> list[dict]:
+    """Per layout and batch: the C floor, the backend with its native loop, the backend on cuda-python
+    alone; rounds rotate who goes first so slow drift hits all three alike."""
     rows = []
+    variants = (("backend", "on"), ("bindings", "off")) if native_ok else (("bindings", "off"),)
     for layout in ("layer", "page"):
         for batch in (1, 5):
-            native: dict[str, list[float]] = {op: [] for op in NATIVE_OPS}
-            python: dict[str, list[float]] = {op: [] for op in OPS}
-            ours = BackendRounds(layout, args, batch)
+            samples: dict[str, dict[str, list[float]]] = {"native": {op: [] for op in NATIVE_OPS}}
+            sides = {name: BackendRounds(layout, args, batch, mode) for name, mode in variants}
+            for name, ours in sides.items():
+                samples[name] = {op: [] for op in OPS}
+                ours.round()  # warm-up
             if floor is not None:
                 assert floor.floor_setup(int(layout == "layer"), args.layers, args.buffers, args.page_mb, args.pages,
                                          batch) == 0
                 floor.floor_op(0)
                 floor.floor_op(3)  # warm-up
-            ours.round()  # warm-up
+            order = (["native"] if floor is not None else []) + list(sides)
             try:
                 for r in range(args.rounds):
-                    sides = ("native", "python") if r % 2 == 0 else ("python", "native")
-                    for side in sides:  # alternate who goes first: drift hits both alike
-                        if side == "native" and floor is not None:
+                    for side in order[r % len(order):] + order[:r % len(order)]:
+                        if side == "native":
                             for i, op in enumerate(NATIVE_OPS):
-                                native[op].append(floor.floor_op(i))
-                        elif side == "python":
-                            for op, us in ours.round().items():
-                                python[op].append(us)
+                                samples["native"][op].append(floor.floor_op(i))  # type: ignore[union-attr]
+                        else:
+                            for op, us in sides[side].round().items():
+                                samples[side][op].append(us)
             finally:
-                ours.backend.close()
+                for ours in sides.values():
+                    ours.backend.close()
                 if floor is not None:
                     floor.floor_teardown()
             for op in NATIVE_OPS:
-                n = statistics.median(native[op]) if native.get(op) else None
-                p = statistics.median(python[op]) if python.get(op) else None
-                rows.append({"layout": layout, "batch": batch, "op": op, "native_us": n, "python_us": p,
-                             "ratio": round(p / n, 3) if n and p else None,
-                             "native_samples": [round(x, 1) for x in native.get(op, [])],
-                             "python_samples": [round(x, 1) for x in python.get(op, [])]})
-                print(f"{layout:5s} batch {batch} {op:15s} native {fmt(n)} us  python {fmt(p)} us  "
-                      f"ratio {rows[-1]['ratio']}", flush=True)
+                row: dict = {"layout": layout, "batch": batch, "op": op}
+                n = statistics.median(samples["native"][op]) if samples["native"][op] else None
+                row["native_us"] = n
+                row["native_samples"] = [round(x, 1) for x in samples["native"][op]]
+                for side in ("backend", "bindings"):
+                    xs = samples.get(side, {}).get(op, [])
+                    v = statistics.median(xs) if xs else None
+                    row[f"{side}_us"] = v
+                    row[f"{side}_ratio"] = round(v / n, 3) if n and v else None
+                    row[f"{side}_samples"] = [round(x, 1) for x in xs]
+                rows.append(row)
+                print(f"{layout:5s} batch {batch} {op:15s} floor {fmt(n)} us  backend {fmt(row['backend_us'])} us "
+                      f"({row['backend_ratio']})  cuda-python only {fmt(row['bindings_us'])} us "
+                      f"({row['bindings_ratio']})", flush=True)
     return rows
 
 
@@ -374,16 +388,21 @@ def markdown(report: dict) -> str:
         f"medians of {cfg['rounds']} rounds each, native and Python alternating in one process. "
         "`benchmarks/vmm.py` made this file.",
         "",
-        "## Grow and shrink per page id: backend (cuda-python) vs native C floor, same calls in the same order",
+        "## Grow and shrink per page id: the backend vs a native C floor doing the same calls in the same order",
         "",
-        "| layout | batch | op | native µs | python µs | python / native |",
-        "|---|---|---|---|---|---|",
+        f"Backend = `CudaBackend` with its native loop (`KVCACHED_CUDA_NATIVE=auto`, the default: "
+        f"{env.get('native_helper', '?')}); cuda-python only = `KVCACHED_CUDA_NATIVE=0`.",
+        "",
+        "| layout | batch | op | C floor µs | backend µs | backend / floor | cuda-python only µs | cuda-python / floor |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report.get("compare", []):
-        if r["python_us"] is None and r["native_us"] is None:
-            continue
-        lines.append(f"| {r['layout']} | {r['batch']} | {r['op']} | {fmt(r['native_us']).strip()} | "
-                     f"{fmt(r['python_us']).strip()} | {r['ratio'] if r['ratio'] is not None else 'n/a'} |")
+        def cell(key: str, r: dict = r) -> str:
+            v = r.get(key)
+            return "n/a" if v is None else (f"{v:.1f}" if isinstance(v, float) and key.endswith("_us") else str(v))
+
+        lines.append(f"| {r['layout']} | {r['batch']} | {r['op']} | {cell('native_us')} | {cell('backend_us')} | "
+                     f"{cell('backend_ratio')} | {cell('bindings_us')} | {cell('bindings_ratio')} |")
     lines += [
         "",
         "`grow_cold`: every handle from cuMemCreate; `grow_warm`: handles from the pool (after a shrink that kept "
@@ -443,7 +462,9 @@ def main() -> int:
         os.environ.setdefault("KVCACHED_SHM_DIR", tmp)
         floor = None if args.no_native else build_floor(Path(tmp))
         report["native_floor_built"] = floor is not None
-        report["compare"] = [] if args.skip_compare else compare(floor, args)
+        helper, why = build_native()
+        report["environment"]["native_helper"] = f"built at {helper}" if helper else f"unavailable: {why}"
+        report["compare"] = [] if args.skip_compare else compare(floor, args, helper is not None)
         save(report, args.out)  # keep what we have if the next part fails
         report["alloc"] = []
         pacer = Pacer()

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcached_core import BackendError, BackendUnavailable, KVCacheManager
-from kvcached_core.backends import Geometry
+from kvcached_core.backends import Geometry, cuda_native
 from kvcached_core.backends.cuda import (
     CudaBackend,
     block_spec,
@@ -56,6 +56,7 @@ def gpu_missing() -> str | None:
 GPU_MISSING = gpu_missing()
 needs_gpu = pytest.mark.skipif(GPU_MISSING is not None, reason=f"needs an NVIDIA GPU: {GPU_MISSING}")
 LAYOUTS = pytest.mark.parametrize("layout", ["layer", "page"])
+PATHS = pytest.mark.parametrize("native", ["1", "0"], ids=["native-loop", "cuda-python"])
 
 
 def child_env() -> dict[str, str]:
@@ -128,6 +129,31 @@ def test_layout_setting_is_validated_before_touching_the_driver(monkeypatch: pyt
     monkeypatch.setenv("KVCACHED_CUDA_UNMAP_DELAY_MS", "soon")
     with pytest.raises(ConfigError, match="KVCACHED_CUDA_UNMAP_DELAY_MS"):
         CudaBackend(Geometry(2 * MiB, 4, 2, 2), layout="layer")
+    monkeypatch.setenv("KVCACHED_CUDA_UNMAP_DELAY_MS", "5")
+    monkeypatch.setenv("KVCACHED_CUDA_NATIVE", "maybe")
+    with pytest.raises(ConfigError, match="KVCACHED_CUDA_NATIVE"):
+        CudaBackend(Geometry(2 * MiB, 4, 2, 2), layout="layer")
+
+
+def test_native_helper_builds_once_and_exports_its_loop(tmp_path, monkeypatch) -> None:
+    import ctypes
+    import shutil
+
+    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path, why = cuda_native.build()
+    assert path is not None, why
+    assert path.parent == tmp_path / "kvcached" and path.stat().st_size > 0
+    assert cuda_native.build() == (path, "")  # cached: no second compile
+    lib = ctypes.CDLL(str(path))
+    for name in ("kvc_map_page", "kvc_access", "kvc_unmap", "kvc_release"):
+        assert hasattr(lib, name)
+    assert [p.name for p in path.parent.iterdir()] == [path.name], "temporary build files left behind"
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other"))
+    path, why = cuda_native.build()
+    assert path is None and "no-such-compiler" in why
 
 
 @pytest.mark.skipif(GPU_MISSING is None, reason="a GPU is present: construction succeeds here")
@@ -152,12 +178,15 @@ def cuda_manager(name: str, **kwargs) -> KVCacheManager:
 @pytest.mark.gpu
 @needs_gpu
 @LAYOUTS
-def test_write_and_read_back_every_layer_through_torch(layout, monkeypatch) -> None:
+@PATHS
+def test_write_and_read_back_every_layer_through_torch(layout, native, monkeypatch) -> None:
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("KVCACHED_CUDA_LAYOUT", layout)
+    monkeypatch.setenv("KVCACHED_CUDA_NATIVE", native)
     monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")  # map on demand only: no background mapping races
     with cuda_manager(f"rw-{layout}") as m:
         assert m.backend.layout == layout
+        assert (m.backend._native is not None) == (native == "1"), m.backend.native_reason
         views = tensor_views(m, dtype=torch.int32)
         bpp = m.blocks_per_page
         blocks = m.alloc(20)
@@ -219,8 +248,9 @@ def test_views_take_a_dtype_and_block_shape(layout) -> None:
 @pytest.mark.gpu
 @needs_gpu
 @LAYOUTS
-def test_pool_reuses_handles_and_trim_pool_releases_beyond_keep(layout) -> None:
-    b = CudaBackend(Geometry(2 * MiB, 8, 2, 2), layout=layout, pool_pages=4)
+@PATHS
+def test_pool_reuses_handles_and_trim_pool_releases_beyond_keep(layout, native) -> None:
+    b = CudaBackend(Geometry(2 * MiB, 8, 2, 2), layout=layout, pool_pages=4, native="on" if native == "1" else "off")
     try:
         per_page = b.slices
         assert b.map_pages([0, 1, 2, 3]) == [0, 1, 2, 3]
@@ -242,8 +272,9 @@ def test_pool_reuses_handles_and_trim_pool_releases_beyond_keep(layout) -> None:
 @pytest.mark.gpu
 @needs_gpu
 @LAYOUTS
-def test_deferred_unmap_hands_back_a_pending_page_without_driver_work(layout) -> None:
-    b = CudaBackend(Geometry(2 * MiB, 8, 4, 2), layout=layout, pool_pages=0)
+@PATHS
+def test_deferred_unmap_hands_back_a_pending_page_without_driver_work(layout, native) -> None:
+    b = CudaBackend(Geometry(2 * MiB, 8, 4, 2), layout=layout, pool_pages=0, native="on" if native == "1" else "off")
     idle = threading.Thread(target=lambda: None)
     idle.start()
     idle.join()
@@ -271,10 +302,12 @@ def test_deferred_unmap_hands_back_a_pending_page_without_driver_work(layout) ->
 
 @pytest.mark.gpu
 @needs_gpu
-def test_driver_errors_name_the_call_and_leave_nothing_half_mapped() -> None:
+@PATHS
+def test_driver_errors_name_the_call_and_leave_nothing_half_mapped(native) -> None:
     from cuda.bindings import driver as d
 
-    b = CudaBackend(Geometry(2 * MiB, 4, 1, 1), layout="layer", async_unmap=False)
+    b = CudaBackend(Geometry(2 * MiB, 4, 1, 1), layout="layer", async_unmap=False,
+                    native="on" if native == "1" else "off")
     try:
         with b._context():
             err, stray = d.cuMemCreate(2 * MiB, b._prop, 0)

@@ -50,6 +50,8 @@ from typing import Any
 
 from ..config import ConfigError, reserve_bounds
 from .base import Backend, BackendError, BackendUnavailable, Geometry
+from .cuda_native import NATIVE_ENV, NativeVmm, native_mode_from_env
+from .cuda_native import build as build_native
 
 LAYOUTS = ("layer", "page")
 LAYOUT_ENV = "KVCACHED_CUDA_LAYOUT"
@@ -231,7 +233,7 @@ class CudaBackend(Backend):
 
     def __init__(self, geometry: Geometry, device: int = 0, *, layout: str | None = None,
                  pool_pages: int | None = None, async_unmap: bool | None = None,
-                 unmap_delay_s: float | None = None) -> None:
+                 unmap_delay_s: float | None = None, native: str | None = None) -> None:
         super().__init__(geometry, device)
         self.layout = layout_from_env() if layout is None else layout
         if self.layout not in LAYOUTS:
@@ -239,6 +241,9 @@ class CudaBackend(Backend):
         self.pool_pages = pool_pages_from_env() if pool_pages is None else pool_pages
         self.async_unmap = async_unmap_from_env() if async_unmap is None else async_unmap
         self.unmap_delay_s = unmap_delay_from_env() if unmap_delay_s is None else unmap_delay_s
+        self.native_mode = native_mode_from_env() if native is None else native
+        self._native: NativeVmm | None = None
+        self.native_reason = "not requested" if self.native_mode == "off" else ""
         g = geometry
         self.slices = g.num_layers * g.num_kv_buffers if self.layout == "layer" else 1
         self.slice_bytes = g.page_size if self.layout == "layer" else g.bundle_bytes
@@ -315,11 +320,21 @@ class CudaBackend(Backend):
             self._va = int(self._check("cuMemAddressReserve", d.cuMemAddressReserve(self.va_bytes, g.page_size, 0, 0)))
         # where slice s of page 0 starts; slice s of page p is p * slice_bytes further
         self._bases = [self._va + s * g.range_bytes for s in range(self.slices)] if self.layout == "layer" else [self._va]
+        if self.native_mode != "off":
+            path, why = build_native()
+            if path is not None:
+                try:
+                    self._native = NativeVmm(path, prop, access, self.slice_bytes, self._bases)
+                except (OSError, AttributeError) as exc:
+                    why = f"cannot load it: {exc}"
+            self.native_reason = why
+            if self._native is None and self.native_mode == "on":
+                raise BackendError(f"{NATIVE_ENV}=1 but the native helper is unavailable: {why}")
 
     # -- plumbing --------------------------------------------------------------------------------
     def _err_name(self, err: Any) -> str:
         try:
-            res, name = self._d.cuGetErrorName(err)
+            res, name = self._d.cuGetErrorName(self._d.CUresult(int(err)))
             if res == self._OK and name:
                 return name.decode() if isinstance(name, bytes) else str(name)
         except Exception:  # noqa: BLE001 - naming an error must not raise another
@@ -368,12 +383,11 @@ class CudaBackend(Backend):
         return done
 
     def _map(self, pages: list[int]) -> list[int]:
-        # Hot loop: the driver's cost is ~30-40 us per handle; Python's share should stay small.
-        S, size, bases = self.slices, self.slice_bytes, self._bases
-        cmap, OK, OOM = self._d.cuMemMap, self._OK, self._OOM
         mapped = self._mapped
+        native = self._native is not None
+        map_one = self._map_one_native if native else self._map_one
         done: list[int] = []
-        fresh: list[int] = []  # mapped by this call, still without access
+        fresh: list[int] = []  # mapped by this call (without access yet on the cuda-python path)
         for page in pages:
             if page in mapped:
                 if not self._revive(page):
@@ -381,27 +395,54 @@ class CudaBackend(Backend):
                 if page in mapped:  # revived: still mapped and accessible
                     done.append(page)
                     continue
-            handles = self._acquire(S)
+            try:
+                handles = map_one(page)
+            except BackendError:
+                self._rollback(done, fresh, 0)
+                raise
             if handles is None:
                 break  # out of device memory: a miss
-            offset = page * size
-            for s in range(S):
-                err = cmap(bases[s] + offset, size, 0, handles[s], 0)[0]
-                if err != OK:
-                    for k in range(s):
-                        self._check("cuMemUnmap", self._d.cuMemUnmap(bases[k] + offset, size))
-                    self._return(handles)
-                    if err != OOM:
-                        self._rollback(done, fresh, 0)
-                        raise BackendError(f"cuMemMap(page {page}) failed: {self._err_name(err)}")
-                    handles = None
-                    break
-            if handles is None:
-                break
             mapped[page] = handles
             done.append(page)
             fresh.append(page)
-        return self._grant(done, fresh) if fresh else done
+        return self._grant(done, fresh) if fresh and not native else done
+
+    def _map_one(self, page: int) -> list[Any] | None:
+        """cuda-python path: the page id's handles, mapped; None when the device is out of memory."""
+        handles = self._acquire(self.slices)
+        if handles is None:
+            return None
+        size, bases, cmap, OK = self.slice_bytes, self._bases, self._d.cuMemMap, self._OK
+        offset = page * size
+        for s in range(self.slices):
+            err = cmap(bases[s] + offset, size, 0, handles[s], 0)[0]
+            if err != OK:
+                for k in range(s):
+                    self._check("cuMemUnmap", self._d.cuMemUnmap(bases[k] + offset, size))
+                self._return(handles)
+                if err == self._OOM:
+                    return None
+                raise BackendError(f"cuMemMap(page {page}) failed: {self._err_name(err)}")
+        return handles
+
+    def _map_one_native(self, page: int) -> list[Any] | None:
+        """Native path: create what the pool lacks, map and grant access in one GIL-free call."""
+        drained = False
+        while True:
+            pooled = self._take_pooled(self.slices)
+            err, step, handles = self._native.map_page(page * self.slice_bytes, pooled)  # type: ignore[union-attr]
+            self.created += len(handles) - len(pooled)
+            if not err:
+                return handles
+            self._return(handles)
+            if err == self._OOM:
+                if step == 1 and not drained and (self._pending or self._busy):
+                    drained = True  # memory is on its way back: finish the deferred unmaps, then retry
+                    self._drain()
+                    continue
+                return None
+            call = {1: "cuMemCreate", 2: "cuMemMap"}.get(step, "cuMemSetAccess")
+            raise BackendError(f"{call}(page {page}) failed: {self._err_name(err)}")
 
     def _revive(self, page: int) -> bool:
         """True when ``page`` was waiting to be unmapped: it is kept if the unmapper has not started
@@ -449,7 +490,8 @@ class CudaBackend(Backend):
         return handles
 
     def _grant(self, done: list[int], fresh: list[int]) -> list[int]:
-        """Give the device access to ``fresh``: one call per run of adjacent pages and range."""
+        """cuda-python path: give the device access to ``fresh``, one call per run of adjacent pages
+        and range (the native path grants each page id inside its one call)."""
         size, bases, OK = self.slice_bytes, self._bases, self._OK
         setaccess, access = self._d.cuMemSetAccess, self._access
         for _i, first, n in runs(fresh):
@@ -484,6 +526,12 @@ class CudaBackend(Backend):
             room = max(0, self.pool_pages * self.slices - len(self._pool))
             keep, drop = handles[:room], handles[room:]
             self._pool.extend(keep)
+        if self._native is not None:
+            err = self._native.release(drop)
+            if err:
+                raise BackendError(f"cuMemRelease failed: {self._err_name(err)}")
+            self.released += len(drop)
+            return
         release, OK = self._d.cuMemRelease, self._OK
         for h in drop:
             err = release(h)[0]
@@ -492,12 +540,15 @@ class CudaBackend(Backend):
             self.released += 1
 
     def _unmap(self, pages: list[int], *, keep: bool) -> None:
-        size, bases, OK = self.slice_bytes, self._bases, self._OK
+        size, bases, OK, native = self.slice_bytes, self._bases, self._OK, self._native
         unmap = self._d.cuMemUnmap
         for _i, first, n in runs(pages):
             start, length = first * size, n * size
-            for base in bases:
-                err = unmap(base + start, length)[0]
+            if native is not None:
+                errors = [native.unmap(start, length)]
+            else:
+                errors = (unmap(base + start, length)[0] for base in bases)
+            for err in errors:
                 if err != OK:
                     raise BackendError(f"cuMemUnmap(pages {first}..{first + n - 1}) failed: {self._err_name(err)}")
         handles: list[Any] = []

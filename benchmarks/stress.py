@@ -121,7 +121,7 @@ def _writer(directory: str, name: str, writer_id: int, updates: int, timed: bool
     writer = SegmentWriter(identity(name))
     work = Workload(writer, writer_id)
     times = array("q", bytes(8 * updates)) if timed else None
-    start.wait()
+    start.wait(timeout=120)
     clock = time.perf_counter_ns
     began = clock()
     if times is None:
@@ -146,7 +146,7 @@ def _reader(directory: str, names: list[str], writer_ids: dict[str, int], stop, 
     paths = [Path(directory) / (SEGMENT_PREFIX + n) for n in names]
     accepted = busy = raw_copies = raw_torn = 0
     bad: list[str] = []
-    start.wait()
+    start.wait(timeout=120)
     n = 0
     while not stop.is_set():
         path = paths[n % len(paths)]
@@ -219,7 +219,8 @@ def stress(writers: int, readers: int, updates_per_writer: int, *, timed: bool =
     with tempfile.TemporaryDirectory(prefix="kvc-stress-", dir=directory or _default_dir()) as tmp:
         names = [f"stress{w}" for w in range(writers)]
         ids = {name: w + 1 for w, name in enumerate(names)}
-        start, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+        # Everyone (writers, readers, this process) starts together, once every process has imported.
+        start, stop, out = ctx.Barrier(writers + readers + 1), ctx.Event(), ctx.Queue()
         procs = [ctx.Process(target=_writer, args=(tmp, n, ids[n], updates_per_writer, timed, start, out))
                  for n in names]
         for p in procs:
@@ -232,7 +233,7 @@ def stress(writers: int, readers: int, updates_per_writer: int, *, timed: bool =
         reader_procs = [ctx.Process(target=_reader, args=(tmp, names, ids, stop, start, out)) for _ in range(readers)]
         for p in reader_procs:
             p.start()
-        start.set()
+        start.wait(timeout=120)
         results: dict[str, list[dict]] = {"writer": [], "reader": []}
         try:
             for _ in range(writers):

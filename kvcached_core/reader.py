@@ -163,7 +163,8 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
                 raise BlockingIOError(f"{exc}: its writer (pid {header['pid']}) is alive but stuck") from None
             # The writer died mid-publish: whatever it counted is no longer held. Show it stale and empty.
             counters = _unpublished_counters()
-            body = os.pread(fd, L.total_size(header["pages_total"], header["ranks_max"]), 0)
+            body = os.pread(fd, L.total_size(header["pages_total"], header["ranks_max"]) if with_pages
+                            else L.PAGE_MAP_OFF, 0)
             pages = array("I", bytes(4 * header["pages_total"])) if with_pages else None
         rank_raw = _rank_bytes(fd, header, body) if header["tp_world"] > 1 else b""
     finally:

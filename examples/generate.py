@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             if not same:
                 return fail("tokens differ from transformers' DynamicCache")
         if args.hold:
-            print(f"holding the segment {args.hold:g}s (Ctrl-C to stop)", flush=True)
-            with contextlib.suppress(KeyboardInterrupt):
+            with contextlib.suppress(KeyboardInterrupt):  # entered first: Ctrl-C right after the line is caught too
+                print(f"holding the segment {args.hold:g}s (Ctrl-C to stop)", flush=True)
                 time.sleep(args.hold)
     return 0
 

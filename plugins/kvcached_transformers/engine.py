@@ -11,6 +11,7 @@ ones to finish; when the running requests themselves cannot grow, KVCacheExhaust
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,9 @@ class GreedyEngine:
         self.waiting: deque[Request] = deque()
         self.steps = 0
         self._next_id = 0
+        # transformers renamed forward's ``past_key_values`` to ``cache`` during 5.x.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int, eos_token_id: int | None = None) -> Request:
         if not prompt:
@@ -109,7 +113,8 @@ class GreedyEngine:
             toks = req.pending()
             ids[row, q - len(toks):] = torch.tensor(toks, dtype=torch.long)
         out = self.model(input_ids=ids.to(self.cache.device), attention_mask=plan.attention_mask,
-                         position_ids=plan.position_ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+                         position_ids=plan.position_ids, use_cache=True, logits_to_keep=1,
+                         **{self._cache_kw: self.cache})
         next_tokens = out.logits[:, -1, :].argmax(dim=-1).tolist()
         self.steps += 1
         finished: list[int] = []

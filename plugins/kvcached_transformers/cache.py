@@ -216,6 +216,8 @@ class PagedKVCache(Cache):
         The step's chunk is ``query_len`` wide (default: the longest), each row's tokens at its right
         end. Raises KVCacheExhausted (nothing changed) when the allocator cannot give the blocks.
         Returns the plan, whose ``attention_mask`` and ``position_ids`` go to the model's forward.
+        The rows' lengths count the new tokens from here on: if that forward fails, drop the rows
+        (``remove_sequences``) or ``reset()``, as their new positions were never written.
         """
         self._check_idle()
         if len(new_lengths) != len(self._seqs):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, child_env, send
+from test_hardening_crash import process_state
 
 import kvcached_core as kc
 from kvcached_core import layout as L
@@ -74,7 +75,7 @@ def test_writer_frozen_in_the_middle_of_a_publish(shm_dir):
     """)], env=child_env())
     try:
         deadline = time.monotonic() + 10
-        while not (shm_dir / "kvc.frozen").exists() or open(f"/proc/{child.pid}/stat").read().split(")")[1].split()[0] != "T":
+        while not (shm_dir / "kvc.frozen").exists() or process_state(child.pid) != "T":
             assert time.monotonic() < deadline
             time.sleep(0.01)
         started = time.monotonic()

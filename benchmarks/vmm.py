@@ -7,10 +7,11 @@ Run on a GPU machine from the checkout (writes vmm.json and vmm.md under --out):
 1. Floor vs backend. ``benchmarks/native/vmm_floor.c`` is compiled here as a shared library
    (nvcc, else cc with CUDA's headers) and loaded into this process; it grows/shrinks page ids
    with the same driver calls in the same order as :class:`kvcached_core.backends.cuda.CudaBackend`,
-   which then does the same work through cuda-python. Rounds alternate between the two (who goes
-   first alternates too), sharing one context. Both layouts (``layer``, ``page``), batches of 1
-   page id (the refill thread's steady state) and 5 (a refill after a burst). Reported: median
-   microseconds per page id and the Python/native ratio.
+   which then does the same work, with its native loop and with cuda-python alone. All three
+   take turns on every chunk of page ids (rotating who goes first), sharing one context, so
+   drift cancels. Both layouts (``layer``, ``page``), chunks of 1 page id (the refill thread's
+   steady state) and 5 (a refill after a burst). Reported: median microseconds per page id
+   and the ratio to the floor.
 2. Alloc latency while the pool grows: a real KVCacheManager(backend="cuda") starts empty and an
    engine-like loop allocates 1-16 blocks every ``interval`` (sleeping in between, as an engine
    waits on the GPU) while the refill thread maps in the background; p50/p99/max of ``alloc``,
@@ -75,6 +76,8 @@ def build_floor(workdir: Path) -> ctypes.CDLL | None:
             floor.floor_setup.argtypes = [ctypes.c_int] + [ctypes.c_size_t] * 5
             floor.floor_op.restype = ctypes.c_double
             floor.floor_op.argtypes = [ctypes.c_int]
+            floor.floor_chunk.restype = ctypes.c_double
+            floor.floor_chunk.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t]
             floor.floor_teardown.restype = None
             return floor
         last = done.stderr.strip().splitlines()[-1:] if done.stderr else []
@@ -86,89 +89,93 @@ NATIVE_OPS = ("grow_cold", "shrink_keep", "grow_warm", "shrink_release", "grow_n
 
 
 # -- the backend, same sequence ----------------------------------------------------------------------
-class BackendRounds:
-    """The backend doing the floor's sequence: grow from cuMemCreate, shrink into the pool, grow
-    from the pool, shrink releasing (synchronous unmapping: the same driver work as the floor)."""
+class BackendSide:
+    """The backend doing the floor's sequence chunk by chunk: grow from cuMemCreate, shrink into the
+    pool, grow from the pool, shrink releasing (synchronous unmapping: the floor's driver work)."""
 
-    def __init__(self, layout: str, args: argparse.Namespace, batch: int, native: str) -> None:
+    def __init__(self, layout: str, args: argparse.Namespace, native: str) -> None:
         geometry = Geometry(args.page_mb * MiB, args.pages, args.layers, args.buffers)
         self.backend = CudaBackend(geometry, 0, layout=layout, pool_pages=0, async_unmap=False, native=native)
         if native == "on":
             assert self.backend._native is not None, self.backend.native_reason
-        ids = list(range(args.pages))
-        self.batches = [ids[i:i + batch] for i in range(0, args.pages, batch)]
         self.pages = args.pages
 
-    def grow(self) -> float:
-        t0 = time.perf_counter_ns()
-        for chunk in self.batches:
-            got = self.backend.map_pages(chunk)
-            assert len(got) == len(chunk), "device ran out of memory during the benchmark"
-        return (time.perf_counter_ns() - t0) / 1000 / self.pages
+    def prepare(self, op: int) -> None:
+        """Pool policy per op: 0 grow_cold (empty pool), 1 shrink_keep (pool takes all), 2 grow_warm,
+        3 shrink_release (pool takes none)."""
+        if op == 0:
+            self.backend.pool_pages = 0
+            self.backend.trim_pool(0)
+        elif op == 1:
+            self.backend.pool_pages = self.pages
+        elif op == 3:
+            self.backend.pool_pages = 0
 
-    def shrink(self) -> float:
+    def chunk(self, op: int, first: int, n: int) -> float:
+        ids = list(range(first, first + n))
         t0 = time.perf_counter_ns()
-        for chunk in self.batches:
-            self.backend.unmap_pages(chunk)
-        return (time.perf_counter_ns() - t0) / 1000 / self.pages
-
-    def round(self) -> dict[str, float]:
-        b = self.backend
-        b.trim_pool(0)
-        out = {"grow_cold": self.grow()}
-        b.pool_pages = self.pages
-        out["shrink_keep"] = self.shrink()
-        out["grow_warm"] = self.grow()
-        b.pool_pages = 0
-        out["shrink_release"] = self.shrink()
-        return out
+        if op in (0, 2):
+            got = self.backend.map_pages(ids)
+            elapsed = (time.perf_counter_ns() - t0) / 1000
+            assert got == ids, "device ran out of memory during the benchmark"
+            return elapsed
+        self.backend.unmap_pages(ids)
+        return (time.perf_counter_ns() - t0) / 1000
 
 
 def compare(floor: ctypes.CDLL | None, args: argparse.Namespace, native_ok: bool) -> list[dict]:
     """Per layout and batch: the C floor, the backend with its native loop, the backend on cuda-python
-    alone; rounds rotate who goes first so slow drift hits all three alike."""
+    alone. They take turns on every chunk of page ids (the order rotates chunk by chunk), so the
+    machine's drift hits all three alike; each round covers all page ids."""
     rows = []
     variants = (("backend", "on"), ("bindings", "off")) if native_ok else (("bindings", "off"),)
     for layout in ("layer", "page"):
         for batch in (1, 5):
-            samples: dict[str, dict[str, list[float]]] = {"native": {op: [] for op in NATIVE_OPS}}
-            sides = {name: BackendRounds(layout, args, batch, mode) for name, mode in variants}
-            for name, ours in sides.items():
-                samples[name] = {op: [] for op in OPS}
-                ours.round()  # warm-up
+            sides = {name: BackendSide(layout, args, mode) for name, mode in variants}
+            totals: dict[str, dict[str, list[float]]] = {name: {op: [] for op in NATIVE_OPS} for name in
+                                                          ("native", *sides)}
             if floor is not None:
                 assert floor.floor_setup(int(layout == "layer"), args.layers, args.buffers, args.page_mb, args.pages,
                                          batch) == 0
-                floor.floor_op(0)
-                floor.floor_op(3)  # warm-up
             order = (["native"] if floor is not None else []) + list(sides)
+            chunks = [(first, min(batch, args.pages - first)) for first in range(0, args.pages, batch)]
             try:
-                for r in range(args.rounds):
-                    for side in order[r % len(order):] + order[:r % len(order)]:
-                        if side == "native":
-                            for i, op in enumerate(NATIVE_OPS):
-                                samples["native"][op].append(floor.floor_op(i))  # type: ignore[union-attr]
-                        else:
-                            for op, us in sides[side].round().items():
-                                samples[side][op].append(us)
+                for r in range(args.rounds + 1):  # round 0 warms up
+                    for op in range(4):
+                        for side in sides.values():
+                            side.prepare(op)
+                        spent = dict.fromkeys(order, 0.0)
+                        for i, (first, n) in enumerate(chunks):
+                            k = (i + r) % len(order)
+                            for name in order[k:] + order[:k]:
+                                if name == "native":
+                                    spent[name] += floor.floor_chunk(op, first, n)  # type: ignore[union-attr]
+                                else:
+                                    spent[name] += sides[name].chunk(op, first, n)
+                        if r:
+                            for name, us in spent.items():
+                                totals[name][NATIVE_OPS[op]].append(us / args.pages)
+                    if floor is not None and r:
+                        for op in (4, 5):
+                            totals["native"][NATIVE_OPS[op]].append(floor.floor_op(op))
             finally:
-                for ours in sides.values():
-                    ours.backend.close()
+                for side in sides.values():
+                    side.backend.close()
                 if floor is not None:
                     floor.floor_teardown()
             for op in NATIVE_OPS:
                 row: dict = {"layout": layout, "batch": batch, "op": op}
-                n = statistics.median(samples["native"][op]) if samples["native"][op] else None
-                row["native_us"] = n
-                row["native_samples"] = [round(x, 1) for x in samples["native"][op]]
+                n_ = statistics.median(totals["native"][op]) if totals["native"][op] else None
+                row["native_us"] = n_
+                row["native_samples"] = [round(x, 1) for x in totals["native"][op]]
                 for side in ("backend", "bindings"):
-                    xs = samples.get(side, {}).get(op, [])
+                    xs = totals.get(side, {}).get(op, [])
                     v = statistics.median(xs) if xs else None
                     row[f"{side}_us"] = v
-                    row[f"{side}_ratio"] = round(v / n, 3) if n and v else None
+                    row[f"{side}_ratio"] = round(v / n_, 3) if n_ and v else None
                     row[f"{side}_samples"] = [round(x, 1) for x in xs]
                 rows.append(row)
-                print(f"{layout:5s} batch {batch} {op:15s} floor {fmt(n)} us  backend {fmt(row['backend_us'])} us "
+                print(f"{layout:5s} batch {batch} {op:15s} floor {fmt(n_)} us  backend {fmt(row['backend_us'])} us "
                       f"({row['backend_ratio']})  cuda-python only {fmt(row['bindings_us'])} us "
                       f"({row['bindings_ratio']})", flush=True)
     return rows
@@ -385,7 +392,8 @@ def markdown(report: dict) -> str:
         f"{env.get('binding_call_us')} µs), Python {env['python']}. "
         f"Model shape: {cfg['layers']} layers x {cfg['buffers']} KV buffers, {cfg['page_mb']} MiB pages "
         f"(one page id = {cfg['layers'] * cfg['buffers'] * cfg['page_mb']} MiB), {cfg['pages']} page ids per trial, "
-        f"medians of {cfg['rounds']} rounds each, native and Python alternating in one process. "
+        f"medians of {cfg['rounds']} rounds; in one process the C floor and the backend take turns on every "
+        "chunk of page ids, the floor timed inside C. "
         "`benchmarks/vmm.py` made this file.",
         "",
         "## Grow and shrink per page id: the backend vs a native C floor doing the same calls in the same order",

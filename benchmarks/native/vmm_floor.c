@@ -12,9 +12,10 @@
  *          "page"  = one handle of LAYERS*BUFFERS*PAGE_MB per page id in one range.
  * Prints one JSON object per op and round: microseconds per page id.
  *
- * benchmarks/vmm.py loads it as a shared library and calls floor_setup / floor_op /
- * floor_teardown from the same process as the Python backend, alternating rounds, so both
- * share one context and one driver state (separate processes drifted by +-15 % between runs).
+ * benchmarks/vmm.py loads it as a shared library and calls floor_setup / floor_chunk /
+ * floor_teardown from the same process as the Python backend, taking turns chunk by chunk, so
+ * both share one context and one driver state and the machine's drift cancels (separate
+ * processes, or whole rounds in turn, drifted by 15-25 % on the same machine).
  *
  * Build: nvcc -O2 -o vmm_floor vmm_floor.c -lcuda   (or cc -O2 -I$CUDA/include ... -lcuda)
  *        nvcc -O2 -Xcompiler -fPIC -shared -o libvmm_floor.so vmm_floor.c -lcuda
@@ -56,30 +57,35 @@ static CUdeviceptr addr(size_t page, size_t s) {
     return layer_layout ? va + s * range_bytes + page * slice_bytes : va + page * slice_bytes;
 }
 
-static void grow(int from_pool) {
-    for (size_t first = 0; first < npages; first += batch) {
-        size_t n = npages - first < batch ? npages - first : batch;
-        for (size_t p = first; p < first + n; p++) {
-            CUmemGenericAllocationHandle *h = &mapped[p * slices];
-            for (size_t s = 0; s < slices; s++) {
-                if (from_pool && pool_len) h[s] = pool[--pool_len];
-                else CK(cuMemCreate(&h[s], slice_bytes, &prop, 0));
-            }
-            for (size_t s = 0; s < slices; s++) CK(cuMemMap(addr(p, s), slice_bytes, 0, h[s], 0));
+/* Page ids [first, first + n): the calls CudaBackend makes for one map_pages / unmap_pages. */
+static void grow_range(size_t first, size_t n, int from_pool) {
+    for (size_t p = first; p < first + n; p++) {
+        CUmemGenericAllocationHandle *h = &mapped[p * slices];
+        for (size_t s = 0; s < slices; s++) {
+            if (from_pool && pool_len) h[s] = pool[--pool_len];
+            else CK(cuMemCreate(&h[s], slice_bytes, &prop, 0));
         }
-        for (size_t s = 0; s < slices; s++) CK(cuMemSetAccess(addr(first, s), n * slice_bytes, &acc, 1));
+        for (size_t s = 0; s < slices; s++) CK(cuMemMap(addr(p, s), slice_bytes, 0, h[s], 0));
+    }
+    for (size_t s = 0; s < slices; s++) CK(cuMemSetAccess(addr(first, s), n * slice_bytes, &acc, 1));
+}
+
+static void shrink_range(size_t first, size_t n, int release) {
+    for (size_t s = 0; s < slices; s++) CK(cuMemUnmap(addr(first, s), n * slice_bytes));
+    for (size_t i = first * slices; i < (first + n) * slices; i++) {
+        if (release) CK(cuMemRelease(mapped[i]));
+        else pool[pool_len++] = mapped[i];
     }
 }
 
+static void grow(int from_pool) {
+    for (size_t first = 0; first < npages; first += batch)
+        grow_range(first, npages - first < batch ? npages - first : batch, from_pool);
+}
+
 static void shrink(int release) {
-    for (size_t first = 0; first < npages; first += batch) {
-        size_t n = npages - first < batch ? npages - first : batch;
-        for (size_t s = 0; s < slices; s++) CK(cuMemUnmap(addr(first, s), n * slice_bytes));
-        for (size_t i = first * slices; i < (first + n) * slices; i++) {
-            if (release) CK(cuMemRelease(mapped[i]));
-            else pool[pool_len++] = mapped[i];
-        }
-    }
+    for (size_t first = 0; first < npages; first += batch)
+        shrink_range(first, npages - first < batch ? npages - first : batch, release);
 }
 
 static void grow_naive(void) {
@@ -146,6 +152,19 @@ double floor_op(int op) {
         default: return -1;
     }
     return (now_us() - t0) / npages;
+}
+
+/* One chunk of page ids for op 0-3 (as floor_op), timed here: microseconds for the whole chunk. */
+double floor_chunk(int op, size_t first, size_t n) {
+    double t0 = now_us();
+    switch (op) {
+        case 0: grow_range(first, n, 0); break;
+        case 1: shrink_range(first, n, 0); break;
+        case 2: grow_range(first, n, 1); break;
+        case 3: shrink_range(first, n, 1); break;
+        default: return -1;
+    }
+    return now_us() - t0;
 }
 
 void floor_teardown(void) {

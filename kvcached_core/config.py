@@ -14,6 +14,7 @@ DEFAULT_MIN_RESERVED = 5
 DEFAULT_MAX_RESERVED = 10
 DEFAULT_MAX_CACHED_TOKENS = 16000
 HOST_CAPACITY_FRACTION = 0.5
+DEFAULT_IDLE_RETURN_S = 10.0
 
 
 class ConfigError(ValueError):
@@ -101,6 +102,18 @@ def total_ram_bytes() -> int:
 
 def available_ram_bytes() -> int:
     return _meminfo("MemAvailable")
+
+
+def idle_return_s() -> float | None:
+    """Seconds without traffic after which a model unmaps its warm pool (``KVCACHED_IDLE_RETURN_S``, default 10; < 0 never)."""
+    raw = os.environ.get("KVCACHED_IDLE_RETURN_S", "").strip()
+    if not raw:
+        return DEFAULT_IDLE_RETURN_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"KVCACHED_IDLE_RETURN_S={raw!r} is not a number") from None
+    return None if value < 0 else value
 
 
 def ipc_name_override() -> str | None:

@@ -12,6 +12,7 @@ from . import layout as L
 from .backends import Backend, BackendError, Geometry, make_backend
 from .names import InvalidName, sanitize, segment_path, validate
 from .pages import PageTable
+from .placement import Policy, make_policy
 from .prefix_cache import PrefixCache
 from .segment import Identity, SegmentError, SegmentWriter
 
@@ -53,6 +54,7 @@ class KVCacheManager:
         tp_workers: Sequence[str] | None = None,
         tp_strategy: str | None = None,
         tp_timeout: float | None = None,
+        policy: str | Policy | None = None,
     ) -> None:
         page_size = config.page_size_bytes() if page_size is None else page_size
         for label, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes),
@@ -97,6 +99,7 @@ class KVCacheManager:
         self._refill_wanted = threading.Condition(self._lock)
         self._closed = False
         self.pages = PageTable(pages_total, bpp, num_blocks)
+        self.policy = make_policy(policy)
         self.cache = PrefixCache(bpp, config.max_cached_blocks(block_tokens))
         if tp_workers is not None:
             from .tp.broadcast import BroadcastBackend
@@ -159,14 +162,18 @@ class KVCacheManager:
         return f"{base[:50]}-{os.getpid()}"
 
     # -- engine API --------------------------------------------------------------------------
-    def alloc(self, n: int) -> list[int] | None:
-        """``n`` block ids, kept together on as few pages as possible; None if the limit or device says no."""
+    def alloc(self, n: int, near: int | None = None) -> list[int] | None:
+        """``n`` block ids, kept together on as few pages as possible; None if the limit or device says no.
+
+        ``near``: a block the same request already holds (its last one), so the policy can keep
+        the request's blocks on the same pages; a hint, never required.
+        """
         if n <= 0:
             return []
         with self._lock:
             self._check_open()
             self._map_error = None
-            ids = self._place(n)
+            ids = self._place(n, near)
             if ids is None:
                 self._raise_map_error()
                 return None
@@ -184,10 +191,12 @@ class KVCacheManager:
         with self._lock:
             self._check_open()
             self._validate_used(ids)
-            for block in ids:
-                if block in self.cache:
-                    self.cache.remove(block)
-                self._release_block(block)
+            cache = self.cache
+            if cache.blocks:
+                for block in ids:
+                    if block in cache:
+                        cache.remove(block)
+            self._release_blocks(ids)
             self.free_count += 1
             self.free_blocks += len(ids)
             self._publish()
@@ -254,6 +263,21 @@ class KVCacheManager:
                     self.cache.add(block)
                     self._dirty.add(block // self.blocks_per_page)
             evicted = self._evict(self.cache.over_budget())
+            if self.pages.blocks_used == len(self.cache):  # nothing active: the model just went idle
+                evicted += self._pack()
+            self._publish()
+            return evicted
+
+    def pack(self) -> list[int]:
+        """Give back cached blocks of the emptiest pages so the model pins close to its packed floor.
+
+        What the policy does by itself when the last active block goes (see ``mark_cached``);
+        engines may also call it when they go idle. Returns the evicted blocks: drop them from
+        the prefix index. Nothing moves; the emptied pages are unmapped at once.
+        """
+        with self._lock:
+            self._check_open()
+            evicted = self._pack()
             self._publish()
             return evicted
 
@@ -365,46 +389,31 @@ class KVCacheManager:
             page = self.pages.take_reserved()
         return page
 
-    def _place(self, n: int) -> list[int] | None:
-        pages, bpp = self.pages, self.blocks_per_page
+    def _place(self, n: int, near: int | None = None) -> list[int] | None:
         taken: list[int] = []
-        remaining = n
-        while remaining >= bpp:
-            page = self._empty_page()
-            if page is None:
-                break
-            chunk = pages.take_blocks(page, min(pages.cap[page], remaining))
-            taken += chunk
-            remaining -= len(chunk)
-            self._dirty.add(page)
-        if remaining:
-            page = pages.best_fit(remaining)
-            if page is None:
-                page = self._empty_page()
-            while page is not None and remaining:
-                chunk = pages.take_blocks(page, min(pages.free_slots(page), remaining))
-                taken += chunk
-                remaining -= len(chunk)
-                self._dirty.add(page)
-                page = pages.emptiest() if remaining else None
-                if page is None and remaining:
-                    page = self._empty_page()
-        if remaining:
-            for block in taken:  # roll back: nothing changes on a miss
-                self._release_block(block)
+        ok = self.policy.place(self.pages, n, self._empty_page, taken, near)
+        bpp = self.blocks_per_page
+        self._dirty.update({block // bpp for block in taken})
+        if not ok:
+            self._release_blocks(taken)  # roll back: nothing changes on a miss
             return None
         return taken
 
-    def _release_block(self, block: int) -> None:
-        page = self.pages.free_block(block)
-        self._dirty.add(page)
-        if self.pages.used[page] == 0:
-            self.pages.reserved.append(page)
-            over_limit = self.limit_pages is not None and self._mapped_or_mapping() > self.limit_pages
-            if over_limit or len(self.pages.reserved) > self.max_reserved:
-                self._unmap_reserved(1, newest=True)
-            if self.limit_status == L.LIMIT_DEFERRED:
-                self._update_limit_status()
+    def _release_blocks(self, blocks: list[int]) -> None:
+        """Give slots back; pages that empty join the pool (up to its maximum and the limit) or are unmapped."""
+        if not blocks:
+            return
+        touched = self.pages.free_blocks(blocks)
+        self._dirty.update(touched)
+        used = self.pages.used
+        for page in touched:
+            if used[page] == 0:
+                self.pages.reserved.append(page)
+                over_limit = self.limit_pages is not None and self._mapped_or_mapping() > self.limit_pages
+                if over_limit or len(self.pages.reserved) > self.max_reserved:
+                    self._unmap_reserved(1, newest=True)
+                if self.limit_status == L.LIMIT_DEFERRED:
+                    self._update_limit_status()
 
     def _unmap_reserved(self, count: int, *, newest: bool = False) -> int:
         if count <= 0:
@@ -421,11 +430,31 @@ class KVCacheManager:
         return len(victims) * self.bundle_bytes
 
     def _evict(self, n: int) -> list[int]:
-        victims = self.cache.choose(n, self.pages.used)
+        victims = self.policy.victims(self.cache, n, self.pages)
+        return self._drop_cached(victims)
+
+    def _drop_cached(self, victims: list[int]) -> list[int]:
         for block in victims:
             self.cache.remove(block)
-            self._release_block(block)
+        self._release_blocks(victims)
         self.evicted_blocks += len(victims)
+        return victims
+
+    def _pack(self) -> list[int]:
+        """Evict what the policy's idle packing picks; the pages it empties are unmapped, not pooled."""
+        pages = self.pages
+        mapped_before = pages.mapped_pages
+        victims = self._drop_cached(self.policy.pack(self.cache, pages))
+        if victims:
+            bpp = self.blocks_per_page
+            emptied = {b // bpp for b in victims}
+            pool = [p for p in pages.reserved if p in emptied]
+            if pool:
+                pages.reserved = [p for p in pages.reserved if p not in emptied]
+                self.backend.unmap_pages(pool)
+                pages.mark_unmapped(pool)
+                self._dirty.update(pool)
+            self.idle_returned += (mapped_before - pages.mapped_pages) * self.bundle_bytes
         return victims
 
     def _apply_limit(self, limit_bytes: int | None) -> None:
@@ -498,6 +527,13 @@ class KVCacheManager:
                     # The device said no: wait for the next alloc to ask again.
                     self._refill_wanted.wait(timeout=0.05)
 
+    def _return_idle_pool(self) -> None:
+        """No traffic for a while: the warm pool goes back too (it refills when traffic resumes)."""
+        freed = self._unmap_reserved(len(self.pages.reserved))
+        self.backend.trim_pool(0)
+        self.idle_returned += freed
+        self._publish()
+
     def _refill_need(self) -> int:
         want = self.min_reserved - len(self.pages.reserved) - self.pages.inflight
         return min(want, self._headroom())
@@ -505,11 +541,18 @@ class KVCacheManager:
     def _watch_loop(self) -> None:
         """Apply controllers' limit and trim requests and keep the heartbeat fresh."""
         last_beat = 0.0
+        activity, active_at, idle_after = None, time.monotonic(), config.idle_return_s()
         while True:
             time.sleep(WATCH_INTERVAL_S)
             with self._lock:
                 if self._closed:
                     return
+                now = time.monotonic()
+                seen = (self.alloc_count, self.free_count, self.pages.blocks_used, len(self.cache))
+                if seen != activity:
+                    activity, active_at = seen, now
+                elif idle_after is not None and now - active_at >= idle_after and self.pages.reserved:
+                    self._return_idle_pool()
                 request = self.segment.read_control()
                 changed = False
                 if request is not None and request.limit_revision > self.applied_revision:

@@ -1,9 +1,9 @@
 """Page and block bookkeeping for one model: which pages are mapped, which slots are used.
 
-Placement keeps a request's blocks together: whole pages for whole-page runs, the best-fitting
-in-use page for the rest, else an empty page, and only as a last resort the emptiest in-use
-pages. Best fit finds the in-use page with the fewest free slots that still takes the run, so
-partly used pages fill up and empty pages stay empty (and can be returned).
+Partly used pages are indexed by their number of free slots, so a placement policy
+(:mod:`kvcached_core.placement`) finds the best-fitting (fullest) page in a few set lookups.
+Empty mapped pages are the reserve pool. This module does no I/O and makes no placement
+decisions; the allocator holds its lock around every call.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ class PageTable:
         if pages_total:
             self.cap[-1] = num_blocks - (pages_total - 1) * blocks_per_page
         self.used = [0] * pages_total
-        self.cached = [0] * pages_total
         self.mapped = bytearray(pages_total)
         self.slots: list[list[int] | None] = [None] * pages_total
         self.unmapped = list(range(pages_total))  # a heap: low page ids first keeps the map compact
         self.reserved: list[int] = []  # mapped, no block used (the warm pool), LIFO
         self.inflight = 0  # taken from ``unmapped`` and being mapped right now
         self.partial: list[set[int]] = [set() for _ in range(blocks_per_page + 1)]  # by free slots
+        self.nonempty = 0  # bit f set while partial[f] holds a page: best fit without a scan
         self.pages_inuse = 0
         self.blocks_used = 0
         self.block_used = bytearray(pages_total * blocks_per_page)  # 1 while handed out
@@ -54,7 +54,11 @@ class PageTable:
             else:
                 heapq.heappush(self.unmapped, page)
 
-    def take_reserved(self) -> int | None:
+    def take_reserved(self, page: int | None = None) -> int | None:
+        """A pool page: the most recently pooled one, or ``page`` itself."""
+        if page is not None:
+            self.reserved.remove(page)
+            return page
         return self.reserved.pop() if self.reserved else None
 
     def release_reserved(self, count: int) -> list[int]:
@@ -73,13 +77,24 @@ class PageTable:
     def free_slots(self, page: int) -> int:
         return self.cap[page] - self.used[page]
 
+    def _unlist(self, page: int, free: int) -> None:
+        bucket = self.partial[free]
+        bucket.discard(page)
+        if not bucket:
+            self.nonempty &= ~(1 << free)
+
+    def _list(self, page: int, free: int) -> None:
+        self.partial[free].add(page)
+        self.nonempty |= 1 << free
+
     def take_blocks(self, page: int, count: int) -> list[int]:
         """Use ``count`` free slots of a mapped page; returns block ids."""
         before = self.used[page]
+        cap = self.cap[page]
         if before == 0:
             self.pages_inuse += 1
         else:
-            self.partial[self.cap[page] - before].discard(page)
+            self._unlist(page, cap - before)
         slots = self.slots[page]
         assert slots is not None and len(slots) >= count
         base = page * self.bpp
@@ -89,45 +104,67 @@ class PageTable:
             flags[block] = 1
         self.used[page] = before + count
         self.blocks_used += count
-        left = self.cap[page] - self.used[page]
-        if left:
-            self.partial[left].add(page)
+        if cap > before + count:
+            self._list(page, cap - before - count)
         return ids
 
     def free_block(self, block: int) -> int:
         """Return one block's slot; returns its page (now empty when ``used[page] == 0``)."""
-        page, slot = divmod(block, self.bpp)
-        self.block_used[block] = 0
-        before = self.used[page]
-        if before != self.cap[page]:
-            self.partial[self.cap[page] - before].discard(page)
-        self.slots[page].append(slot)  # type: ignore[union-attr]
-        self.used[page] = before - 1
-        self.blocks_used -= 1
-        if before == 1:
-            self.pages_inuse -= 1
-        else:
-            self.partial[self.cap[page] - before + 1].add(page)
-        return page
+        self.free_blocks((block,))
+        return block // self.bpp
+
+    def free_blocks(self, blocks) -> dict[int, int]:  # noqa: ANN001 - any iterable of ints
+        """Return blocks' slots; returns {page: blocks freed there}. A page with ``used == 0`` emptied."""
+        bpp, flags, slots = self.bpp, self.block_used, self.slots
+        per_page: dict[int, int] = {}
+        for block in blocks:
+            page = block // bpp
+            flags[block] = 0
+            slots[page].append(block - page * bpp)  # type: ignore[union-attr]
+            per_page[page] = per_page.get(page, 0) + 1
+        used, cap = self.used, self.cap
+        for page, count in per_page.items():
+            before = used[page]
+            if before != cap[page]:
+                self._unlist(page, cap[page] - before)
+            used[page] = before - count
+            if before == count:
+                self.pages_inuse -= 1
+            else:
+                self._list(page, cap[page] - before + count)
+        self.blocks_used -= sum(per_page.values())
+        return per_page
 
     def is_used(self, block: int) -> bool:
         """True when ``block`` is currently handed out."""
         return 0 <= block < len(self.block_used) and self.block_used[block] == 1
 
     def best_fit(self, count: int) -> int | None:
-        """The in-use page with the fewest free slots that still holds ``count`` blocks."""
-        for free in range(count, self.bpp + 1):
-            bucket = self.partial[free]
-            if bucket:
-                return min(bucket)
-        return None
+        """The in-use page with the fewest free slots that still holds ``count`` blocks (lowest id among equals)."""
+        fits = self.nonempty >> count
+        if not fits:
+            return None
+        return min(self.partial[count + (fits & -fits).bit_length() - 1])
 
     def emptiest(self) -> int | None:
-        for free in range(self.bpp, 0, -1):
-            bucket = self.partial[free]
+        """The in-use page with the most free slots (lowest id among equals)."""
+        if not self.nonempty:
+            return None
+        return min(self.partial[self.nonempty.bit_length() - 1])
+
+    def lowest_open(self) -> int | None:
+        """The lowest-numbered mapped page with a free slot, in use or in the pool (first fit)."""
+        best = min(self.reserved) if self.reserved else None
+        for bucket in self.partial[1:]:
             if bucket:
-                return min(bucket)
-        return None
+                low = min(bucket)
+                if best is None or low < best:
+                    best = low
+        return best
+
+    def open_slots(self) -> int:
+        """Free slots on in-use pages: what placement has left unfilled (bounded by page caps)."""
+        return self.pages_inuse * self.bpp - self.blocks_used
 
     def free_in_mapped(self) -> int:
         """Blocks that can be handed out without mapping anything."""

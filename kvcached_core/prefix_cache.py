@@ -1,8 +1,11 @@
-"""The prefix-cache ledger: which used blocks are cached (evictable) and in what order.
+"""The prefix-cache ledger: which used blocks are cached (evictable), and since when.
 
-Eviction is page-aware: it frees the cached blocks of pages that hold nothing else first
-(those pages empty and return), then pages with the fewest active blocks; oldest first among
-equals. The ledger only chooses; the allocator frees.
+A block's age is the moment it was last cached (``mark_cached``; a ``reuse`` takes it out and
+the next ``mark_cached`` makes it young again), so age order is least-recently-used order.
+Both dicts keep insertion order, which *is* age order: the oldest cached block is the first
+key of ``blocks`` and a page's oldest and newest cached blocks are the first and last keys of
+its ``by_page`` entry, without a search. The ledger only records; the placement policy
+(:mod:`kvcached_core.placement`) chooses victims and the allocator frees them.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ class PrefixCache:
         self.bpp = blocks_per_page
         self.budget = budget  # None: unlimited; 0: off
         self._age = count()
-        self.blocks: dict[int, int] = {}  # block -> age (insertion order = age order)
-        self.by_page: dict[int, dict[int, int]] = {}
+        self.blocks: dict[int, int] = {}  # block -> age, oldest first
+        self.by_page: dict[int, dict[int, int]] = {}  # page -> {block: age}, oldest first
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -27,7 +30,11 @@ class PrefixCache:
     def add(self, block: int) -> None:
         age = next(self._age)
         self.blocks[block] = age
-        self.by_page.setdefault(block // self.bpp, {})[block] = age
+        on_page = self.by_page.get(block // self.bpp)
+        if on_page is None:
+            self.by_page[block // self.bpp] = {block: age}
+        else:
+            on_page[block] = age
 
     def remove(self, block: int) -> None:
         del self.blocks[block]
@@ -42,18 +49,15 @@ class PrefixCache:
             return 0
         return max(0, len(self.blocks) - self.budget)
 
-    def choose(self, n: int, used_per_page: list[int]) -> list[int]:
-        """Pick up to ``n`` cached blocks to evict, whole pages first, oldest first among equals."""
-        if n <= 0 or not self.blocks:
-            return []
-        ranked = sorted(
-            self.by_page.items(),
-            key=lambda item: (used_per_page[item[0]] - len(item[1]), min(item[1].values())),
-        )
-        victims: list[int] = []
-        for _page, on_page in ranked:
-            for block, _age in sorted(on_page.items(), key=lambda kv: kv[1]):
-                victims.append(block)
-                if len(victims) == n:
-                    return victims
-        return victims
+    def newest_age(self, page: int) -> int:
+        """Age of the most recently cached block on ``page`` (the page's last use)."""
+        return next(reversed(self.by_page[page].values()))
+
+    def oldest(self, n: int) -> list[int]:
+        """Up to ``n`` cached blocks, least recently cached first (plain LRU)."""
+        out: list[int] = []
+        for block in self.blocks:
+            if len(out) == n:
+                break
+            out.append(block)
+        return out

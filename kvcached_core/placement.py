@@ -1,0 +1,205 @@
+"""Placement and eviction policies: where new blocks go, which cached blocks leave first.
+
+Memory returns one page at a time and only when every block on it is free, so these choices
+decide what an idle model still pins. A policy is chosen per allocator
+(``KVCacheManager(policy=...)``, else ``KVCACHED_POLICY``, else ``affinity``):
+
+``first-fit``
+    A naive baseline: every block goes to the lowest-numbered page with a free slot;
+    eviction is plain LRU.
+``best-fit``
+    The upstream kvcached policy: a request's run goes to the fullest page that takes it
+    whole (whole pages for whole-page chunks), else an empty page. At the cache cap it
+    evicts whole pages (all of whose used blocks are cached), cheapest first and least
+    recently used among equals, then tops up in LRU order.
+``affinity`` (the default)
+    As best-fit, plus three things. (1) A request's next blocks go to the page of its last
+    block (``alloc(n, near=block)``); when that page is full, a decode stream opens a page of
+    its own while the free slots on in-use pages stay under ``slack`` of the blocks in use.
+    So a request's blocks share pages with few others, and they become cached, and leave,
+    together. (2) Eviction looks only at the oldest quarter of the cache: whole pages
+    first (cheapest, then least recently used), then the oldest blocks, so it empties pages
+    without evicting young blocks that upstream's cheapest-page rule would take.
+    (3) When the model goes idle (no active block left) it evicts the cached blocks of its
+    sparsest pages until it pins at most ``pack_ratio`` x its packed floor, and unmaps them.
+
+Nothing here moves a block. A policy only chooses; the allocator applies the choices under
+its lock and publishes them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from itertools import islice
+
+from .pages import PageTable
+from .prefix_cache import PrefixCache
+
+EmptyPage = Callable[[], "int | None"]
+
+
+class Policy:
+    """``best-fit``: upstream kvcached's placement and page-aware eviction; no idle packing."""
+
+    name = "best-fit"
+    pack_ratio: float | None = None  # idle packing target (pinned / packed floor); None: off
+
+    # -- placement ---------------------------------------------------------------------------
+    def place(self, pages: PageTable, n: int, empty_page: EmptyPage, taken: list[int],
+              near: int | None = None) -> bool:
+        """Append ``n`` block ids to ``taken``; False (with what was taken) when pages ran out."""
+        bpp = pages.bpp
+        remaining = n
+        while remaining >= bpp:  # whole pages for whole-page chunks of the run
+            page = empty_page()
+            if page is None:
+                break
+            got = pages.take_blocks(page, min(pages.cap[page], remaining))
+            taken += got
+            remaining -= len(got)
+        if not remaining:
+            return True
+        page = pages.best_fit(remaining)
+        if page is None:
+            page = empty_page()
+        while page is not None:
+            got = pages.take_blocks(page, min(pages.free_slots(page), remaining))
+            taken += got
+            remaining -= len(got)
+            if not remaining:
+                return True
+            page = pages.emptiest()
+            if page is None:
+                page = empty_page()
+        return False
+
+    # -- eviction ----------------------------------------------------------------------------
+    def victims(self, cache: PrefixCache, n: int, pages: PageTable) -> list[int]:
+        """Up to ``n`` cached blocks to evict: whole pages that fit in ``n``, cheapest first, then LRU."""
+        if n <= 0 or not cache.blocks:
+            return []
+        return _whole_pages_then_lru(cache, n, pages, cutoff=None)
+
+    def pack(self, cache: PrefixCache, pages: PageTable) -> list[int]:
+        """Cached blocks to give back on idle: the sparsest whole pages until pinned <= pack_ratio x floor."""
+        if self.pack_ratio is None or not cache.blocks:
+            return []
+        bpp, used = pages.bpp, pages.used
+        pinned, held = pages.pages_inuse, pages.blocks_used
+        if pinned <= self.pack_ratio * -(-held // bpp):
+            return []
+        candidates = sorted((len(on_page), cache.newest_age(page), page)
+                            for page, on_page in cache.by_page.items() if len(on_page) == used[page])
+        victims: list[int] = []
+        for cost, _age, page in candidates:
+            if pinned <= self.pack_ratio * -(-held // bpp):
+                break
+            victims += cache.by_page[page]
+            pinned -= 1
+            held -= cost
+        return victims
+
+
+def _whole_pages_then_lru(cache: PrefixCache, n: int, pages: PageTable, cutoff: int | None) -> list[int]:
+    """Whole pages (no active block; newest cached block not younger than ``cutoff``) that fit in
+    ``n``, cheapest first and least recently used among equals; then the oldest blocks."""
+    used = pages.used
+    whole = []
+    for page, on_page in cache.by_page.items():
+        if len(on_page) == used[page]:
+            newest = next(reversed(on_page.values()))
+            if cutoff is None or newest <= cutoff:
+                whole.append((len(on_page), newest, page))
+    whole.sort()
+    victims: list[int] = []
+    for cost, _age, page in whole:
+        if len(victims) + cost > n:
+            if cutoff is None:
+                break  # upstream stops at the first page that does not fit
+            continue
+        victims += cache.by_page[page]
+    if len(victims) < n:
+        chosen = set(victims)
+        for block in cache.blocks:
+            if block not in chosen:
+                victims.append(block)
+                if len(victims) == n:
+                    break
+    return victims
+
+
+class FirstFit(Policy):
+    """``first-fit``: lowest-numbered page with a free slot, block after block; LRU eviction."""
+
+    name = "first-fit"
+
+    def place(self, pages: PageTable, n: int, empty_page: EmptyPage, taken: list[int],
+              near: int | None = None) -> bool:
+        remaining = n
+        while remaining:
+            page = pages.lowest_open()
+            if page is not None and pages.used[page] == 0:
+                pages.take_reserved(page)
+            elif page is None:
+                page = empty_page()
+                if page is None:
+                    return False
+            got = pages.take_blocks(page, min(pages.free_slots(page), remaining))
+            taken += got
+            remaining -= len(got)
+        return True
+
+    def victims(self, cache: PrefixCache, n: int, pages: PageTable) -> list[int]:
+        return cache.oldest(n) if n > 0 else []
+
+
+class Affinity(Policy):
+    """``affinity``: keep each request on its own pages, evict old whole pages, pack on idle."""
+
+    name = "affinity"
+    pack_ratio = 1.10
+    slack = 0.35  # a decode stream may open a page while open slots stay under this share of used blocks
+    window = 0.25  # eviction considers the oldest quarter of the cache (at least 2n blocks)
+
+    def place(self, pages: PageTable, n: int, empty_page: EmptyPage, taken: list[int],
+              near: int | None = None) -> bool:
+        if near is not None and 0 <= near < len(pages.block_used):
+            page = near // pages.bpp
+            if pages.used[page] and pages.used[page] < pages.cap[page]:
+                got = pages.take_blocks(page, min(pages.free_slots(page), n))
+                taken += got
+                n -= len(got)
+                if not n:
+                    return True
+            if n == 1 and pages.open_slots() + pages.bpp <= self.slack * pages.blocks_used:
+                page = empty_page()
+                if page is not None:
+                    taken += pages.take_blocks(page, 1)
+                    return True
+        return super().place(pages, n, empty_page, taken)
+
+    def victims(self, cache: PrefixCache, n: int, pages: PageTable) -> list[int]:
+        if n <= 0 or not cache.blocks:
+            return []
+        size = max(2 * n, int(len(cache.blocks) * self.window))
+        cutoff = None
+        for cutoff in islice(cache.blocks.values(), size):
+            pass
+        return _whole_pages_then_lru(cache, n, pages, cutoff=cutoff)
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FirstFit, Policy, Affinity)}
+DEFAULT_POLICY = Affinity.name
+
+
+def make_policy(policy: str | Policy | None) -> Policy:
+    """A policy instance from a name (``KVCACHED_POLICY`` when None) or an instance."""
+    if isinstance(policy, Policy):
+        return policy
+    if policy is None:
+        policy = os.environ.get("KVCACHED_POLICY") or DEFAULT_POLICY
+    try:
+        return POLICIES[policy]()
+    except KeyError:
+        raise ValueError(f"unknown placement policy {policy!r}: use one of {', '.join(POLICIES)}") from None

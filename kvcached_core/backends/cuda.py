@@ -320,7 +320,9 @@ class CudaBackend(Backend):
             self._va = int(self._check("cuMemAddressReserve", d.cuMemAddressReserve(self.va_bytes, g.page_size, 0, 0)))
         # where slice s of page 0 starts; slice s of page p is p * slice_bytes further
         self._bases = [self._va + s * g.range_bytes for s in range(self.slices)] if self.layout == "layer" else [self._va]
-        if self.native_mode != "off":
+        if self.native_mode == "auto" and self.slices == 1:
+            self.native_reason = "one handle per page id: a loop in C saves nothing (measured)"
+        elif self.native_mode != "off":
             path, why = build_native()
             if path is not None:
                 try:

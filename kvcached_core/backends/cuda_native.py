@@ -8,9 +8,10 @@ headers: it receives the driver's entry points and cuda-python's own struct poin
 cache directory once, loads it with ctypes, and lets the backend back a whole page id in one
 call that also releases the GIL for its whole duration. Triton builds its launcher the same way.
 
-``KVCACHED_CUDA_NATIVE``: ``auto`` (default: use it when it builds), ``0`` (never), ``1``
-(required: the backend fails if it cannot be built). Without a compiler the backend simply
-stays on cuda-python.
+``KVCACHED_CUDA_NATIVE``: ``auto`` (default: use it when it builds and a page id has more than
+one handle, i.e. the layer layout; for one handle a ctypes call costs what three binding calls
+do), ``0`` (never), ``1`` (always; the backend fails if it cannot be built). Without a compiler
+the backend simply stays on cuda-python.
 """
 
 from __future__ import annotations

@@ -19,16 +19,18 @@ byte, so the layout decides the price of a page id (``layout=`` or ``KVCACHED_CU
 
 Unmapped handles go to a pool (up to ``pool_pages`` page ids, ``KVCACHED_CUDA_POOL_PAGES``,
 default ``KVCACHED_MAX_RESERVED_PAGES``) so that regrowth skips ``cuMemCreate`` and shrinking
-skips ``cuMemRelease``; ``trim_pool`` gives pooled memory back. Pages mapped in one call that
-sit next to each other get one ``cuMemSetAccess`` / ``cuMemUnmap`` per range instead of one
-per handle. Running out of device memory is a short answer from ``map_pages`` (a miss);
+skips ``cuMemRelease``; ``trim_pool`` gives pooled memory back. Pages unmapped (or, on the
+cuda-python path, mapped) in one call that sit next to each other get one ``cuMemUnmap`` /
+``cuMemSetAccess`` per range instead of one per handle. Where a page id has several handles,
+a small C loop (:mod:`.cuda_native`, built once with the system compiler) maps and grants it
+in one call. Running out of device memory is a short answer from ``map_pages`` (a miss);
 every other driver error raises :class:`BackendError` naming the call.
 
 Unmapping is deferred by default (``KVCACHED_CUDA_ASYNC_UNMAP=0`` turns it off): the allocator
 unmaps while it holds its lock, often inside an engine's ``free``, and a layer-separated page
 id takes ~1.5-2.5 ms to unmap, so a backend thread does it instead, one page id at a time,
 ``KVCACHED_CUDA_UNMAP_DELAY_MS`` (20) after it was asked. A page asked for again before then is
-handed back as it is, with no driver call (churn costs nothing); ``trim_pool``, ``flush`` and a
+handed back as it is, with no driver call; ``trim_pool``, ``flush`` and a
 map that runs out of memory finish the deferred work at once, so a trim still returns its
 memory before it answers.
 

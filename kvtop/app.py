@@ -22,8 +22,8 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
-from textual.reactive import reactive
-from textual.widgets import DataTable, Footer, Static
+from textual.reactive import var
+from textual.widgets import Footer, Static
 from textual.worker import get_current_worker
 
 from kvcached_core import AckTimeout, ControlError, ModelNotFound, __version__, format_bytes, resolve
@@ -88,8 +88,12 @@ class KvtopApp(App[int]):
         Binding("q", "quit", "Quit"),
         Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
         Binding("question_mark", "help", "Help"),
-        Binding("down,j", "cursor_down", "Next model", show=False),
-        Binding("up,k", "cursor_up", "Previous model", show=False),
+        Binding("down,j", "cursor(1)", "Next model", show=False),
+        Binding("up,k", "cursor(-1)", "Previous model", show=False),
+        Binding("home", "cursor(-1000000)", "First model", show=False),
+        Binding("end", "cursor(1000000)", "Last model", show=False),
+        Binding("left", "table_scroll(-8)", "Scroll table left", show=False),
+        Binding("right", "table_scroll(8)", "Scroll table right", show=False),
         Binding("enter", "details", "Details", show=False),
         Binding("t", "trim", "Trim"),
         Binding("T", "trim_all", "Trim all", show=False),
@@ -105,12 +109,13 @@ class KvtopApp(App[int]):
         Binding("pageup", "map_page(-1)", "Scroll map up", show=False, priority=True),
     ]
 
-    frame: reactive[Frame | None] = reactive(None, always_update=True, init=False)
-    selected: reactive[str | None] = reactive(None, init=False)
-    paused: reactive[bool] = reactive(False, init=False)
-    interval: reactive[float] = reactive(1.0, init=False)
-    sort_key: reactive[str] = reactive("name", init=False)
-    filter_text: reactive[str] = reactive("", init=False)
+    # ``var``: no repaint of the whole screen when one changes; the watchers redraw what changed.
+    frame: var[Frame | None] = var(None, always_update=True, init=False)
+    selected: var[str | None] = var(None, init=False)
+    paused: var[bool] = var(False, init=False)
+    interval: var[float] = var(1.0, init=False)
+    sort_key: var[str] = var("name", init=False)
+    filter_text: var[str] = var("", init=False)
 
     def __init__(self, source: Source, *, interval: float = 1.0, model: str | None = None,
                  gpus: Sequence[int] | None = None, readonly: bool = False) -> None:
@@ -157,7 +162,6 @@ class KvtopApp(App[int]):
         for widget in (self.devices, self.table, self.frag, self.event_log):
             widget.add_class("panel")
         self.map_column.border_title = "page map"
-        self.table.focus()
         self._draw_status()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop = asyncio.get_running_loop()
@@ -200,14 +204,14 @@ class KvtopApp(App[int]):
         prev = self._prev
         events = diff(prev.models if prev else None, frame.models, frame.taken_at,
                       prev.problems if prev else (), frame.problems)
-        self._log(events)
+        self._add_events(events)
         self.history.update(frame.models)
         self._prev = frame
         self.frames_seen += 1
         self.frame = frame
 
     def on_poll_failed(self, message: PollFailed) -> None:
-        self._log([Event(time.time(), "error", "", f"reading segments failed: {message.error}", ERROR)])
+        self._add_events([Event(time.time(), "error", "", f"reading segments failed: {message.error}", ERROR)])
 
     # -- drawing ---------------------------------------------------------------------------------
     def watch_frame(self) -> None:
@@ -231,6 +235,8 @@ class KvtopApp(App[int]):
 
     def watch_selected(self, name: str | None) -> None:
         self._want = name
+        if self.frame is not None:
+            self.table.show(self._visible, self.history, name, [m.name for m in self.frame.models])
         self._draw_selected()
         self._poll_now()
 
@@ -276,7 +282,7 @@ class KvtopApp(App[int]):
         self.status_line.show(self.frame, interval=self.interval, paused=self.paused, readonly=self.readonly,
                               sort_key=self.sort_key, filter_text=self.filter_text, waiting_for=self.model_arg)
 
-    def _log(self, events: list[Event]) -> None:
+    def _add_events(self, events: list[Event]) -> None:
         log = self.event_log
         for event in events:
             if event.key:
@@ -286,21 +292,21 @@ class KvtopApp(App[int]):
             log.add(event)
 
     # -- selection -------------------------------------------------------------------------------
-    @on(DataTable.RowHighlighted)
-    def _row_highlighted(self, event: DataTable.RowHighlighted) -> None:
-        name = event.row_key.value if event.row_key is not None else None
-        if name is not None and name != self.selected:
-            self.selected = name
+    @on(ModelTable.Clicked)
+    def _row_clicked(self, event: ModelTable.Clicked) -> None:
+        if event.double and event.name == self.selected:
+            self.action_details()
+        self.selected = event.name
 
-    @on(DataTable.RowSelected)
-    def _row_selected(self, event: DataTable.RowSelected) -> None:
-        self.action_details()
+    def action_cursor(self, step: int) -> None:
+        names = [m.name for m in self._visible]
+        if not names:
+            return
+        here = names.index(self.selected) if self.selected in names else 0
+        self.selected = names[max(0, min(len(names) - 1, here + step))]
 
-    def action_cursor_down(self) -> None:
-        self.table.action_cursor_down()
-
-    def action_cursor_up(self) -> None:
-        self.table.action_cursor_up()
+    def action_table_scroll(self, columns: int) -> None:
+        self.table.scroll_to(x=self.table.scroll_x + columns, animate=False)
 
     def selected_model(self) -> ModelSnapshot | None:
         frame = self.frame
@@ -317,7 +323,7 @@ class KvtopApp(App[int]):
             assert isinstance(binding, Binding)
             shown = " ".join(KEY_NAMES.get(k, k) for k in binding.key.split(","))
             keys.append((shown, binding.description))
-        keys.append(("ctrl+p", "Command palette: every action by name"))
+        keys.append(("ctrl+p", "Command palette"))
         self.push_screen(HelpScreen(keys, self.readonly))
 
     def action_details(self) -> None:
@@ -375,7 +381,7 @@ class KvtopApp(App[int]):
             return False
         text = f"read-only: {what} is disabled (kvtop was started with --readonly)"
         self.notify(text, severity="warning")
-        self._log([Event(time.time(), "action", "", text, WARN)])
+        self._add_events([Event(time.time(), "action", "", text, WARN)])
         return True
 
     def _controllable(self, m: ModelSnapshot | None, what: str) -> bool:
@@ -401,7 +407,7 @@ class KvtopApp(App[int]):
 
         def confirmed(yes: bool | None) -> None:
             if yes:
-                self._log([Event(time.time(), "action", m.name, "trim requested", INFO)])
+                self._add_events([Event(time.time(), "action", m.name, "trim requested", INFO)])
                 self._control("trim", [m], None)
 
         self.push_screen(ConfirmScreen(
@@ -421,7 +427,7 @@ class KvtopApp(App[int]):
 
         def confirmed(yes: bool | None) -> None:
             if yes:
-                self._log([Event(time.time(), "action", "", f"trim requested for {len(targets)} models", INFO)])
+                self._add_events([Event(time.time(), "action", "", f"trim requested for {len(targets)} models", INFO)])
                 self._control("trim", targets, None)
 
         self.push_screen(ConfirmScreen(
@@ -439,7 +445,7 @@ class KvtopApp(App[int]):
         def chosen(request: LimitRequest | None) -> None:
             if request is not None:
                 shown = "none" if request.limit_bytes is None else format_bytes(request.limit_bytes)
-                self._log([Event(time.time(), "action", m.name, f"limit {shown} requested", INFO)])
+                self._add_events([Event(time.time(), "action", m.name, f"limit {shown} requested", INFO)])
                 self._control("limit", [m], request.limit_bytes)
 
         self.push_screen(LimitScreen(m), chosen)
@@ -478,7 +484,7 @@ class KvtopApp(App[int]):
         self.post_message(ControlDone(events))
 
     def on_control_done(self, message: ControlDone) -> None:
-        self._log(message.events)
+        self._add_events(message.events)
         for event in message.events:
             if event.level == ERROR:
                 self.notify(f"{event.model}: {event.text}", severity="error")

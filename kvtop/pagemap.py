@@ -9,6 +9,7 @@ used blocks are all cached shows as cached.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,19 @@ class Cell:
     occupancy: float  # mean occupancy of the group's in-use pages (0..1)
 
 
+_MAPPED_BYTE = bytes(1 if b & 0x80 else 0 for b in range(256))
+
+
+def mapped_flags(entries: Sequence[int] | array) -> bytes | None:
+    """One byte per page, 1 where the page is mapped, computed at C speed; None if ``entries`` is no u32 array.
+
+    Lets a sparse 100k-page map be folded (or walked) in time proportional to its mapped pages.
+    """
+    if isinstance(entries, array) and entries.itemsize == 4 and sys.byteorder == "little":
+        return entries.tobytes()[3::4].translate(_MAPPED_BYTE)  # bit 31 lives in each entry's 4th byte
+    return None
+
+
 def occupancy_state(occupancy: float) -> str:
     if occupancy >= 1.0:
         return FULL
@@ -60,7 +74,11 @@ def fold(entries: Sequence[int] | array, blocks_per_page: int, cells: int, start
     bpp = max(1, blocks_per_page)
     out: list[Cell] = []
     mapped_bit, mask, shift = L.PAGE_MAPPED, L.PAGE_FIELD_MASK, L.PAGE_CACHED_SHIFT
+    flags = mapped_flags(entries)
     for first in range(start, min(len(entries), start + per * cells), per):
+        if flags is not None and flags.find(1, first, first + per) < 0:  # nothing mapped: free
+            out.append(Cell(first, min(per, len(entries) - first), FREE, 0, 0, 0, 0, 0.0))
+            continue
         inuse = reserved = used_sum = cached_sum = 0
         for entry in entries[first:first + per]:
             if not entry & mapped_bit:

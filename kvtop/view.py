@@ -6,17 +6,18 @@ non-interactive snapshot does not pay for it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 from rich.table import Table
 from rich.text import Text
 
 from kvcached_core import format_bytes
+from kvcached_core import layout as L
 from kvcached_core.frag import fragmentation
 from kvcached_core.snapshot import ModelSnapshot
 from kvtop.history import History
-from kvtop.pagemap import GLYPHS, Cell
+from kvtop.pagemap import GLYPHS, Cell, mapped_flags
 from kvtop.source import Frame
 from kvtop.textfmt import fmt_device
 
@@ -260,6 +261,36 @@ def cells_text(cells: Sequence[Cell]) -> Text:
     return text
 
 
+def evictable_pages(m: ModelSnapshot) -> int:
+    """In-use pages whose used blocks are all cached (evicting them empties the page).
+
+    Walks only the mapped pages when the map is sparse, so a 65,536-page model that maps a few
+    hundred costs a few hundred steps, not 65,536.
+    """
+    pages = m.pages
+    if pages is None:
+        return 0
+    mask, shift = L.PAGE_FIELD_MASK, L.PAGE_CACHED_SHIFT
+    flags = mapped_flags(pages)
+    if flags is None or flags.count(1) * 4 > len(pages):
+        candidates: Iterable[int] = (e for e in pages if e & L.PAGE_MAPPED)
+    else:
+        candidates = (pages[i] for i in _mapped_indices(flags))
+    count = 0
+    for entry in candidates:
+        used = entry & mask
+        if used and used == (entry >> shift) & mask:
+            count += 1
+    return count
+
+
+def _mapped_indices(flags: bytes) -> Iterator[int]:
+    i = flags.find(1)
+    while i >= 0:
+        yield i
+        i = flags.find(1, i + 1)
+
+
 def frag_table(m: ModelSnapshot | None) -> Table | Text:
     """Fragmentation summary: held vs pinned, waste, packed floor, what trim and eviction return."""
     if m is None:
@@ -275,7 +306,7 @@ def frag_table(m: ModelSnapshot | None) -> Table | Text:
         grid.add_row(Text("upstream segment:", style="cyan"), "")
         grid.add_row(Text("no page map", style="cyan"), "")
         return grid
-    f = fragmentation(m)
+    f = fragmentation(replace(m, pages=None))  # counters only; the page walk is evictable_pages()
     grid.add_row("held", format_bytes(f.held_bytes))
     grid.add_row("pinned", format_bytes(f.pinned_bytes))
     waste = "-" if f.waste_ratio is None else f"{f.waste_ratio:.2f}×"
@@ -283,7 +314,7 @@ def frag_table(m: ModelSnapshot | None) -> Table | Text:
     grid.add_row("floor", f"{f.packed_floor_pages:,} pages")
     grid.add_row("trim frees", Text(format_bytes(f.reclaimable_trim_bytes), style=RESERVED_STYLE))
     if m.pages is not None:
-        grid.add_row("evict frees", Text(format_bytes(f.reclaimable_evict_bytes), style="magenta"))
+        grid.add_row("evict frees", Text(format_bytes(evictable_pages(m) * m.bundle_bytes), style="magenta"))
     if m.limit_status in ("deferred", "conflict"):
         grid.add_row("limit", Text(f"↓{size(m.requested_limit)}", style="bold yellow"))
         grid.add_row("limit is", Text(m.limit_status, style="bold yellow"))

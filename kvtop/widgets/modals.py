@@ -189,6 +189,17 @@ class _InfoScreen(ModalScreen[None]):
         self.dismiss(None)
 
 
+TERMS = (
+    ("held", "blocks in use × block bundle"),
+    ("pinned", "in-use pages × page bundle: what the blocks keep mapped"),
+    ("waste", "pinned / held; 1.00× is ideal"),
+    ("floor", "the packed floor: ceil(used blocks / blocks per page) pages"),
+    ("shrinking", "a lowered limit waits for in-use pages to empty (deferred)"),
+    ("stale", "the process is gone or its heartbeat is older than 3 s"),
+    ("legacy", "an upstream kvcached segment: counters only, limit via its total field"),
+)
+
+
 class HelpScreen(_InfoScreen):
     """Keys, the page-map legend, and what the columns mean."""
 
@@ -200,20 +211,23 @@ class HelpScreen(_InfoScreen):
         self.readonly = readonly
 
     def compose(self) -> ComposeResult:
-        keys = Table.grid(padding=(0, 2))
-        keys.add_column(style="bold cyan", no_wrap=True)
-        keys.add_column()
-        for key, description in self.keys:
-            keys.add_row(key, description)
-        legend = Table.grid(padding=(0, 1))
+        keys = Table.grid(padding=(0, 1))
+        half = -(-len(self.keys) // 2)
+        for _ in range(2):
+            keys.add_column(style="bold cyan", no_wrap=True)
+            keys.add_column(no_wrap=True)
+        left, right = self.keys[:half], self.keys[half:] + [("", "")] * (2 * half - len(self.keys))
+        for (k1, d1), (k2, d2) in zip(left, right, strict=True):
+            keys.add_row(k1, d1 + "   ", k2, d2)
+        legend = Text()
         for state, label in LEGEND:
-            legend.add_row(Text(GLYPHS[state], style=STATE_STYLES[state]), label)
-        terms = Text.from_markup(
-            "[bold]held[/] blocks in use × block bundle · [bold]pinned[/] in-use pages × page bundle\n"
-            "[bold]waste[/] pinned / held (1.00× is ideal) · [bold]packed floor[/] ceil(used blocks / blocks per page)\n"
-            "[bold]shrinking[/] a lowered limit waits for pages to empty (deferred) · "
-            "[bold]stale[/] the process is gone or its heartbeat is old · [bold]legacy[/] an upstream kvcached segment"
-        )
+            legend.append(GLYPHS[state], style=STATE_STYLES[state])
+            legend.append(f" {label}   ")
+        terms = Table.grid(padding=(0, 1))
+        terms.add_column(style="bold", no_wrap=True)
+        terms.add_column()
+        for term, meaning in TERMS:
+            terms.add_row(term, meaning)
         with VerticalScroll(id="dialog"):
             yield Label("kvtop — keys" + ("  (read-only: trim and limit are disabled)" if self.readonly else ""),
                         id="question")

@@ -8,11 +8,12 @@ cells cost.
 from __future__ import annotations
 
 from array import array
+from typing import NamedTuple
 
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
-from textual.geometry import Size
+from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
@@ -22,6 +23,15 @@ from kvtop.pagemap import GLYPHS, Cell, fold
 from kvtop.view import STATE_STYLES, fit_per_cell
 
 GUTTER_MIN_WIDTH = 40
+
+
+class _Geometry(NamedTuple):
+    width: int
+    gutter: int
+    cells: int  # cells per row
+    fit: int  # pages per cell that fit the whole map on screen
+    per: int  # pages per cell now
+    rows: int
 
 
 class PageMapView(ScrollView, can_focus=False):
@@ -34,6 +44,9 @@ class PageMapView(ScrollView, can_focus=False):
         self._pages: array | None = None
         self._rows: dict[int, list[Cell]] = {}
         self._styles = {state: Style.parse(style) for state, style in STATE_STYLES.items()}
+        self._geom_key: tuple | None = None
+        self._geom = _Geometry(0, 0, 1, 1, 1, 0)
+        self._base = Style()
         self.folds = 0  # rows folded so far (the benchmark and tests watch it)
         self.border_title = "page map"
 
@@ -42,27 +55,40 @@ class PageMapView(ScrollView, can_focus=False):
     def total(self) -> int:
         return len(self._pages) if self._pages is not None else 0
 
+    def _geometry(self) -> _Geometry:
+        """Width, gutter, cells per row, pages per cell and rows; cached, render_line asks per line."""
+        key = (self.size, self.virtual_size, self.total, self.zoom)
+        if self._geom_key != key:
+            region = self.scrollable_content_region
+            digits = len(str(max(0, self.total - 1)))
+            gutter = digits + 1 if region.width >= GUTTER_MIN_WIDTH and self.total else 0
+            cells = max(1, region.width - gutter)
+            fit = fit_per_cell(self.total, cells * max(1, region.height))
+            per = self.zoom or fit
+            rows = -(-self.total // (cells * per)) if self.total else 0
+            self._geom = _Geometry(region.width, gutter, cells, fit, per, rows)
+            self._geom_key = key
+        return self._geom
+
     @property
-    def gutter(self) -> int:
-        width = self.scrollable_content_region.width
-        digits = len(str(max(0, self.total - 1)))
-        return digits + 1 if width >= GUTTER_MIN_WIDTH and self.total else 0
+    def gutter_width(self) -> int:
+        """Columns taken by the page numbers on the left."""
+        return self._geometry().gutter
 
     @property
     def row_cells(self) -> int:
-        return max(1, self.scrollable_content_region.width - self.gutter)
+        return self._geometry().cells
 
     def fit(self) -> int:
-        return fit_per_cell(self.total, self.row_cells * max(1, self.scrollable_content_region.height))
+        return self._geometry().fit
 
     @property
     def per_cell(self) -> int:
-        return self.zoom or self.fit()
+        return self._geometry().per
 
     @property
     def rows(self) -> int:
-        per_row = self.row_cells * self.per_cell
-        return -(-self.total // per_row) if self.total else 0
+        return self._geometry().rows
 
     def _relayout(self) -> None:
         self._rows.clear()
@@ -140,22 +166,26 @@ class PageMapView(ScrollView, can_focus=False):
             self.folds += 1
         return cells
 
+    def render_lines(self, crop: Region) -> list[Strip]:
+        self._base = self.rich_style  # once per paint, not once per line
+        return super().render_lines(crop)
+
     def render_line(self, y: int) -> Strip:
-        base = self.rich_style
-        width = self.scrollable_content_region.width
+        base = self._base
+        geom = self._geometry()
         row = self.scroll_offset.y + y
         if self._pages is None or self.detail is None:
             if y == 0:
                 text = self._message()
                 text.stylize(base)
-                return Strip(list(text.render(self.app.console)), text.cell_len).crop_extend(0, width, base)
-            return Strip.blank(width, base)
-        if row >= self.rows:
-            return Strip.blank(width, base)
+                return Strip(list(text.render(self.app.console)), text.cell_len).crop_extend(0, geom.width, base)
+            return Strip.blank(geom.width, base)
+        if row >= geom.rows:
+            return Strip.blank(geom.width, base)
         segments: list[Segment] = []
-        if self.gutter:
-            first = row * self.row_cells * self.per_cell
-            segments.append(Segment(f"{first:>{self.gutter - 1}} ", base + Style(color="grey42")))
+        if geom.gutter:
+            first = row * geom.cells * geom.per
+            segments.append(Segment(f"{first:>{geom.gutter - 1}} ", base + Style(color="grey42")))
         run_state, run = None, 0
         for cell in self._row(row):
             if cell.state != run_state and run:
@@ -165,12 +195,12 @@ class PageMapView(ScrollView, can_focus=False):
             run += 1
         if run:
             segments.append(Segment(GLYPHS[run_state] * run, base + self._styles[run_state]))
-        return Strip(segments).crop_extend(0, width, base)
+        return Strip(segments).crop_extend(0, geom.width, base)
 
     def _message(self) -> Text:
         m = self.detail
         if m is None:
             return Text("no model selected", style="grey50")
         if m.status == "legacy":
-            return Text("upstream kvcached segment: no page map (24-byte legacy format)", style="cyan")
+            return Text("upstream kvcached segment: no page map", style="cyan")
         return Text("reading page map…", style="grey50")

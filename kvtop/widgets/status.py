@@ -5,13 +5,20 @@ from __future__ import annotations
 import time
 
 from rich.text import Text
-from textual.widgets import Static
+from textual.widget import Widget
 
 from kvtop.source import Frame
 
 
-class StatusLine(Static):
-    """Drawn from the frame's own clock, so a replayed frame always reads the same."""
+class StatusLine(Widget):
+    """Drawn from the frame's own clock, so a replayed frame always reads the same.
+
+    A plain render widget: its size never changes, so an update repaints one line, no layout.
+    """
+
+    def __init__(self, *, id: str | None = None) -> None:  # noqa: A002
+        super().__init__(id=id)
+        self._text = Text(" kvtop ", style="bold reverse")
 
     def show(self, frame: Frame | None, *, interval: float, paused: bool, readonly: bool,
              sort_key: str, filter_text: str, waiting_for: str | None = None) -> None:
@@ -32,4 +39,9 @@ class StatusLine(Static):
             text.append(" · read-only", style="bold magenta")
         if paused:
             text.append("  PAUSED ", style="bold black on yellow")
-        self.update(text)
+        if text != self._text or text.spans != self._text.spans:
+            self._text = text
+            self.refresh()
+
+    def render(self) -> Text:
+        return self._text

@@ -30,16 +30,27 @@ from kvtop.view import (
 MAP_ROWS = 8
 
 
-def models_table(models: Sequence, history: History | None = None) -> Table:
-    table = Table(box=None, pad_edge=False, header_style="bold", expand=False)
-    for key, header, _width, right in COLUMNS:
-        if key == "spark":
-            continue
-        table.add_column(header, justify="right" if right else "left", no_wrap=True)
+def models_table(models: Sequence, history: History | None = None, width: int = 200) -> Table:
+    """The model rows; columns that do not fit ``width`` are left out from the right, never squeezed.
+
+    One read has no history: the sparkline and the allocation rate are left out.
+    """
     names = [m.name for m in models]
-    for m in models:
-        cells = model_cells(m, history, names)
-        table.add_row(*(cells[key] for key, *_ in COLUMNS if key != "spark"))
+    rows = [model_cells(m, history, names) for m in models]
+    columns, used = [], 0
+    for key, header, _width, right in COLUMNS:
+        if key in ("spark", "rate"):
+            continue
+        need = max([len(header)] + [row[key].cell_len for row in rows]) + (2 if columns else 0)
+        if columns and used + need > width:
+            break
+        columns.append((key, header, right))
+        used += need
+    table = Table(box=None, pad_edge=False, header_style="bold", expand=False, padding=(0, 1))
+    for _key, header, right in columns:
+        table.add_column(header, justify="right" if right else "left", no_wrap=True)
+    for row in rows:
+        table.add_row(*(row[key] for key, _h, _r in columns))
     return table
 
 
@@ -67,7 +78,7 @@ def render(frame: Frame, *, width: int, model: str | None = None, gpus: Sequence
     if not frame.gpus and frame.gpu_note:
         out.append(Text(frame.gpu_note, style="grey50"))
     out.append(Text(""))
-    out.append(models_table(sort_models(models, "name"), history) if models else Text("no models running"))
+    out.append(models_table(sort_models(models, "name"), history, width) if models else Text("no models running"))
     for p in frame.problems:
         out.append(Text(f"{p.path}: {p.status}: {p.reason}", style="yellow"))
     if model is not None and frame.detail is not None:

@@ -228,7 +228,7 @@ def device_lines(bar: DeviceBar, width: int) -> list[Text]:
     legend.append(f"free {format_bytes(bar.free) if bar.total else 'N/A'}")
     for t in (line, legend):
         t.no_wrap = True
-        t.overflow = "ellipsis"
+        t.truncate(width, overflow="ellipsis")
     return [line, legend]
 
 

@@ -1,0 +1,255 @@
+"""Run every benchmark, print one table, and write BENCHMARKS.md.
+
+    python -m benchmarks [--quick] [--only NAME[,NAME...]] [--output PATH] [--no-write]
+
+Each module runs in a child process of its own (a crash, a hang or a leaked thread stays
+there); a module that fails is reported in the table and the run goes on. Modules that need a
+GPU are skipped without one; results recorded on a GPU machine (``benchmarks/results/*.md``)
+are copied into BENCHMARKS.md under "Recorded on device". BENCHMARKS.md is written only
+when every module ran (not with ``--only``), unless ``--output`` names a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pkgutil
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import benchmarks
+
+from ._common import ROOT, child_env, private_segments
+
+MARKER = "@@benchmark-result@@ "
+RESULTS = Path(__file__).resolve().parent / "results"
+
+CHILD = r"""
+import importlib, json, sys, traceback
+name, quick, marker = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
+import benchmarks
+def emit(**payload):
+    sys.stdout.flush()
+    print(marker + json.dumps(payload, ensure_ascii=False, default=str), flush=True)
+mod = importlib.import_module("benchmarks." + name)
+if not callable(getattr(mod, "run", None)):
+    emit(skip="no run(quick): a standalone script, see its docstring")
+    sys.exit(0)
+if getattr(mod, "REQUIRES", None) == "gpu":
+    from kvcached_core import nvml
+    if not nvml.available():
+        emit(skip="needs an NVIDIA GPU: " + nvml.unavailable_reason())
+        sys.exit(0)
+try:
+    rows = mod.run(quick)
+except benchmarks.Skip as exc:
+    emit(skip=str(exc))
+    sys.exit(0)
+report = mod.report(rows) if callable(getattr(mod, "report", None)) else None
+emit(rows=rows, report=report)
+"""
+
+
+@dataclass
+class Outcome:
+    module: str
+    title: str
+    seconds: float
+    rows: list[dict] = field(default_factory=list)
+    report: str | None = None
+    skipped: str | None = None
+    error: str | None = None
+
+
+def discover() -> list[str]:
+    return sorted(info.name for info in pkgutil.iter_modules(benchmarks.__path__)
+                  if not info.name.startswith("_") and not info.ispkg)
+
+
+def _title(module: str) -> str:
+    path = Path(benchmarks.__path__[0]) / f"{module}.py"
+    try:
+        source = path.read_text()
+    except OSError:
+        return module
+    for quote in ('"""', "'''"):
+        if source.lstrip().startswith(quote):
+            return source.lstrip()[3:].split("\n", 1)[0].strip()
+    return module
+
+
+def run_module(module: str, quick: bool, timeout: float) -> Outcome:
+    started = time.monotonic()
+    outcome = Outcome(module, _title(module), 0.0)
+    try:
+        proc = subprocess.run([sys.executable, "-c", CHILD, module, "1" if quick else "0", MARKER],
+                              cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        outcome.error = f"timed out after {timeout:g} s"
+    else:
+        payload = None
+        for line in proc.stdout.splitlines():
+            if line.startswith(MARKER):
+                payload = json.loads(line[len(MARKER):])
+        if payload is None:
+            lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+            outcome.error = (lines[-1] if lines else f"exited with status {proc.returncode} and no result")
+        elif "skip" in payload:
+            outcome.skipped = payload["skip"]
+        else:
+            outcome.rows = [dict(row) for row in payload.get("rows") or []]
+            outcome.report = payload.get("report")
+            bad = [r for r in outcome.rows if not {"name", "value", "unit"} <= set(r)]
+            if bad:
+                outcome.error = f"{len(bad)} rows lack name/value/unit"
+    outcome.seconds = time.monotonic() - started
+    return outcome
+
+
+# -- the machine ---------------------------------------------------------------------------------
+def machine() -> dict[str, str]:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    memory = ""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            kib = int(fh.readline().split()[1])
+        memory = f"{kib / 2**20:.1f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    return {
+        "cpu": model, "cores": str(os.cpu_count() or "?"), "memory": memory,
+        "kernel": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def describe(info: dict[str, str]) -> str:
+    parts = [f"{info['cpu']}, {info['cores']} cores", info["memory"], info["kernel"], f"Python {info['python']}"]
+    return "; ".join(p for p in parts if p)
+
+
+# -- output --------------------------------------------------------------------------------------
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}".rstrip("0").rstrip(".") if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def print_table(outcomes: list[Outcome]) -> None:
+    lines = []
+    for o in outcomes:
+        if o.error or o.skipped:
+            lines.append((o.module, "ERROR" if o.error else "skipped", "", o.error or o.skipped or ""))
+        for row in o.rows:
+            lines.append((o.module, row["name"], f"{_fmt(row['value'])} {row['unit']}", row.get("note", "")))
+    width = [min(64, max(len(line[i]) for line in lines)) for i in range(3)] if lines else [0, 0, 0]
+    for module, name, value, note in lines:
+        print(f"{module:<{width[0]}}  {name:<{width[1]}}  {value:>{width[2]}}  {note}")
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(outcomes: list[Outcome], info: dict[str, str], quick: bool, elapsed: float) -> str:
+    command = "python -m benchmarks" + (" --quick" if quick else "")
+    out = [
+        "# Benchmarks",
+        "",
+        f"Generated by `{command}` on {info['date']} in {elapsed:.0f} s. Every figure below comes from that one "
+        "run (the \"Recorded on device\" section excepted, which copies files that GPU runs left in "
+        "`benchmarks/results/`); nothing here is edited by hand. Rerun the command to regenerate this file.",
+        "",
+        f"Machine: {describe(info)}.",
+        "",
+    ]
+    if quick:
+        out += ["Mode: `--quick` (fewer repetitions and shorter traffic; medians are less settled than a full run).", ""]
+    out += ["## Summary", "", "| benchmark | status | seconds |", "|---|---|---|"]
+    for o in outcomes:
+        status = f"error: {_cell(o.error)}" if o.error else f"skipped: {_cell(o.skipped)}" if o.skipped else \
+            f"{len(o.rows)} figures"
+        out.append(f"| [{o.module}](#{o.module}) | {status} | {o.seconds:.1f} |")
+    out.append("")
+    for o in outcomes:
+        out += [f"## {o.module}", "", f"{o.title} (`benchmarks/{o.module}.py`)", ""]
+        if o.error:
+            out += [f"Failed: {o.error}", ""]
+        if o.skipped:
+            out += [f"Skipped: {o.skipped}", ""]
+        if o.report:
+            out += [o.report, ""]
+        if o.rows:
+            out += ["| figure | value | unit | note |", "|---|---|---|---|"]
+            for row in o.rows:
+                out.append(f"| {_cell(row['name'])} | {_fmt(row['value'])} | {_cell(row['unit'])} "
+                           f"| {_cell(row.get('note', ''))} |")
+            out.append("")
+    recorded = sorted(RESULTS.glob("*.md")) if RESULTS.is_dir() else []
+    if recorded:
+        out += ["## Recorded on device", "",
+                "Copied from `benchmarks/results/` as the runs on other machines wrote them (each names its "
+                "machine and command).", ""]
+        for path in recorded:
+            body = path.read_text().strip().splitlines()
+            body = ["#" * 2 + line if line.startswith("#") else line for line in body]  # nest the headings
+            out += [f"### {path.name}", "", *body, ""]
+        orphans = [p.name for p in sorted(RESULTS.glob("*.json")) if not p.with_suffix(".md").exists()]
+        if orphans:
+            out += ["Raw results without a write-up: " + ", ".join(f"`{n}`" for n in orphans) + ".", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions: the whole run in under a minute")
+    parser.add_argument("--only", metavar="NAME", help="comma-separated modules to run (BENCHMARKS.md is not written)")
+    parser.add_argument("--output", type=Path, help="write the markdown here (default: BENCHMARKS.md at the "
+                        "repository root, only when every module ran)")
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--timeout", type=float, help="seconds per module (default 120 quick, 1200 full)")
+    args = parser.parse_args(argv)
+
+    modules = discover()
+    if args.only:
+        wanted = [name.strip() for name in args.only.split(",") if name.strip()]
+        unknown = [name for name in wanted if name not in modules]
+        if unknown:
+            print(f"unknown benchmark {', '.join(unknown)}: choose from {', '.join(modules)}", file=sys.stderr)
+            return 2
+        modules = wanted
+    timeout = args.timeout or (120.0 if args.quick else 1200.0)
+    info = machine()
+    print(f"# {describe(info)}; {info['date']}", flush=True)
+    started = time.monotonic()
+    outcomes = []
+    with private_segments():  # children inherit a private KVCACHED_SHM_DIR: no stray segments
+        for module in modules:
+            print(f"# running {module} ...", file=sys.stderr, flush=True)
+            outcomes.append(run_module(module, args.quick, timeout))
+    elapsed = time.monotonic() - started
+    print_table(outcomes)
+    print(f"# {len(modules)} benchmarks in {elapsed:.1f} s", flush=True)
+    target = args.output or (None if args.only or args.no_write else ROOT / "BENCHMARKS.md")
+    if target is not None and not args.no_write:
+        target.write_text(markdown(outcomes, info, args.quick, elapsed))
+        print(f"# wrote {target}", flush=True)
+    return 1 if any(o.error for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

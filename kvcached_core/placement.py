@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from itertools import islice
 
 from .pages import PageTable
 from .prefix_cache import PrefixCache
@@ -183,10 +182,7 @@ class Affinity(Policy):
         if n <= 0 or not cache.blocks:
             return []
         size = max(2 * n, int(len(cache.blocks) * self.window))
-        cutoff = None
-        for cutoff in islice(cache.blocks.values(), size):
-            pass
-        return _whole_pages_then_lru(cache, n, pages, cutoff=cutoff)
+        return _whole_pages_then_lru(cache, n, pages, cutoff=cache.age_of_oldest(size))
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FirstFit, Policy, Affinity)}

@@ -10,7 +10,7 @@ its ``by_page`` entry, without a search. The ledger only records; the placement 
 
 from __future__ import annotations
 
-from itertools import count
+from itertools import count, islice
 
 
 class PrefixCache:
@@ -61,3 +61,10 @@ class PrefixCache:
                 break
             out.append(block)
         return out
+
+    def age_of_oldest(self, k: int) -> int:
+        """The age of the ``k``-th oldest cached block (of the newest, when fewer are cached)."""
+        age = -1
+        for age in islice(self.blocks.values(), k):  # noqa: B007 - the last one is the answer
+            pass
+        return age

@@ -23,6 +23,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.reactive import var
+from textual.screen import ModalScreen
 from textual.widgets import Footer, Static
 from textual.worker import get_current_worker
 
@@ -316,6 +317,10 @@ class KvtopApp(App[int]):
             return frame.detail
         return frame.model(self.selected)
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """While a dialog is open, the dashboard's keys do nothing (quit still works)."""
+        return action in ("quit", "command_palette") or not isinstance(self.screen, ModalScreen)
+
     # -- view actions ----------------------------------------------------------------------------
     def action_help(self) -> None:
         keys = []
@@ -329,7 +334,7 @@ class KvtopApp(App[int]):
     def action_details(self) -> None:
         m = self.selected_model()
         if m is None:
-            self.notify("no model selected", severity="warning")
+            self.notify("no model selected", severity="warning", markup=False)
             return
         self.push_screen(DetailsScreen(m))
 
@@ -380,20 +385,20 @@ class KvtopApp(App[int]):
         if not self.readonly:
             return False
         text = f"read-only: {what} is disabled (kvtop was started with --readonly)"
-        self.notify(text, severity="warning")
+        self.notify(text, severity="warning", markup=False)
         self._add_events([Event(time.time(), "action", "", text, WARN)])
         return True
 
     def _controllable(self, m: ModelSnapshot | None, what: str) -> bool:
         if m is None:
-            self.notify("no model selected", severity="warning")
+            self.notify("no model selected", severity="warning", markup=False)
             return False
         if m.status == "stale":
-            self.notify(f"{m.name} is stale: its process is gone, nothing would apply a {what}", severity="warning")
+            self.notify(f"{m.name} is stale: its process is gone, nothing would apply a {what}", severity="warning", markup=False)
             return False
         if m.status == "legacy" and what == "trim":
             self.notify(f"{m.name} is an upstream kvcached segment: it cannot be trimmed from outside",
-                        severity="warning")
+                        severity="warning", markup=False)
             return False
         return True
 
@@ -421,7 +426,7 @@ class KvtopApp(App[int]):
         frame = self.frame
         targets = [m for m in self._visible if m.status == "live"] if frame else []
         if not targets:
-            self.notify("no live model to trim", severity="warning")
+            self.notify("no live model to trim", severity="warning", markup=False)
             return
         reserved = sum(m.reserved_bytes for m in targets)
 
@@ -487,7 +492,7 @@ class KvtopApp(App[int]):
         self._add_events(message.events)
         for event in message.events:
             if event.level == ERROR:
-                self.notify(f"{event.model}: {event.text}", severity="error")
+                self.notify(f"{event.model}: {event.text}", severity="error", markup=False)
         self._poll_now()
 
 

@@ -36,12 +36,12 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
-            yield Label(self.question, id="question")
+            yield Label(Text(self.question), id="question")
             if self.detail:
-                yield Static(self.detail, id="detail")
+                yield Static(Text(self.detail), id="detail")
             with Horizontal(id="buttons"):
-                yield Button(f"{self.confirm_label} [y]", variant="error", id="yes")
-                yield Button("Cancel [n]", id="no")
+                yield Button(f"{self.confirm_label} (y)", variant="error", id="yes")
+                yield Button("Cancel (n)", id="no")
 
     def on_mount(self) -> None:
         self.query_one("#yes", Button).focus()
@@ -87,7 +87,7 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
     def compose(self) -> ComposeResult:
         m = self.model
         with Vertical(id="dialog"):
-            yield Label(f"Set the limit of {m.name}", id="question")
+            yield Label(Text(f"Set the limit of {m.name}"), id="question")
             yield Static(self._summary(), id="detail")
             yield Input(placeholder="4G, 512MiB, 30%, none", id="limit-input",
                         validators=[SizeValidator(m.device_capacity)], validate_on=["submitted"])
@@ -273,9 +273,9 @@ class DetailsScreen(_InfoScreen):
                 rows.append((f"rank {r.rank}", f"device {r.device}, pid {r.pid}, {format_bytes(r.mapped_bytes)}"
                              + ("" if r.alive else " (gone)")))
         for key, value in rows:
-            info.add_row(key, value)
+            info.add_row(key, Text(value))  # names and paths come from other processes: no markup
         with VerticalScroll(id="dialog"):
-            yield Label(f"{m.name}", id="question")
+            yield Label(Text(m.name), id="question")
             yield Static(info)
             yield Label("fragmentation", classes="section")
             yield Static(frag_table(m))

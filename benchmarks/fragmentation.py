@@ -145,7 +145,7 @@ class Engine:
 
     def _alloc(self, n: int, near: int | None = None) -> list[int]:
         t0 = time.perf_counter_ns()
-        ids = self.m.alloc(n, near)
+        ids = self.m.alloc(n, near=near)
         self.alloc_ns.append(time.perf_counter_ns() - t0)
         if ids is None:
             raise RuntimeError("the benchmark sized the model too small: alloc returned None")

@@ -162,7 +162,7 @@ class KVCacheManager:
         return f"{base[:50]}-{os.getpid()}"
 
     # -- engine API --------------------------------------------------------------------------
-    def alloc(self, n: int, near: int | None = None) -> list[int] | None:
+    def alloc(self, n: int, *, near: int | None = None) -> list[int] | None:
         """``n`` block ids, kept together on as few pages as possible; None if the limit or device says no.
 
         ``near``: a block the same request already holds (its last one), so the policy can keep

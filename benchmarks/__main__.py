@@ -193,7 +193,7 @@ def markdown(outcomes: list[Outcome], info: dict[str, str], quick: bool, elapsed
             out += [f"Skipped: {o.skipped}", ""]
         if o.report:
             out += [o.report, ""]
-        if o.rows:
+        if o.rows and not o.report:  # a module's own report already shows its figures
             out += ["| figure | value | unit | note |", "|---|---|---|---|"]
             for row in o.rows:
                 out.append(f"| {_cell(row['name'])} | {_fmt(row['value'])} | {_cell(row['unit'])} "

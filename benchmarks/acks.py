@@ -112,7 +112,7 @@ def _upstream(directory, rounds: int) -> list[float]:  # noqa: ANN001
 
 
 def run(quick: bool) -> list[dict]:
-    rounds = 40 if quick else 300
+    rounds = 100 if quick else 500
     with private_segments() as directory:
         ours = _ours(rounds)
         upstream = _upstream(directory, rounds)

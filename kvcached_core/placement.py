@@ -62,6 +62,8 @@ class Policy:
         page = pages.best_fit(remaining)
         if page is None:
             page = empty_page()
+        if page is None:  # no page takes the rest whole and none is empty: split it over the holes
+            page = pages.emptiest()
         while page is not None:
             got = pages.take_blocks(page, min(pages.free_slots(page), remaining))
             taken += got

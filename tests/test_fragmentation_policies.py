@@ -264,3 +264,17 @@ def test_policy_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown placement policy 'packed': use one of first-fit, best-fit, affinity"):
         manager("packed")
+
+
+@pytest.mark.parametrize("policy", PAGE_AWARE)
+def test_a_run_splits_over_holes_when_no_page_can_be_mapped(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    with manager(policy) as m:
+        a, b = m.alloc(4), m.alloc(4)
+        m.free(a[:2] + b[:2])  # two holes of 2 blocks, on two pages
+        assert m.set_limit(2 * m.bundle_bytes) == "applied"  # and no third page
+        got = m.alloc(3)
+        assert got is not None and len(set(got)) == 3
+        assert pages_of(got) == pages_of(a) | pages_of(b)
+        assert m.alloc(2) is None  # one slot left: a miss, nothing changes
+        assert m.pages.blocks_used == 7

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import os
 import threading
 import time
@@ -175,7 +176,8 @@ class KVCacheManager:
             self._map_error = None
             ids = self._place(n, near)
             if ids is None:
-                self._raise_map_error()
+                self._raise_map_error()  # publishes first when it raises
+                self._publish()  # the roll-back may have mapped or unmapped pages
                 return None
             self.alloc_count += 1
             self.alloc_blocks += n
@@ -210,10 +212,10 @@ class KVCacheManager:
                 return True
             pages = -(-short // self.blocks_per_page)
             self._map_error = None
-            got = self._grow(pages, force=True)
+            self._grow(pages, force=True)
             self._publish()
             self._raise_map_error()
-            return got >= pages
+            return self.pages.free_in_mapped() >= n  # the last page may hold fewer blocks
 
     def free_reserved(self) -> int:
         """Shrink the reserve pool back to its minimum; returns bytes unmapped."""
@@ -231,7 +233,9 @@ class KVCacheManager:
             if self.limit_pages is not None:
                 mappable = min(mappable, max(0, self.limit_pages - self._mapped_or_mapping()))
             device_pages = self.backend.free_bytes() // self.bundle_bytes
-            return in_mapped + min(mappable, device_pages) * self.blocks_per_page
+            # Pages map lowest id first; the last page may hold fewer than blocks_per_page blocks.
+            next_pages = heapq.nsmallest(min(mappable, device_pages), self.pages.unmapped)
+            return in_mapped + sum(self.pages.cap[p] for p in next_pages)
 
     def trim(self) -> int:
         """Unmap every reserved page now; returns the bytes given back."""
@@ -288,6 +292,8 @@ class KVCacheManager:
             missing = [b for b in ids if b not in self.cache]
             if missing:
                 raise ValueError(f"blocks not in the prefix cache: {missing[:8]}")
+            if len(set(ids)) != len(ids):
+                raise ValueError("a block is listed twice; nothing was changed")
             for block in ids:
                 self.cache.remove(block)
                 self._dirty.add(block // self.blocks_per_page)

@@ -147,8 +147,8 @@ class KVCacheManager:
 
     @staticmethod
     def _choose_name(name: str | None, model: str) -> str:
-        explicit = name or config.ipc_name_override()
-        if explicit:
+        explicit = name if name is not None else config.ipc_name_override()
+        if explicit is not None:  # an explicit empty name is refused, not replaced by the default
             return validate(explicit)
         base = sanitize(model)
         if not segment_path(base).exists():

@@ -26,7 +26,7 @@ def sanitize(name: str) -> str:
 
 def validate(name: str) -> str:
     """Accept exactly ``[A-Za-z0-9_-]{1,64}``; anything else raises :class:`InvalidName`."""
-    if not isinstance(name, str) or not _VALID.match(name):
+    if not isinstance(name, str) or not _VALID.fullmatch(name):  # match() lets '$' accept a final newline
         raise InvalidName(
             f"invalid segment name {name!r}: use 1-{MAX_NAME} characters from A-Z a-z 0-9 _ -"
         )

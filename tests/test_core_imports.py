@@ -1,0 +1,46 @@
+"""kvcached_core is what engines import: it must never pull in the UI stack."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import child_env
+
+UI = ("textual", "rich", "click")
+LOADED_UI = f"sorted(m for m in sys.modules if m.split('.')[0] in {UI!r})"
+
+PROBE = f"""
+import importlib, json, pkgutil, sys
+import kvcached_core
+names = ["kvcached_core"]
+for info in pkgutil.walk_packages(kvcached_core.__path__, "kvcached_core."):
+    if info.name.endswith("__main__"):
+        continue
+    importlib.import_module(info.name)
+    names.append(info.name)
+print(json.dumps({{"imported": names, "ui": {LOADED_UI}}}))
+"""
+
+
+def run_probe(code: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), check=True)
+    return json.loads(out.stdout)
+
+
+def test_importing_kvcached_core_pulls_in_no_ui_library():
+    result = run_probe(f"import json, sys, kvcached_core\nprint(json.dumps({{'ui': {LOADED_UI}}}))")
+    assert result["ui"] == []
+
+
+def test_no_module_of_kvcached_core_pulls_in_a_ui_library():
+    result = run_probe(PROBE)
+    assert {"kvcached_core.manager", "kvcached_core.reader", "kvcached_core.control", "kvcached_core.demo",
+            "kvcached_core.backends.host"} <= set(result["imported"])
+    assert result["ui"] == []
+
+
+def test_the_probe_would_notice_a_ui_import():
+    result = run_probe(f"import json, sys, kvcached_core, click\nprint(json.dumps({{'ui': {LOADED_UI}}}))")
+    assert "click" in result["ui"]

@@ -61,7 +61,8 @@ def format_bytes(n: int | float | None, *, precision: int = 1) -> str:
     sign = "-" if value < 0 else ""
     value = abs(value)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
+        shown = value if unit == "B" else round(value, precision)  # 1048575 B is 1.0 MiB, not 1024.0 KiB
+        if shown < 1024 or unit == "TiB":
             if unit == "B":
                 return f"{sign}{int(value)} B"
             return f"{sign}{value:.{precision}f} {unit}"

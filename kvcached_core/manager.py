@@ -220,6 +220,7 @@ class KVCacheManager:
     def free_reserved(self) -> int:
         """Shrink the reserve pool back to its minimum; returns bytes unmapped."""
         with self._lock:
+            self._check_open()
             surplus = len(self.pages.reserved) - self.min_reserved
             freed = self._unmap_reserved(surplus) if surplus > 0 else 0
             self._publish()
@@ -228,6 +229,7 @@ class KVCacheManager:
     def available_size(self) -> int:
         """Blocks that could still be allocated now, within the limit and the device's free memory."""
         with self._lock:
+            self._check_open()
             in_mapped = self.pages.free_in_mapped()
             mappable = len(self.pages.unmapped)
             if self.limit_pages is not None:
@@ -240,6 +242,7 @@ class KVCacheManager:
     def trim(self) -> int:
         """Unmap every reserved page now; returns the bytes given back."""
         with self._lock:
+            self._check_open()
             freed = self._unmap_reserved(len(self.pages.reserved))
             self.backend.trim_pool(0)
             self.trimmed_total += freed
@@ -251,6 +254,7 @@ class KVCacheManager:
         if limit_bytes is not None and limit_bytes < 0:
             raise ValueError("a limit cannot be negative")
         with self._lock:
+            self._check_open()
             self._apply_limit(limit_bytes)
             self._publish()
             return L.LIMIT_STATUS_NAMES[self.limit_status]
@@ -289,6 +293,7 @@ class KVCacheManager:
         """A prefix hit: cached blocks go back into active use."""
         ids = list(ids)
         with self._lock:
+            self._check_open()
             missing = [b for b in ids if b not in self.cache]
             if missing:
                 raise ValueError(f"blocks not in the prefix cache: {missing[:8]}")
@@ -302,6 +307,7 @@ class KVCacheManager:
     def evict(self, n: int) -> list[int]:
         """Free up to ``n`` cached blocks of the allocator's choosing (whole pages first)."""
         with self._lock:
+            self._check_open()
             evicted = self._evict(n)
             self._publish()
             return evicted

@@ -122,10 +122,18 @@ def test_the_header_tells_who_and_what(shm_dir):
     assert not path.exists(), "closing unlinks the segment"
 
 
-def test_close_is_idempotent_and_a_closed_allocator_refuses_work(shm_dir):
+def test_close_is_idempotent_and_a_closed_allocator_refuses_every_call(shm_dir):
     m = KVCacheManager("m", name="closing", **SMALL)
     m.close()
     m.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        m.alloc(1)
+    calls = {
+        "alloc": lambda: m.alloc(1), "free": lambda: m.free([0]), "try_to_reserve": lambda: m.try_to_reserve(1),
+        "free_reserved": m.free_reserved, "available_size": m.available_size, "trim": m.trim,
+        "set_limit": lambda: m.set_limit(1 << 20), "mark_cached": lambda: m.mark_cached([0]),
+        "reuse": lambda: m.reuse([]), "evict": lambda: m.evict(1),
+    }
+    for what, call in calls.items():
+        with pytest.raises(RuntimeError, match="KVCacheManager 'closing' is closed"):
+            call()
+            pytest.fail(f"{what} worked on a closed allocator")
     assert our_files(shm_dir) == []

@@ -321,6 +321,16 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert set(victims) <= self.cached
         self.forget(victims)
 
+    @rule()
+    def pack(self) -> None:
+        m = self.m
+        with m._lock:
+            mapped_before = m.pages.mapped_pages
+            victims = m.pack()
+            assert len(victims) == len(set(victims)) and set(victims) <= self.cached
+            assert m.pages.mapped_pages <= mapped_before
+        self.forget(victims)
+
     # -- the controller path -----------------------------------------------------------------
     @rule(choice=st.sampled_from(["none", "zero", "one", "all"]))
     def controller_limit(self, choice: str) -> None:

@@ -69,15 +69,12 @@ class KVCacheManager:
                 f"a block of {block_bytes} bytes does not fit a page of {page_size} bytes: "
                 f"use page_size >= {block_bytes} (KVCACHED_PAGE_SIZE_MB={fit} fits)"
             )
-        if page_size % block_bytes:
-            # Blocks never straddle pages; the tail of each page is simply unused.
-            pass
         if tp_workers is not None and tp_world == 1:
             tp_world = len(tp_workers)
         if tp_world < 1 or (tp_world > 1 or tp_workers is not None) and len(tp_workers or ()) != tp_world:
             raise ValueError(f"tp_world={tp_world} needs one worker socket per rank in tp_workers "
                              f"(got {len(tp_workers or ())}); see kvcached_core.tp.scheduler()")
-        bpp = page_size // block_bytes
+        bpp = page_size // block_bytes  # blocks never straddle pages; a page's tail may go unused
         if bpp > L.MAX_BLOCKS_PER_PAGE:
             raise ValueError(f"{bpp} blocks per page exceeds {L.MAX_BLOCKS_PER_PAGE}: use larger blocks or smaller pages")
         self.model = model

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import layout as L
 from .legacy import flock_within, write_legacy_limit
-from .reader import read_segment, resolve, list_models
+from .reader import list_models, read_segment, resolve
 from .snapshot import ModelSnapshot
 
 POLL_S = 0.002
@@ -31,7 +31,7 @@ class ControlError(RuntimeError):
 class AckTimeout(TimeoutError):
     """The model did not acknowledge in time; ``ack`` holds what it had acknowledged so far."""
 
-    def __init__(self, message: str, ack: "Ack"):
+    def __init__(self, message: str, ack: Ack):
         super().__init__(message)
         self.ack = ack
 

@@ -8,6 +8,7 @@ go to the prefix cache. Memory is real (host backend), so sizes are kept small.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 import subprocess
@@ -201,10 +202,8 @@ class DemoFleet:
         from .names import segment_path
 
         for name in self.names():
-            try:
+            with contextlib.suppress(FileNotFoundError, ValueError):
                 segment_path(name).unlink()
-            except (FileNotFoundError, ValueError):
-                pass
 
     def __enter__(self) -> DemoFleet:
         return self.start()

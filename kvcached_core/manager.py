@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from numbers import Integral
 
 from . import config
 from . import layout as L
@@ -357,7 +358,7 @@ class KVCacheManager:
     def _validate_used(self, ids: list[int]) -> None:
         seen: set[int] = set()
         for block in ids:
-            if not isinstance(block, int) or not self.pages.is_used(block) or block in seen:
+            if not isinstance(block, (int, Integral)) or not self.pages.is_used(block) or block in seen:
                 raise ValueError(f"block {block!r} is not allocated (or listed twice); nothing was changed")
             seen.add(block)
 

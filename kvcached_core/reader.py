@@ -46,7 +46,7 @@ def parse_header(raw: bytes) -> dict:
         raise SegmentCorrupt("bad magic: not a kvcached_core segment")
     if len(raw) < L.HEADER.size:
         raise SegmentCorrupt(f"truncated header ({len(raw)} bytes)")
-    fields = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0)))
+    fields = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0), strict=False))
     if fields["layout_version"] != L.LAYOUT_VERSION:
         raise SegmentCorrupt(f"layout version {fields['layout_version']} (this reader knows {L.LAYOUT_VERSION})")
     pages, ranks = fields["pages_total"], fields["ranks_max"]
@@ -99,7 +99,7 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool) -> tuple[dict, arr
         elif check != L.counters_checksum(payload, seq):
             counters = None
         else:
-            counters = dict(zip(L.COUNTER_FIELDS, L.COUNTERS.unpack(payload)))
+            counters = dict(zip(L.COUNTER_FIELDS, L.COUNTERS.unpack(payload), strict=False))
         if counters is not None and with_pages:
             pages = array("I")
             pages.frombytes(raw[L.PAGE_MAP_OFF:L.PAGE_MAP_OFF + 4 * pages_total])
@@ -169,7 +169,7 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
         rank_raw = _rank_bytes(fd, header, body) if header["tp_world"] > 1 else b""
     finally:
         os.close(fd)
-    control = dict(zip(("limit", "revision", "check", "trim_seq"), L.CONTROL.unpack_from(body, L.CONTROL_OFF)))
+    control = dict(zip(("limit", "revision", "check", "trim_seq"), L.CONTROL.unpack_from(body, L.CONTROL_OFF), strict=False))
     heartbeat = L.U64.unpack_from(body, L.HEARTBEAT_OFF)[0]
     now_ns = now_ns or time.time_ns()
     alive = is_alive(header["pid"], header["start_time"])
@@ -179,13 +179,16 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
     if rank_raw:
         found = []
         for i in range(min(counters["ranks_active"], header["ranks_max"], len(rank_raw) // L.RANK.size)):
-            r = dict(zip(L.RANK_FIELDS, L.RANK.unpack_from(rank_raw, i * L.RANK.size)))
+            r = dict(zip(L.RANK_FIELDS, L.RANK.unpack_from(rank_raw, i * L.RANK.size), strict=False))
             lost = bool(r["flags"] & L.RANK_LOST)
             found.append(RankInfo(r["rank"], r["device"], r["pid"], r["mapped_bytes"],
                                   not lost and is_alive(r["pid"], r["start_time"])))
         ranks = tuple(found)
     effective = counters["effective_limit"]
-    requested = control["limit"] if control["revision"] else -1
+    # A controller's request not yet applied shows as asked; otherwise what the allocator applied
+    # last, which also covers limits the engine set itself with set_limit().
+    pending = control["revision"] > counters["applied_revision"]
+    requested = control["limit"] if pending else counters["requested_limit"]
     limit_status = L.LIMIT_STATUS_NAMES.get(counters["limit_status"], "unknown")
     if status == "stale" and control["revision"] > counters["applied_revision"]:
         limit_status = "stale"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import stat
@@ -59,7 +60,7 @@ def _owned_stale(path: Path) -> bool:
         return False
     if len(raw) < L.HEADER.size or raw[:8] != L.MAGIC:
         return False
-    fields = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack(raw)))
+    fields = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack(raw), strict=False))
     return not is_alive(fields["pid"], fields["start_time"])
 
 
@@ -190,7 +191,5 @@ class SegmentWriter:
         self._buf.release()
         self._mm.close()
         if unlink:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass

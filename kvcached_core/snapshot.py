@@ -5,8 +5,6 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-from . import layout as L
-
 
 @dataclass(frozen=True)
 class RankInfo:

@@ -9,6 +9,7 @@ and RSS falls at once. On the host the cost is per byte (zeroing), so the layout
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import mmap
@@ -67,7 +68,7 @@ class HostCapacityLedger:
                 os.close(fd)
             if len(raw) < L.PAGE_MAP_OFF or raw[:8] != L.MAGIC:
                 continue
-            head = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0)))
+            head = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0), strict=False))
             if L.decode_text(head["backend"]) != "host" or head["pid"] == me:
                 continue
             if is_alive(head["pid"], head["start_time"]):
@@ -183,8 +184,9 @@ class HostBackend(Backend):
 
     def close(self) -> None:
         if not self.mm.closed:
-            try:
+            # Return the memory even while views are still exported (e.g. torch tensors): they
+            # then read zeros, and the address space itself goes with the process.
+            self.mm.madvise(mmap.MADV_DONTNEED, 0, len(self.mm))
+            with contextlib.suppress(BufferError):
                 self.mm.close()
-            except BufferError:
-                pass  # views still exported (e.g. torch tensors); the mapping goes with the process
             self.ledger.release(self.ledger.claimed)

@@ -28,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 try:
     import torch
@@ -37,7 +38,7 @@ except ImportError:
 
 from kvcached_core import format_bytes, parse_size, snapshot
 from kvcached_core.engines import KVCacheExhausted
-from plugins.kvcached_transformers import GreedyEngine, PagedKVCache, random_prompts, tiny_llama
+from kvcached_transformers import GreedyEngine, PagedKVCache, random_prompts, tiny_llama
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 HOST_PAGE = "512KiB"

@@ -31,7 +31,7 @@ def shm_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monkey
 
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")])
     return env
 
 

@@ -24,7 +24,7 @@ from transformers import DynamicCache  # noqa: E402
 
 import kvcached_core as kc  # noqa: E402
 from kvcached_core.engines import KVCacheExhausted  # noqa: E402
-from plugins.kvcached_transformers import (  # noqa: E402
+from kvcached_transformers import (  # noqa: E402
     GreedyEngine,
     PagedKVCache,
     generate,
@@ -227,7 +227,7 @@ def test_entry_point_lists_the_plugin_without_importing_it():
         "from kvcached_core.engines import installed_engines, load_engine\n"
         "names = [e.name for e in installed_engines()]\n"
         "assert 'transformers' in names, names\n"
-        "assert 'torch' not in sys.modules and 'plugins.kvcached_transformers' not in sys.modules\n"
+        "assert 'torch' not in sys.modules and 'kvcached_transformers' not in sys.modules\n"
         "info = load_engine('transformers')\n"
         "assert info.name == 'transformers' and info.missing() == [], info\n"
         "assert 'torch' not in sys.modules, 'loading the plugin description imported torch'\n"
@@ -235,7 +235,7 @@ def test_entry_point_lists_the_plugin_without_importing_it():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "OK plugins.kvcached_transformers.cache:PagedKVCache" in out.stdout
+    assert "OK kvcached_transformers.cache:PagedKVCache" in out.stdout
 
 
 def test_load_engine_unknown_name_says_what_exists():

@@ -3,7 +3,7 @@
 Importing this package stays cheap (it names the plugin for ``kvcached.engines``); torch and
 transformers load when one of the exported names is first used::
 
-    from plugins.kvcached_transformers import PagedKVCache
+    from kvcached_transformers import PagedKVCache
     cache = PagedKVCache.for_model(model, name="my-model")
     out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=32)
     cache.close()
@@ -20,7 +20,7 @@ ENGINE = EngineInfo(
     name="transformers",
     summary="Hugging Face transformers 5.x Cache over kvcached blocks, and a greedy engine with ragged batching",
     modules=("torch", "transformers"),
-    cache="plugins.kvcached_transformers.cache:PagedKVCache",
+    cache="kvcached_transformers.cache:PagedKVCache",
     example="python examples/generate.py",
     extras=("transformers",),
 )

@@ -31,6 +31,7 @@ class Fragmentation:
     reclaimable_trim_bytes: int
     reclaimable_evict_bytes: int
     worst_pages: tuple[PageInfo, ...]
+    idle_returned_bytes: int = 0  # what the allocator gave back on its own when traffic stopped
 
     def to_dict(self) -> dict:
         return {
@@ -40,6 +41,7 @@ class Fragmentation:
             "pinned_over_floor": None if self.pinned_over_floor is None else round(self.pinned_over_floor, 4),
             "reclaimable_trim_bytes": self.reclaimable_trim_bytes,
             "reclaimable_evict_bytes": self.reclaimable_evict_bytes,
+            "idle_returned_bytes": self.idle_returned_bytes,
             "worst_pages": [{"page": p.page, "used": p.used, "cached": p.cached,
                              "capacity": p.capacity} for p in self.worst_pages],
         }
@@ -77,4 +79,5 @@ def fragmentation(snap: ModelSnapshot, worst: int = 8) -> Fragmentation:
         reclaimable_trim_bytes=snap.reserved_bytes,
         reclaimable_evict_bytes=evict_pages * snap.bundle_bytes,
         worst_pages=tuple(worst_pages),
+        idle_returned_bytes=snap.idle_returned,
     )

@@ -193,6 +193,7 @@ def frag_lines(m: ModelSnapshot, f: Fragmentation) -> list[str]:
                          f"pinned is {fmt_ratio(f.pinned_over_floor)} of it"),
         ("trim now", f"{fmt_bytes(f.reclaimable_trim_bytes)}  (reserved pages: kvctl trim {m.name})"),
         ("evict", f"{fmt_bytes(f.reclaimable_evict_bytes)}  (pages holding only cached blocks)"),
+        ("idle return", f"{fmt_bytes(f.idle_returned_bytes)}  (given back by the allocator itself when traffic stopped)"),
     ]
     lines += [f"  {label:<13}{text}" for label, text in rows]
     if f.worst_pages:

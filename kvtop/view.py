@@ -315,6 +315,8 @@ def frag_table(m: ModelSnapshot | None) -> Table | Text:
     grid.add_row("trim frees", Text(format_bytes(f.reclaimable_trim_bytes), style=RESERVED_STYLE))
     if m.pages is not None:
         grid.add_row("evict frees", Text(format_bytes(evictable_pages(m) * m.bundle_bytes), style="magenta"))
+    if f.idle_returned_bytes:
+        grid.add_row("idle returned", Text(format_bytes(f.idle_returned_bytes), style="green"))
     if m.limit_status in ("deferred", "conflict"):
         grid.add_row("limit", Text(f"↓{size(m.requested_limit)}", style="bold yellow"))
         grid.add_row("limit is", Text(m.limit_status, style="bold yellow"))

@@ -6,14 +6,17 @@ deterministic; the prefix-cache budget is unlimited unless a test says otherwise
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
+from click.testing import CliRunner
 
 from kvcached_core.frag import fragmentation
 from kvcached_core.manager import KVCacheManager
 from kvcached_core.placement import POLICIES, make_policy
 from kvcached_core.reader import snapshot
+from kvtop.cli import main as kvctl
 
 KiB = 1024
 BPP = 4
@@ -201,6 +204,13 @@ def test_going_idle_packs_to_the_floor_and_shows_in_the_segment() -> None:
         assert snap.mapped_bytes == (2 + snap.pages_reserved) * m.bundle_bytes
         for block in evicted:
             assert not m.pages.is_used(block)
+        # What the allocator did on idle is what the tools show.
+        assert frag.idle_returned_bytes == snap.idle_returned
+        report = CliRunner().invoke(kvctl, ["frag", m.name, "--json"])
+        assert report.exit_code == 0, report.output
+        assert json.loads(report.output)["idle_returned_bytes"] == snap.idle_returned > 0
+        text = CliRunner().invoke(kvctl, ["frag", m.name]).output
+        assert "idle return" in text
 
 
 def test_upstream_policy_does_not_pack() -> None:

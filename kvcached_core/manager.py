@@ -12,11 +12,11 @@ from numbers import Integral
 from . import config
 from . import layout as L
 from .backends import Backend, BackendError, Geometry, make_backend
-from .names import InvalidName, sanitize, segment_path, validate
+from .names import sanitize, segment_path, validate
 from .pages import PageTable
 from .placement import Policy, make_policy
 from .prefix_cache import PrefixCache
-from .segment import Identity, SegmentError, SegmentWriter
+from .segment import Identity, SegmentError, SegmentWriter, owned_stale
 
 WATCH_INTERVAL_S = 0.005
 HEARTBEAT_INTERVAL_S = 0.25
@@ -149,15 +149,9 @@ class KVCacheManager:
         if explicit is not None:  # an explicit empty name is refused, not replaced by the default
             return validate(explicit)
         base = sanitize(model)
-        if not segment_path(base).exists():
+        path = segment_path(base)
+        if not path.exists() or owned_stale(path):  # our own dead segment is replaced on create
             return base
-        try:
-            from .segment import _owned_stale
-
-            if _owned_stale(segment_path(base)):
-                return base
-        except InvalidName:
-            pass
         return f"{base[:50]}-{os.getpid()}"
 
     # -- engine API --------------------------------------------------------------------------

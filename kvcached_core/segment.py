@@ -48,7 +48,7 @@ class ControlRequest:
     trim_seq: int
 
 
-def _owned_stale(path: Path) -> bool:
+def owned_stale(path: Path) -> bool:
     """True when ``path`` is one of our own segments whose process is gone (safe to replace)."""
     try:
         st = os.lstat(path)
@@ -92,7 +92,7 @@ def create_segment_file(name: str, size: int, directory: Path | None = None) -> 
         try:
             fd = os.open(path, flags, 0o600)
         except FileExistsError:
-            if attempt == 0 and _owned_stale(path):
+            if attempt == 0 and owned_stale(path):
                 os.unlink(path)
                 continue
             raise SegmentError(f"segment name {name!r} is taken: {path} {_why_taken(path)}") from None

@@ -142,3 +142,19 @@ def test_negative_limits_are_refused(manager):
     with pytest.raises(kc.ControlError, match="negative"):
         kc.request_limit("lim", -1)
     assert kc.snapshot("lim").limit_bytes is None
+
+
+def test_a_deferred_limit_packs_new_blocks_into_the_fullest_pages_so_sparse_ones_drain(manager):
+    m = manager
+    bpp = m.blocks_per_page
+    runs = [m.alloc(bpp) for _ in range(3)]  # three full pages
+    sparse, fuller = runs[0][0] // bpp, {runs[1][0] // bpp, runs[2][0] // bpp}
+    m.free(runs[0][1:])  # the sparse page keeps one block
+    m.free(runs[1][:1] + runs[2][:1])  # two fuller pages with one free slot each
+    assert m.set_limit(m.bundle_bytes) == "deferred"
+    got = m.alloc(2)  # kept together, it would land on the sparse page (the only one with room for both)
+    assert got is not None and {b // bpp for b in got} == fuller
+    m.free([runs[0][0]])  # so the sparse page empties: it is unmapped at once
+    assert m.pages.mapped[sparse] == 0
+    m.free(runs[1][1:] + runs[2][1:] + got)
+    assert kc.snapshot(m.name).limit_status == "applied"

@@ -111,6 +111,12 @@ class KVCachedCollector(Collector):
         frees = CounterMetricFamily(f"{PREFIX}_frees", "free() calls since the allocator started.",
                                     labels=MODEL_LABELS)
         age = gauge("heartbeat_age_seconds", "Seconds since the allocator's last heartbeat.")
+        rank_labels = ("model", "rank", "device", "pid", "host")
+        rank_mapped = GaugeMetricFamily(f"{PREFIX}_rank_mapped_bytes",
+                                        "Bytes one tensor-parallel rank has mapped for its shard of the model.",
+                                        labels=rank_labels)
+        rank_up = GaugeMetricFamily(f"{PREFIX}_rank_up", "1 while a tensor-parallel rank's process runs, else 0.",
+                                    labels=rank_labels)
         stale = gauge("stale", "1 when the allocator's process is gone or its heartbeat is old, else 0.")
 
         for m in models:
@@ -145,9 +151,13 @@ class KVCachedCollector(Collector):
                 free_rate.add_metric(labels, rates[1])
             age.add_metric(labels, max(0.0, (m.read_ns - m.heartbeat_ns) / 1e9))
             stale.add_metric(labels, 1 if m.status == "stale" else 0)
+            for r in m.ranks:
+                rank_row = [m.name, str(r.rank), str(r.device), str(r.pid), self.host]
+                rank_mapped.add_metric(rank_row, r.mapped_bytes)
+                rank_up.add_metric(rank_row, 1 if r.alive else 0)
         self._forget_vanished(models)
         return [info, mapped, held, pinned, reserved, cached, capacity, limit, requested, status, waste,
-                pages, alloc_rate, free_rate, allocs, frees, age, stale]
+                pages, alloc_rate, free_rate, allocs, frees, age, stale, rank_mapped, rank_up]
 
     # -- the scan itself and the devices -----------------------------------------------------
     def _scan_families(self, scan: kvcached_core.Scan, seconds: float) -> list[Metric]:

@@ -18,6 +18,7 @@ from kvcached_core.manager import KVCacheManager
 from kvcached_core.procinfo import is_alive
 from kvcached_core.reader import list_models, snapshot
 from kvcached_core.tp import RankLost, TPWorker, scheduler
+from kvtop.exporter import KVCachedCollector
 
 KiB, MiB = 1024, 1024 * 1024
 # 4 blocks per page, 16 pages; one page id costs 256 KiB x 2 layers x 2 buffers = 1 MiB per rank.
@@ -97,6 +98,10 @@ def test_map_and_unmap_reach_every_rank(managers, world: int, strategy: str) -> 
     assert snap.pinned_bytes == 3 * m.bundle_bytes
     as_json = snap.to_dict()
     assert as_json["tp_world"] == world and len(as_json["ranks"]) == world
+    scraped = {metric.name: metric for metric in KVCachedCollector(host="h", with_nvml=False).collect()}
+    per_rank = {s.labels["rank"]: (s.labels["pid"], s.value) for s in scraped["kvcached_rank_mapped_bytes"].samples}
+    assert per_rank == {str(r): (str(pid), 3 * RANK_BUNDLE) for r, pid in enumerate(pids)}
+    assert [s.value for s in scraped["kvcached_rank_up"].samples] == [1] * world
 
     m.free(ids)
     m.trim()

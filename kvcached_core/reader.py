@@ -12,7 +12,7 @@ from pathlib import Path
 from . import layout as L
 from .config import shm_dir
 from .legacy import is_legacy_name, read_legacy
-from .names import SEGMENT_PREFIX
+from .names import SEGMENT_PREFIX, InvalidName, segment_path
 from .procinfo import is_alive
 from .snapshot import ModelSnapshot, Problem, RankInfo, Scan
 
@@ -275,6 +275,10 @@ def resolve(name: str, models: list[ModelSnapshot]) -> ModelSnapshot:
 
 def snapshot(name: str, *, with_pages: bool = True, directory: Path | None = None) -> ModelSnapshot:
     """One model by name or unique prefix, with its page map."""
+    try:  # an exact name is one file: no need to read every segment to find it
+        return read_segment(segment_path(name, directory), with_pages=with_pages)
+    except (InvalidName, SegmentCorrupt, OSError, ValueError):
+        pass  # a prefix, a damaged file or a busy writer: the full scan below decides and explains
     model = resolve(name, list_models(directory=directory))
     if model.status == "legacy" or not with_pages:
         return model

@@ -14,7 +14,7 @@ from . import layout as L
 from .backends import Backend, BackendError, Geometry, make_backend
 from .names import sanitize, segment_path, validate
 from .pages import PageTable
-from .placement import Policy, make_policy
+from .placement import Policy, make_policy, place_draining
 from .prefix_cache import PrefixCache
 from .segment import Identity, SegmentError, SegmentWriter, owned_stale
 
@@ -396,7 +396,7 @@ class KVCacheManager:
     def _place(self, n: int, near: int | None = None) -> list[int] | None:
         taken: list[int] = []
         if self.limit_status == L.LIMIT_DEFERRED:
-            ok = self._place_draining(n, taken)
+            ok = place_draining(self.pages, n, taken)
         else:
             ok = self.policy.place(self.pages, n, self._empty_page, taken, near)
         bpp = self.blocks_per_page
@@ -405,23 +405,6 @@ class KVCacheManager:
             self._release_blocks(taken)  # roll back: nothing changes on a miss
             return None
         return taken
-
-    def _place_draining(self, n: int, taken: list[int]) -> bool:
-        """While a lowered limit waits for pages to empty, fill the fullest pages first.
-
-        Keeping a run together would often put it on a nearly empty page and keep that page
-        pinned; packing into the fullest pages lets the sparse ones drain, so the limit applies.
-        No page is mapped meanwhile (the limit already forbids it).
-        """
-        pages = self.pages
-        while n:
-            page = pages.best_fit(1)
-            if page is None:
-                return False
-            got = pages.take_blocks(page, min(pages.free_slots(page), n))
-            taken += got
-            n -= len(got)
-        return True
 
     def _release_blocks(self, blocks: list[int]) -> None:
         """Give slots back; pages that empty join the pool (up to its maximum and the limit) or are unmapped."""

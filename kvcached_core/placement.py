@@ -23,6 +23,9 @@ decide what an idle model still pins. A policy is chosen per allocator
     (3) When the model goes idle (no active block left) it evicts the cached blocks of its
     sparsest pages until it pins at most ``pack_ratio`` x its packed floor, and unmaps them.
 
+Whatever the policy, while a lowered limit is deferred the allocator places with
+:func:`place_draining` (fullest pages first) so that sparse pages empty and the limit applies.
+
 Nothing here moves a block. A policy only chooses; the allocator applies the choices under
 its lock and publishes them.
 """
@@ -185,6 +188,23 @@ class Affinity(Policy):
             return []
         size = max(2 * n, int(len(cache.blocks) * self.window))
         return _whole_pages_then_lru(cache, n, pages, cutoff=cache.age_of_oldest(size))
+
+
+def place_draining(pages: PageTable, n: int, taken: list[int]) -> bool:
+    """Placement while a lowered limit waits for pages to empty: the fullest pages first.
+
+    Keeping a run together would often put it on a nearly empty page and keep that page
+    pinned; packing into the fullest pages lets the sparse ones drain, so the limit applies.
+    Never maps a page (the limit already forbids it), whatever the model's policy.
+    """
+    while n:
+        page = pages.best_fit(1)
+        if page is None:
+            return False
+        got = pages.take_blocks(page, min(pages.free_slots(page), n))
+        taken += got
+        n -= len(got)
+    return True
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FirstFit, Policy, Affinity)}

@@ -204,7 +204,7 @@ class KVCacheManager:
                 return True
             pages = -(-short // self.blocks_per_page)
             self._map_error = None
-            self._grow(pages, force=True)
+            self._grow(pages)
             self._publish()
             self._raise_map_error()
             return self.pages.free_in_mapped() >= n  # the last page may hold fewer blocks
@@ -372,7 +372,7 @@ class KVCacheManager:
             return len(self.pages.unmapped)
         return max(0, min(len(self.pages.unmapped), self.limit_pages - self._mapped_or_mapping()))
 
-    def _grow(self, count: int, *, force: bool = False) -> int:
+    def _grow(self, count: int) -> int:
         """Map ``count`` pages synchronously (a pool miss or try_to_reserve); returns pages mapped."""
         count = min(count, self._headroom())
         if count <= 0:

@@ -35,10 +35,3 @@ def validate(name: str) -> str:
 
 def segment_path(name: str, directory: Path | None = None) -> Path:
     return (directory or shm_dir()) / (SEGMENT_PREFIX + validate(name))
-
-
-def name_from_filename(filename: str) -> str | None:
-    """The segment name of one of our files, or None if the file is not in our namespace."""
-    if filename.startswith(SEGMENT_PREFIX):
-        return filename[len(SEGMENT_PREFIX):]
-    return None

@@ -108,11 +108,6 @@ class PageTable:
             self._list(page, cap - before - count)
         return ids
 
-    def free_block(self, block: int) -> int:
-        """Return one block's slot; returns its page (now empty when ``used[page] == 0``)."""
-        self.free_blocks((block,))
-        return block // self.bpp
-
     def free_blocks(self, blocks) -> dict[int, int]:  # noqa: ANN001 - any iterable of ints
         """Return blocks' slots; returns {page: blocks freed there}. A page with ``used == 0`` emptied."""
         bpp, flags, slots = self.bpp, self.block_used, self.slots

@@ -29,6 +29,16 @@ def shm_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monkey
     directory.rmdir()
 
 
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):  # noqa: ANN001, ANN201
+    """Poll ``predicate`` until it returns something truthy (returned); fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.01)
+    return value
+
+
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")])

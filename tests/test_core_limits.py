@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import wait_for
 
 import kvcached_core as kc
 from kvcached_core import layout as L
@@ -23,14 +24,6 @@ def manager(monkeypatch):
     with kc.KVCacheManager("lim", name="lim", num_blocks=64, block_bytes=16 * KiB, num_layers=1, page_size=PAGE) as m:
         yield m
 
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-    return value
 
 
 def page_map(m) -> list[tuple[bool, int, int]]:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from conftest import send
+from conftest import send, wait_for
 
 import kvcached_core as kc
 
@@ -22,14 +20,6 @@ def rss(pid: int) -> int:
                 return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS line")
 
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-    return value
 
 
 @pytest.fixture(autouse=True)

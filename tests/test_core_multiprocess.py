@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 
 import pytest
-from conftest import send
+from conftest import send, wait_for
 
 import kvcached_core as kc
 from kvcached_core import layout as L
@@ -22,16 +21,6 @@ def _no_idle_return(monkeypatch: pytest.MonkeyPatch) -> None:
     """Children inherit this: the idle return must not empty a pool a test is counting."""
     monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
 
-
-def wait_for(predicate: Callable[[], object], timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def pages_of(snap: kc.ModelSnapshot) -> list[tuple[bool, int, int]]:

@@ -8,12 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable
 
 import pytest
-from conftest import child_env, send
+from conftest import child_env, send, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvcached_core as kc
@@ -42,14 +40,6 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 def models_in(samples: Samples) -> set[str]:
     return {dict(lab)["model"] for (n, lab) in samples if n == "kvcached_model_info"}
 
-
-def wait_for(condition: Callable[[], object], timeout: float = 10.0) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if result or time.monotonic() > deadline:
-            return result
-        time.sleep(0.05)
 
 
 @pytest.fixture

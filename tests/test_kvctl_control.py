@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import send
+from conftest import send, wait_for
 
 from kvcached_core import layout as L
 from kvcached_core import snapshot
@@ -36,14 +35,6 @@ def listed(name: str) -> dict:
     rows = {r["name"]: r for r in json.loads(kvctl("list", "--json").stdout)}
     return rows[name]
 
-
-def wait_for(predicate, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.02)
 
 
 def test_limit_applied_deferred_then_applied_then_lifted(spawn_allocator):

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import child_env
+from conftest import child_env, wait_for
 
 from kvcached_core.backends import BackendError, Geometry
 from kvcached_core.control import AckTimeout, request_limit, request_trim
@@ -60,16 +60,6 @@ def rss_anon(pid: int) -> int:
             return int(line.split()[1]) * KiB
     raise AssertionError(f"no RssAnon for pid {pid}")
 
-
-def wait_for(cond, timeout: float = 10.0, what: str = "condition"):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize(("world", "strategy"), [(2, "sequential"), (2, "concurrent"), (4, "concurrent")])

@@ -104,15 +104,20 @@ def available_ram_bytes() -> int:
     return _meminfo("MemAvailable")
 
 
+def float_env(name: str, default: float) -> float:
+    """A number of seconds (or any float) from the environment; a clear ConfigError otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+
+
 def idle_return_s() -> float | None:
     """Seconds without traffic after which a model unmaps its warm pool (``KVCACHED_IDLE_RETURN_S``, default 10; < 0 never)."""
-    raw = os.environ.get("KVCACHED_IDLE_RETURN_S", "").strip()
-    if not raw:
-        return DEFAULT_IDLE_RETURN_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"KVCACHED_IDLE_RETURN_S={raw!r} is not a number") from None
+    value = float_env("KVCACHED_IDLE_RETURN_S", DEFAULT_IDLE_RETURN_S)
     return None if value < 0 else value
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from .. import layout as L
 from ..backends import Backend, BackendError, Geometry
 from ..backends.host import HostCapacityLedger
-from ..config import host_capacity_bytes
+from ..config import float_env, host_capacity_bytes
 from . import protocol as P
 
 STRATEGIES = ("sequential", "concurrent")
@@ -77,15 +77,9 @@ def default_strategy() -> str:
 
 
 def default_timeout() -> float:
-    raw = os.environ.get("KVCACHED_TP_TIMEOUT_S", "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"KVCACHED_TP_TIMEOUT_S={raw!r} is not a number of seconds") from None
+    value = float_env("KVCACHED_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S)
     if value <= 0:
-        raise ValueError(f"KVCACHED_TP_TIMEOUT_S={raw!r} must be positive")
+        raise ValueError(f"KVCACHED_TP_TIMEOUT_S={value!r} must be positive")
     return value
 
 

@@ -131,7 +131,7 @@ class KVCacheManager:
         self.applied_revision = 0
         self.trim_ack_seq = 0
         self.trim_bytes = 0
-        self._dirty: set[int] = set()
+        self._dirty: set[int] = self.pages.touched  # pages to publish; take_blocks adds its own
         self._map_error: BackendError | None = None  # see _raise_map_error
         self._refill_requested = False  # set by traffic; a trim or an idle model stays trimmed
         self._publish()
@@ -399,8 +399,6 @@ class KVCacheManager:
             ok = place_draining(self.pages, n, taken)
         else:
             ok = self.policy.place(self.pages, n, self._empty_page, taken, near)
-        bpp = self.blocks_per_page
-        self._dirty.update({block // bpp for block in taken})
         if not ok:
             self._release_blocks(taken)  # roll back: nothing changes on a miss
             return None
@@ -487,11 +485,14 @@ class KVCacheManager:
     def _publish(self) -> None:
         seg, pages, cached_by_page = self.segment, self.pages, self.cache.by_page
         seg.begin()
-        for page in self._dirty:
-            on_page = cached_by_page.get(page)
-            seg.set_page(page, L.page_entry(bool(pages.mapped[page]), pages.used[page],
-                                            len(on_page) if on_page else 0))
-        self._dirty.clear()
+        dirty = self._dirty
+        if dirty:
+            mapped, used, set_page = pages.mapped, pages.used, seg.set_page
+            for page in dirty:  # layout.page_entry, inlined: this runs on every alloc and free
+                on_page = cached_by_page.get(page)
+                set_page(page, (L.PAGE_MAPPED if mapped[page] else 0) | used[page]
+                         | ((len(on_page) << L.PAGE_CACHED_SHIFT) if on_page else 0))
+            dirty.clear()
         ranks = self.backend.rank_records() if self.tp_world > 1 else ()  # type: ignore[attr-defined]
         for index, record in enumerate(ranks):
             seg.set_rank(index, *record)

@@ -31,6 +31,7 @@ class PageTable:
         self.pages_inuse = 0
         self.blocks_used = 0
         self.block_used = bytearray(pages_total * blocks_per_page)  # 1 while handed out
+        self.touched: set[int] = set()  # pages whose blocks changed since the allocator last published
 
     # -- page states -------------------------------------------------------------------------
     @property
@@ -102,6 +103,7 @@ class PageTable:
         flags = self.block_used
         for block in ids:
             flags[block] = 1
+        self.touched.add(page)
         self.used[page] = before + count
         self.blocks_used += count
         if cap > before + count:

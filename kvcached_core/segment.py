@@ -9,10 +9,14 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from zlib import crc32 as _crc32
 
 from . import layout as L
 from .names import segment_path, validate
 from .procinfo import is_alive, start_time
+
+_pack_counters = L.COUNTERS.pack_into
+_pack_u64 = L.U64.pack_into
 
 
 class SegmentError(OSError):
@@ -126,6 +130,7 @@ class SegmentWriter:
         finally:
             os.close(fd)
         self._buf = memoryview(self._mm)
+        self._counters_view = self._buf[L.COUNTERS_OFF:L.CHECKSUM_OFF]
         self._pages = self._buf[L.PAGE_MAP_OFF:L.PAGE_MAP_OFF + 4 * ident.pages_total].cast("I")
         self._ranks_off = L.ranks_offset(ident.pages_total)
         self._seq = 0
@@ -157,12 +162,12 @@ class SegmentWriter:
 
     def publish(self, counters: tuple) -> None:
         """Write ``counters`` (COUNTER_FIELDS minus page_sum) and close the seqlock window."""
-        payload = L.COUNTERS.pack(*counters, self.page_sum & 0xFFFFFFFFFFFFFFFF)
-        off = L.COUNTERS_OFF
-        self._buf[off:off + len(payload)] = payload
-        self._seq += 1
-        L.U64.pack_into(self._buf, L.CHECKSUM_OFF, L.counters_checksum(payload, self._seq))
-        L.U64.pack_into(self._buf, L.SEQ_OFF, self._seq)
+        buf = self._buf
+        _pack_counters(buf, L.COUNTERS_OFF, *counters, self.page_sum & 0xFFFFFFFFFFFFFFFF)
+        self._seq = seq = self._seq + 1
+        # layout.counters_checksum, inlined: this runs on every state change of the hot path
+        _pack_u64(buf, L.CHECKSUM_OFF, _crc32(self._counters_view) ^ (seq & 0xFFFFFFFF))
+        _pack_u64(buf, L.SEQ_OFF, seq)
 
     def set_rank(self, index: int, rank: int, device: int, pid: int, started: int, mapped: int, acked: int,
                  flags: int = 0) -> None:
@@ -188,6 +193,7 @@ class SegmentWriter:
         if self._mm.closed:
             return
         self._pages.release()
+        self._counters_view.release()
         self._buf.release()
         self._mm.close()
         if unlink:

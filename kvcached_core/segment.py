@@ -88,29 +88,49 @@ def _why_taken(path: Path) -> str:
     return f"is in use by a live allocator (pid {pid}); pick another name"
 
 
-def create_segment_file(name: str, size: int, directory: Path | None = None) -> tuple[Path, int]:
-    """Create ``kvc.<name>`` owner-only with O_EXCL|O_NOFOLLOW; replace it only if it is our own stale one."""
+def create_segment_file(name: str, size: int, initial: bytes = b"", directory: Path | None = None) -> tuple[Path, int]:
+    """Create ``kvc.<name>`` owner-only, complete from its first appearance; returns (path, fd).
+
+    The file is built under a hidden temporary name (O_EXCL|O_NOFOLLOW, 0600), given its first
+    bytes (``initial``: the header), then hard-linked to its real name: ``link`` never replaces
+    anything, so the name is claimed exclusively, and no reader ever sees a half-written header.
+    An existing segment is replaced only if it is our own and its process is gone.
+    """
     path = segment_path(validate(name), directory)
+    tmp = path.with_name(f".kvc-new.{name}.{os.getpid()}")
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    for attempt in range(2):
-        try:
-            fd = os.open(path, flags, 0o600)
-        except FileExistsError:
-            if attempt == 0 and owned_stale(path):
-                os.unlink(path)
-                continue
-            raise SegmentError(f"segment name {name!r} is taken: {path} {_why_taken(path)}") from None
-        except OSError as exc:
-            raise SegmentError(f"cannot create segment {path}: {exc.strerror}") from None
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # a leftover of this pid (a crash mid-creation): ours to replace
+        fd = os.open(tmp, flags, 0o600)
+    except OSError as exc:
+        raise SegmentError(f"cannot create segment {path}: {exc.strerror}") from None
+    try:
         try:
             os.fchmod(fd, 0o600)  # umask never widens, but be explicit
             os.ftruncate(fd, size)
+            if initial:
+                os.pwrite(fd, initial, 0)
         except OSError as exc:
-            os.close(fd)
-            os.unlink(path)
             raise SegmentError(f"cannot size segment {path}: {exc.strerror}") from None
-        return path, fd
-    raise SegmentError(f"segment {path} could not be created")
+        for attempt in range(2):
+            try:
+                os.link(tmp, path, follow_symlinks=False)
+                return path, fd
+            except FileExistsError:
+                if attempt == 0 and owned_stale(path):
+                    os.unlink(path)
+                    continue
+                raise SegmentError(f"segment name {name!r} is taken: {path} {_why_taken(path)}") from None
+            except OSError as exc:
+                raise SegmentError(f"cannot create segment {path}: {exc.strerror}") from None
+        raise SegmentError(f"segment {path} could not be created")
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 class SegmentWriter:
@@ -124,7 +144,20 @@ class SegmentWriter:
             raise SegmentError(f"{ident.blocks_per_page} blocks per page exceeds the map's {L.MAX_BLOCKS_PER_PAGE}")
         self.ident = ident
         size = L.total_size(ident.pages_total, ident.ranks_max)
-        self.path, fd = create_segment_file(ident.name, size, directory)
+        self.pid = os.getpid()
+        header = L.HEADER.pack(
+            L.MAGIC, L.LAYOUT_VERSION, L.HEADER_SIZE, size, ident.pages_total,
+            ident.name.encode(), ident.model.encode()[:128], ident.engine.encode()[:32],
+            ident.backend.encode()[:16], self.pid, start_time(self.pid), os.getuid(), ident.device,
+            ident.tp_rank, ident.tp_world, ident.page_size, ident.block_bytes, ident.num_layers,
+            ident.num_kv_buffers, ident.blocks_per_page, ident.num_blocks, time.time_ns(), ident.ranks_max,
+            ident.device_capacity,
+        )
+        initial = bytearray(L.PAGE_MAP_OFF)
+        initial[:len(header)] = header
+        L.I64.pack_into(initial, L.LIMIT_OFF, -1)
+        L.U64.pack_into(initial, L.HEARTBEAT_OFF, time.time_ns())
+        self.path, fd = create_segment_file(ident.name, size, bytes(initial), directory)
         try:
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -135,18 +168,6 @@ class SegmentWriter:
         self._ranks_off = L.ranks_offset(ident.pages_total)
         self._seq = 0
         self.page_sum = 0
-        self.pid = os.getpid()
-        header = L.HEADER.pack(
-            L.MAGIC, L.LAYOUT_VERSION, L.HEADER_SIZE, size, ident.pages_total,
-            ident.name.encode(), ident.model.encode()[:128], ident.engine.encode()[:32],
-            ident.backend.encode()[:16], self.pid, start_time(self.pid), os.getuid(), ident.device,
-            ident.tp_rank, ident.tp_world, ident.page_size, ident.block_bytes, ident.num_layers,
-            ident.num_kv_buffers, ident.blocks_per_page, ident.num_blocks, time.time_ns(), ident.ranks_max,
-            ident.device_capacity,
-        )
-        L.I64.pack_into(self._buf, L.LIMIT_OFF, -1)
-        self.heartbeat()
-        self._buf[0:len(header)] = header  # magic last-ish: the header is complete before readers trust it
 
     # -- publishing --------------------------------------------------------------------------
     def set_page(self, page: int, entry: int) -> None:

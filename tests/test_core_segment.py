@@ -137,3 +137,28 @@ def test_close_is_idempotent_and_a_closed_allocator_refuses_every_call(shm_dir):
             call()
             pytest.fail(f"{what} worked on a closed allocator")
     assert our_files(shm_dir) == []
+
+
+def test_a_segment_appears_complete_or_not_at_all(shm_dir):
+    """Readers scanning while allocators start never see a half-written header (no problem reported)."""
+    import threading
+
+    done = threading.Event()
+    problems: list = []
+
+    def scan_loop() -> None:
+        while not done.is_set():
+            problems.extend(kc.scan().problems)
+
+    reader = threading.Thread(target=scan_loop)
+    reader.start()
+    try:
+        for i in range(40):
+            with kc.KVCacheManager(f"appear{i}", num_blocks=64, block_bytes=16 * 1024, num_layers=1,
+                                   page_size=64 * 1024) as m:
+                assert m.name == f"appear{i}"
+    finally:
+        done.set()
+        reader.join()
+    assert problems == []
+    assert not [p for p in shm_dir.iterdir() if p.name.startswith(".kvc-new.")]  # no temporary left behind

@@ -39,6 +39,17 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):  # noqa
     return value
 
 
+def kvctl(*args: str):  # noqa: ANN201 - a click Result
+    """Run ``kvctl ARGS`` in process with click's CliRunner; an internal traceback fails the test."""
+    from click.testing import CliRunner
+
+    from kvtop.cli import main
+
+    result = CliRunner().invoke(main, list(args))
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")])

@@ -11,16 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-from conftest import ROOT, child_env
-
-from kvtop.cli import main
-
-
-def kvctl(*args: str):
-    result = CliRunner().invoke(main, list(args))
-    assert "Traceback" not in result.stderr, result.stderr
-    return result
+from conftest import ROOT, child_env, kvctl
 
 
 def stale(spawn_allocator, name: str) -> Path:

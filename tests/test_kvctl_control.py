@@ -8,12 +8,10 @@ import signal
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-from conftest import send, wait_for
+from conftest import kvctl, send, wait_for
 
 from kvcached_core import layout as L
 from kvcached_core import snapshot
-from kvtop.cli import main
 
 MiB = 1024 * 1024
 BUNDLE = MiB  # the spawn_allocator default: 256 KiB pages x 2 layers x 2 buffers, 4 blocks per page
@@ -23,12 +21,6 @@ BUNDLE = MiB  # the spawn_allocator default: 256 KiB pages x 2 layers x 2 buffer
 def no_idle_return(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep warm pools in place while a test looks at them."""
     monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
-
-
-def kvctl(*args: str):
-    result = CliRunner().invoke(main, list(args))
-    assert "Traceback" not in result.stderr, result.stderr
-    return result
 
 
 def listed(name: str) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import ROOT, child_env, send
+from conftest import ROOT, child_env, kvctl, send
 
 from kvtop.cli import COMMANDS, main
 
@@ -20,12 +20,6 @@ REQUIRED_KEYS = {
     "blocks_per_page", "blocks_used", "blocks_cached", "mapped_bytes", "held_bytes", "reserved_bytes",
     "limit_bytes", "limit_status", "waste_ratio",
 }
-
-
-def kvctl(*args: str):
-    result = CliRunner().invoke(main, list(args))
-    assert "Traceback" not in result.stderr, result.stderr
-    return result
 
 
 def stale(spawn_allocator, name: str) -> None:

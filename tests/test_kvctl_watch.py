@@ -11,18 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from click.testing import CliRunner
-from conftest import ROOT, child_env, send
+from conftest import ROOT, child_env, kvctl, send
 
 from kvcached_core import list_models
-from kvtop.cli import main
 from kvtop.cli.watch import CSV_FIELDS
-
-
-def kvctl(*args: str):
-    result = CliRunner().invoke(main, list(args))
-    assert "Traceback" not in result.stderr, result.stderr
-    return result
 
 
 def kvctl_command() -> list[str]:

@@ -3,7 +3,8 @@
 Partly used pages are indexed by their number of free slots, so a placement policy
 (:mod:`kvcached_core.placement`) finds the best-fitting (fullest) page in a few set lookups.
 Empty mapped pages are the reserve pool. This module does no I/O and makes no placement
-decisions; the allocator holds its lock around every call.
+decisions; the allocator holds its lock around every call. The containers are never replaced,
+only changed in place: the C alloc path (:mod:`kvcached_core.fastpath`) holds them.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class PageTable:
     def release_reserved(self, count: int) -> list[int]:
         """Remove up to ``count`` pool pages (coldest first) for unmapping."""
         count = min(count, len(self.reserved))
-        pages, self.reserved = self.reserved[:count], self.reserved[count:]
+        pages = self.reserved[:count]
+        del self.reserved[:count]  # in place: the C alloc path holds this list
         return pages
 
     def mark_unmapped(self, pages: list[int]) -> None:

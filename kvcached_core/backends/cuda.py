@@ -322,13 +322,11 @@ class CudaBackend(Backend):
             self._va = int(self._check("cuMemAddressReserve", d.cuMemAddressReserve(self.va_bytes, g.page_size, 0, 0)))
         # where slice s of page 0 starts; slice s of page p is p * slice_bytes further
         self._bases = [self._va + s * g.range_bytes for s in range(self.slices)] if self.layout == "layer" else [self._va]
-        if self.native_mode == "auto" and self.slices == 1:
-            self.native_reason = "one handle per page id: a loop in C saves nothing (measured)"
-        elif self.native_mode != "off":
+        if self.native_mode != "off":
             path, why = build_native()
             if path is not None:
                 try:
-                    self._native = NativeVmm(path, prop, access, self.slice_bytes, self._bases)
+                    self._native = NativeVmm(path, prop, access, self.slice_bytes, self._bases, self._ctx_id)
                 except (OSError, AttributeError) as exc:
                     why = f"cannot load it: {exc}"
             self.native_reason = why
@@ -363,9 +361,13 @@ class CudaBackend(Backend):
     def _check_pages(self, pages: Sequence[int]) -> None:
         if self._closed:
             raise BackendError("the CUDA backend is closed")
-        self._raise_async()
+        if self._async_error is not None:
+            self._raise_async()
         n = self.geometry.num_pages
-        if pages and (min(pages) < 0 or max(pages) >= n):
+        if len(pages) == 1:  # the refill thread's usual call: skip min/max
+            if not 0 <= pages[0] < n:
+                raise BackendError(f"page id {pages[0]} out of range 0..{n - 1}")
+        elif pages and (min(pages) < 0 or max(pages) >= n):
             bad = next(p for p in pages if not 0 <= p < n)
             raise BackendError(f"page id {bad} out of range 0..{n - 1}")
 
@@ -381,8 +383,11 @@ class CudaBackend(Backend):
         """
         pages = list(pages)
         self._check_pages(pages)
-        with self._context():
+        if self._native is not None:  # the C loop makes our context current itself
             done = self._map(pages)
+        else:
+            with self._context():
+                done = self._map(pages)
         self._claimed()
         return done
 
@@ -445,7 +450,7 @@ class CudaBackend(Backend):
                     self._drain()
                     continue
                 return None
-            call = {1: "cuMemCreate", 2: "cuMemMap"}.get(step, "cuMemSetAccess")
+            call = {1: "cuMemCreate", 2: "cuMemMap", 4: "cuCtxPushCurrent"}.get(step, "cuMemSetAccess")
             raise BackendError(f"{call}(page {page}) failed: {self._err_name(err)}")
 
     def _revive(self, page: int) -> bool:

@@ -1,0 +1,59 @@
+"""Compile a small C source once per machine into a cache directory, for the optional native paths.
+
+Used by :mod:`kvcached_core.fastpath` (the alloc path, a CPython extension) and
+:mod:`kvcached_core.backends.cuda_native` (the CUDA map loop, loaded with ctypes). The output is
+named by a hash of the source, the compiler and the flags, so an edited source rebuilds and
+concurrent builders agree on one file (written under a temporary name, then renamed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvcached"
+
+
+def compile_c(source: str, stem: str, *, suffix: str = ".so", flags: tuple[str, ...] = ()) -> tuple[Path | None, str]:
+    """The shared object built from ``source`` (cached), or None and one line saying why not."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        return None, "no C compiler (cc, gcc or clang) on PATH"
+    digest = hashlib.sha256("\0".join((source, platform.machine(), cc, *flags)).encode()).hexdigest()[:16]
+    for directory in (cache_dir(), Path(tempfile.gettempdir()) / f"kvcached-{os.getuid()}"):
+        target = directory / f"{stem}-{digest}{suffix}"
+        if target.is_file():
+            return target, ""
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{stem}-", suffix=".c")
+        except OSError:
+            continue
+        with os.fdopen(fd, "w") as fh:
+            fh.write(source)
+        out = tmp[:-2] + suffix
+        try:
+            done = subprocess.run([cc, "-O2", "-shared", "-fPIC", *flags, "-o", out, tmp], capture_output=True,
+                                  text=True, timeout=120)
+            if done.returncode != 0:
+                return None, f"{cc} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
+            os.replace(out, target)  # atomic: concurrent builders agree on one file
+            return target, ""
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, f"{cc} failed: {exc}"
+        finally:
+            for leftover in (tmp, out):
+                if os.path.exists(leftover):
+                    os.unlink(leftover)
+    return None, "no writable cache directory for the native helper"
+
+
+__all__ = ["cache_dir", "compile_c"]

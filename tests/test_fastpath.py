@@ -1,0 +1,160 @@
+"""The C alloc path against the Python one: same blocks, same page table, same segment bytes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcached_core import KVCacheManager, fastpath
+from kvcached_core import layout as L
+from kvcached_core.config import ConfigError
+from kvcached_core.reader import snapshot
+
+MODULE, WHY = fastpath.load()
+needs_build = pytest.mark.skipif(MODULE is None, reason=f"C alloc path unavailable here: {WHY}")
+
+BPP = 8  # 16 KiB blocks on 128 KiB pages
+SKIP = {L.COUNTERS_OFF + 8 * L.COUNTER_FIELDS.index("updated_ns")}  # the clock differs; so does the checksum
+
+
+@pytest.fixture
+def deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No background mapping or idle return: every page is mapped by alloc itself, so runs repeat exactly."""
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "2")
+    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
+
+
+def pair(policy: str, monkeypatch: pytest.MonkeyPatch, pages: int = 24) -> tuple[KVCacheManager, KVCacheManager]:
+    made = []
+    for mode in ("1", "0"):
+        monkeypatch.setenv("KVCACHED_FASTPATH", mode)
+        made.append(KVCacheManager(f"fp-{mode}", num_blocks=BPP * pages - 3, block_bytes=16 << 10, num_layers=1,
+                                   page_size=128 << 10, policy=policy))
+    fast, slow = made
+    assert fast._fast is not None and slow._fast is None, fast.fastpath_reason
+    return fast, slow
+
+
+def state(m: KVCacheManager) -> tuple:
+    p = m.pages
+    buf = bytes(m.segment._buf)
+    counters = bytearray(buf[L.COUNTERS_OFF:L.CHECKSUM_OFF])
+    for off in SKIP:
+        counters[off - L.COUNTERS_OFF:off - L.COUNTERS_OFF + 8] = bytes(8)
+    page_map = buf[L.PAGE_MAP_OFF:L.PAGE_MAP_OFF + 4 * p.pages_total]
+    return (list(p.used), list(p.reserved), [sorted(b) for b in p.partial], p.nonempty, p.slots, bytes(p.block_used),
+            p.pages_inuse, p.blocks_used, sorted(p.unmapped), m.alloc_count, m.alloc_blocks, bytes(counters), page_map,
+            m.segment.page_sum, m.segment._seq)
+
+
+alloc_op = st.tuples(st.just("alloc"), st.integers(1, 3 * BPP + 2), st.integers(-40, 40))  # half without a hint
+ops = st.lists(st.one_of(
+    alloc_op, alloc_op, alloc_op,
+    st.tuples(st.just("free"), st.integers(0, 30), st.just(0)),
+    st.tuples(st.just("free"), st.integers(0, 30), st.just(0)),
+    st.tuples(st.just("cache"), st.integers(0, 30), st.just(0)),
+    st.tuples(st.just("evict"), st.integers(1, 12), st.just(0)),
+    st.tuples(st.just("limit"), st.integers(-1, 12), st.just(0)),
+), min_size=10, max_size=80)
+
+
+@needs_build
+@pytest.mark.parametrize("policy", ["affinity", "best-fit"])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(script=ops)
+def test_same_blocks_and_bytes(policy: str, script: list, deterministic: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    fast, slow = pair(policy, monkeypatch)
+    held: list[list[int]] = []
+    try:
+        for op, a, b in script:
+            results = []
+            for m in (fast, slow):
+                if op == "alloc":
+                    near = None if b < 0 or not held else held[b % len(held)][-1]
+                    results.append(m.alloc(a, near=near))
+                elif op == "free" and held:
+                    m.free(held[a % len(held)])
+                elif op == "cache" and held:
+                    results.append(m.mark_cached(held[a % len(held)]))
+                elif op == "evict":
+                    results.append(m.evict(a))
+                elif op == "limit":
+                    results.append(m.set_limit(None if a < 0 else a * m.bundle_bytes))
+            assert results[:1] == results[1:], (op, a, b)
+            if op == "alloc" and results[0] is not None:
+                held.append(results[0])
+            elif op in ("free", "cache") and held:
+                held.pop(a % len(held))
+            assert state(fast) == state(slow), (op, a, b)
+        snap = snapshot(fast.name)  # the reader checks the seqlock and the checksum the C path wrote
+        assert snap.blocks_used == fast.pages.blocks_used
+    finally:
+        fast.close()
+        slow.close()
+
+
+@needs_build
+def test_alloc_publishes_at_once(deterministic: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
+    with KVCacheManager("fp-live", num_blocks=BPP * 8, block_bytes=16 << 10, num_layers=1,
+                        page_size=128 << 10) as m:
+        ids = m.alloc(BPP + 3)
+        snap = snapshot(m.name)
+        assert (snap.blocks_used, snap.pages_inuse, snap.alloc_count) == (BPP + 3, 2, 1)
+        assert sorted(b // BPP for b in ids) == [0] * BPP + [1] * 3
+
+
+def test_first_fit_and_off_stay_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_FASTPATH", "auto")
+    with KVCacheManager("fp-ff", num_blocks=64, block_bytes=16 << 10, num_layers=1, page_size=128 << 10,
+                        policy="first-fit") as m:
+        assert m._fast is None and "first-fit" in m.fastpath_reason
+    monkeypatch.setenv("KVCACHED_FASTPATH", "0")
+    with KVCacheManager("fp-off", num_blocks=64, block_bytes=16 << 10, num_layers=1, page_size=128 << 10) as m:
+        assert m._fast is None and m.fastpath_reason == "KVCACHED_FASTPATH=0"
+        assert m.alloc(3) is not None
+
+
+def test_bad_mode_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_FASTPATH", "maybe")
+    with pytest.raises(ConfigError, match="KVCACHED_FASTPATH='maybe' must be auto, 1 or 0"):
+        fastpath.mode_from_env()
+
+
+def test_without_a_compiler_auto_falls_back_and_1_refuses(tmp_path) -> None:  # noqa: ANN001
+    """A fresh process whose compiler fails and whose cache is empty: auto runs in Python, 1 says why."""
+    code = (
+        "import os; from kvcached_core import KVCacheManager\n"
+        "m = KVCacheManager('nocc', num_blocks=64, block_bytes=16384, num_layers=1, page_size=131072)\n"
+        "print(m._fast is None, m.fastpath_reason); m.close()\n"
+    )
+    env = {**os.environ, "CC": "/bin/false", "XDG_CACHE_HOME": str(tmp_path / "cache"), "TMPDIR": str(tmp_path),
+           "KVCACHED_FASTPATH": "auto"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("True /bin/false failed") or out.stdout.startswith("True Python's C headers")
+    env["KVCACHED_FASTPATH"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "KVCACHED_FASTPATH=1 but the C alloc path is unavailable" in out.stderr
+
+
+@needs_build
+@pytest.mark.parametrize("policy", ["affinity", "best-fit"])
+def test_ties_go_to_the_lowest_page(policy: str, deterministic: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two pages with the same free slots: both paths fill the lower one first (the placement rule)."""
+    fast, slow = pair(policy, monkeypatch)
+    try:
+        for m in (fast, slow):
+            assert [b // BPP for b in m.alloc(5) + m.alloc(5)] == [0] * 5 + [1] * 5
+            assert [b // BPP for b in m.alloc(2)] == [0, 0]
+            assert [b // BPP for b in m.alloc(BPP + 1)] == [2] * BPP + [0]  # a whole page, then the fullest page that fits
+        assert state(fast) == state(slow)
+    finally:
+        fast.close()
+        slow.close()

@@ -34,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -229,47 +228,27 @@ class Pacer:
             time.sleep(seconds)
 
 
-def instrument(mgr, spans: dict[str, float]) -> None:  # noqa: ANN001
-    """Time the manager's placement and publish steps when the benchmark thread runs them."""
-    main = threading.get_ident()
-    for name in ("_place", "_publish"):
-        original = getattr(mgr, name)
-
-        def timed(*a, _orig=original, _name=name):  # noqa: ANN002, ANN202
-            t0 = time.perf_counter_ns()
-            try:
-                return _orig(*a)
-            finally:
-                if threading.get_ident() == main:
-                    spans[_name] += (time.perf_counter_ns() - t0) / 1000
-
-        setattr(mgr, name, timed)
-
-
 def alloc_latency(label: str, layout: str, pacing: str, interval_s: float, args: argparse.Namespace, pacer: Pacer,
                   *, grow: bool = True, churn: bool = False, gc_freeze: bool = True, async_unmap: bool = True,
-                  breakdown: bool = False, seed: int = 7) -> dict:
+                  fastpath: bool = True, seed: int = 7) -> dict:
     from kvcached_core import KVCacheManager  # noqa: PLC0415
 
     os.environ["KVCACHED_CUDA_LAYOUT"] = layout
     os.environ["KVCACHED_CUDA_ASYNC_UNMAP"] = "1" if async_unmap else "0"
+    os.environ["KVCACHED_FASTPATH"] = "auto" if fastpath else "0"
     bpp = args.page_mb * MiB // args.block_kib // 1024
     mgr = KVCacheManager(f"bench-{label}", num_blocks=bpp * (args.grow_pages + 64), block_bytes=args.block_kib * 1024,
                          num_layers=args.layers, num_kv_buffers=args.buffers, page_size=args.page_mb * MiB,
                          backend="cuda")
+    fast_on = mgr._fast is not None
     rng = random.Random(seed)
     sizes = [16, 32, 64] if churn else [1, 1, 2, 2, 4, 8, 16]  # decode-heavy, some prefill chunks
     lat: list[float] = []
-    place: list[float] = []
-    publish: list[float] = []
     free_lat: list[float] = []
     held: list[list[int]] = []
-    spans = {"_place": 0.0, "_publish": 0.0}
     try:
         if not grow or churn:
             assert mgr.try_to_reserve(bpp * (args.grow_pages if not grow else args.grow_pages // 2))
-        if breakdown:  # the timing wrappers cost ~1 µs per alloc themselves: only in the breakdown run
-            instrument(mgr, spans)
         first = time.perf_counter_ns()
         held.append(mgr.alloc(1))
         first_us = (time.perf_counter_ns() - first) / 1000
@@ -289,12 +268,9 @@ def alloc_latency(label: str, layout: str, pacing: str, interval_s: float, args:
         while more():
             steps += 1
             n = rng.choice(sizes)
-            spans["_place"] = spans["_publish"] = 0.0
             t0 = time.perf_counter_ns()
             ids = mgr.alloc(n)
             lat.append((time.perf_counter_ns() - t0) / 1000)
-            place.append(spans["_place"])
-            publish.append(spans["_publish"])
             if ids is None:
                 raise RuntimeError("alloc returned None during the latency benchmark")
             held.append(ids)
@@ -318,11 +294,6 @@ def alloc_latency(label: str, layout: str, pacing: str, interval_s: float, args:
         if gc_freeze:
             gc.unfreeze()
         mgr.close()
-    other = [t - a - b for t, a, b in zip(lat, place, publish, strict=True)]
-
-    def span(xs: list[float], q: float) -> float | None:
-        return round(pct(xs, q), 2) if breakdown else None
-
     row = {
         "label": label, "layout": layout, "pacing": pacing, "interval_us": interval_s * 1e6, "grow": grow,
         "churn": churn, "gc_frozen": gc_freeze, "async_unmap": async_unmap, "allocs": len(lat),
@@ -332,10 +303,7 @@ def alloc_latency(label: str, layout: str, pacing: str, interval_s: float, args:
         "alloc_p50_us": round(pct(lat, 0.50), 2), "alloc_p99_us": round(pct(lat, 0.99), 2),
         "alloc_p999_us": round(pct(lat, 0.999), 2), "alloc_max_us": round(max(lat), 1),
         "misses_over_200us": sum(1 for x in lat if x > MISS_US),
-        "breakdown": breakdown, "alloc_over_20us": sum(1 for x in lat if x > 20.0),
-        "place_p50_us": span(place, 0.5), "place_p99_us": span(place, 0.99),
-        "publish_p50_us": span(publish, 0.5), "publish_p99_us": span(publish, 0.99),
-        "other_p50_us": span(other, 0.5), "other_p99_us": span(other, 0.99),
+        "alloc_path": "C" if fast_on else "Python", "alloc_over_20us": sum(1 for x in lat if x > 20.0),
         "free_p50_us": round(pct(free_lat, 0.50), 2), "free_p99_us": round(pct(free_lat, 0.99), 2),
         "free_max_us": round(max(free_lat), 1),
     }
@@ -345,13 +313,15 @@ def alloc_latency(label: str, layout: str, pacing: str, interval_s: float, args:
 
 ALLOC_RUNS = (  # label, layout, pacing, interval us, options
     ("grow-layer-gpu-1000", "layer", "gpu", 1000, {}),
-    ("grow-layer-gpu-250", "layer", "gpu", 250, {}),
+    ("grow-layer-gpu-1000-python", "layer", "gpu", 1000, {"fastpath": False}),
     ("grow-page-gpu-1000", "page", "gpu", 1000, {}),
+    ("grow-page-gpu-1000-python", "page", "gpu", 1000, {"fastpath": False}),
+    ("grow-layer-gpu-250", "layer", "gpu", 250, {}),
     ("grow-page-gpu-250", "page", "gpu", 250, {}),
     ("nogrow-layer-gpu-1000", "layer", "gpu", 1000, {"grow": False}),
+    ("nogrow-layer-gpu-1000-python", "layer", "gpu", 1000, {"grow": False, "fastpath": False}),
     ("grow-layer-sleep-1000", "layer", "sleep", 1000, {}),
     ("grow-layer-gpu-1000-gc", "layer", "gpu", 1000, {"gc_freeze": False}),
-    ("grow-layer-gpu-1000-breakdown", "layer", "gpu", 1000, {"breakdown": True}),
     ("churn-layer-gpu-500", "layer", "gpu", 500, {"churn": True}),
     ("churn-layer-gpu-500-syncunmap", "layer", "gpu", 500, {"churn": True, "async_unmap": False}),
     ("churn-page-gpu-500", "page", "gpu", 500, {"churn": True}),
@@ -441,25 +411,29 @@ def markdown(report: dict) -> str:
         "per step; `nogrow`: the same with every page mapped beforehand; `churn`: 200 requests of 16-64 blocks held "
         "FIFO, one alloc and one free per step, so pages empty, get unmapped and come back. Pacing `gpu`: a spinning "
         "GPU kernel then torch.cuda.synchronize between steps (an engine waiting on its forward pass); `sleep`: "
-        "time.sleep. `gc`: the run without gc.freeze(). place / publish: the allocator's placement and segment publish "
-        "inside alloc, timed only in the `breakdown` run (its timers add ~1 µs per alloc); other: lock, GIL and call "
-        "overhead. Misses: allocs over 200 µs (mapped on the caller's thread).",
+        "time.sleep. `gc`: the run without gc.freeze(). Alloc path: `C` is the compiled alloc path "
+        "(`KVCACHED_FASTPATH=auto`, the default), `Python` the same run with `KVCACHED_FASTPATH=0`. Misses: allocs over 200 µs (mapped on the caller's thread).",
         "",
-        "| run | allocs | alloc p50 | p99 | p99.9 | max | > 20 µs | misses | place p50/p99 | publish p50/p99 "
-        "| other p50/p99 | free p50 / p99 / max | page ids/s | handles created | pages revived |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | repeat | alloc path | allocs | alloc p50 µs | p99 | p99.9 | max | allocs > 20 µs | misses "
+        "| free p50 / p99 / max | page ids/s | handles created | pages revived |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report.get("alloc", []):
-        def split(key: str, r: dict = r) -> str:
-            lo, hi = r.get(f"{key}_p50_us"), r.get(f"{key}_p99_us")
-            return "–" if lo is None else f"{lo} / {hi}"
-
         lines.append(
-            f"| {r['label']} | {r['allocs']} | {r['alloc_p50_us']} | {r['alloc_p99_us']} | {r['alloc_p999_us']} | "
-            f"{r['alloc_max_us']} | {r.get('alloc_over_20us', '')} | {r['misses_over_200us']} | {split('place')} | "
-            f"{split('publish')} | {split('other')} | "
-            f"{r['free_p50_us']} / {r['free_p99_us']} / {r['free_max_us']} | {r['page_ids_per_s'] or ''} | "
-            f"{r['handles_created']} | {r.get('pages_revived', '')} |")
+            f"| {r['label']} | {r.get('repeat', 1)} | {r.get('alloc_path', '?')} | {r['allocs']} | {r['alloc_p50_us']} | "
+            f"{r['alloc_p99_us']} | {r['alloc_p999_us']} | {r['alloc_max_us']} | {r.get('alloc_over_20us', '')} | "
+            f"{r['misses_over_200us']} | {r['free_p50_us']} / {r['free_p99_us']} / {r['free_max_us']} | "
+            f"{r['page_ids_per_s'] or ''} | {r['handles_created']} | {r.get('pages_revived', '')} |")
+    by_label: dict[str, list[dict]] = {}
+    for r in report.get("alloc", []):
+        by_label.setdefault(r["label"], []).append(r)
+    if any(len(rs) > 1 for rs in by_label.values()):
+        lines += ["", "Across the repeats (the runs above, in the order they ran):", "",
+                  "| run | repeats | alloc p50 median | alloc p99 median | p99 best / worst |", "|---|---|---|---|---|"]
+        for label, rs in by_label.items():
+            p99s = sorted(r["alloc_p99_us"] for r in rs)
+            lines.append(f"| {label} | {len(rs)} | {statistics.median(r['alloc_p50_us'] for r in rs):.2f} | "
+                         f"{statistics.median(p99s):.2f} | {p99s[0]} / {p99s[-1]} |")
     lines.append("")
     return "\n".join(lines)
 
@@ -483,6 +457,7 @@ def main() -> int:
     ap.add_argument("--churn-held", type=int, default=200, help="requests held during churn (FIFO)")
     ap.add_argument("--no-native", action="store_true")
     ap.add_argument("--skip-compare", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1, help="run the alloc-latency list this many times, in turn")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"environment": environment(), "config": {k: v for k, v in vars(args).items() if k != "out"}}
@@ -500,9 +475,12 @@ def main() -> int:
         report["alloc"] = []
         pacer = Pacer()
         report["environment"]["gpu_pacing"] = pacer.torch is not None
-        for label, layout, pacing, us, options in ALLOC_RUNS:
-            report["alloc"].append(alloc_latency(label, layout, pacing, us / 1e6, args, pacer, **options))
-            save(report, args.out)
+        for repeat in range(1, args.repeat + 1):
+            for label, layout, pacing, us, options in ALLOC_RUNS:
+                row = alloc_latency(label, layout, pacing, us / 1e6, args, pacer, **options)
+                row["repeat"] = repeat
+                report["alloc"].append(row)
+                save(report, args.out)
     print(markdown(report))
     return 0
 

@@ -177,7 +177,8 @@ class KVCacheManager:
         if n <= 0:
             return []
         with self._lock:
-            self._check_open()
+            if self._closed:
+                self._check_open()
             self._map_error = None
             fast = self._fast
             if fast is not None and self.limit_status != L.LIMIT_DEFERRED and (near is None or type(near) is int):
@@ -531,6 +532,9 @@ class KVCacheManager:
         """Keep the pool at its minimum, mapping outside the lock so alloc never waits on it."""
         linger_until = 0.0
         while True:
+            if not (self._refill_requested or self._closed) and time.monotonic() < linger_until:
+                time.sleep(REFILL_POLL_S)  # nothing asked: look again without touching the lock
+                continue
             with self._lock:
                 while not self._closed and not self._refill_due():
                     if time.monotonic() < linger_until:
@@ -569,6 +573,29 @@ class KVCacheManager:
                     self._refill_wanted.wait(timeout=0.05)
                     self._refill_polling = True
 
+    def _serve_controls(self, idle: bool) -> None:
+        """Apply a new limit, answer a trim, or return an idle model's pool (the watcher found one)."""
+        with self._lock:
+            if self._closed:
+                return
+            if idle and self.pages.reserved:
+                self._return_idle_pool()
+            request = self.segment.read_control()
+            changed = False
+            if request is not None and request.limit_revision > self.applied_revision:
+                self._apply_limit(request.limit_bytes)
+                self.applied_revision = request.limit_revision
+                changed = True
+            if request is not None and request.trim_seq > self.trim_ack_seq:
+                freed = self._unmap_reserved(len(self.pages.reserved))
+                self.backend.trim_pool(0)
+                self.trimmed_total += freed
+                self.trim_bytes = freed
+                self.trim_ack_seq = request.trim_seq
+                changed = True
+            if changed:
+                self._publish()
+
     def _refill_due(self) -> bool:
         """An alloc asked for a refill and there is room to map; a stale request is dropped."""
         if self._refill_requested and self._refill_need() > 0:
@@ -593,30 +620,20 @@ class KVCacheManager:
         activity, active_at, idle_after = None, time.monotonic(), config.idle_return_s()
         while True:
             time.sleep(WATCH_INTERVAL_S)
-            with self._lock:
-                if self._closed:
-                    return
-                now = time.monotonic()
-                seen = (self.alloc_count, self.free_count, self.pages.blocks_used, len(self.cache))
-                if seen != activity:
-                    activity, active_at = seen, now
-                elif idle_after is not None and now - active_at >= idle_after and self.pages.reserved:
-                    self._return_idle_pool()
-                request = self.segment.read_control()
-                changed = False
-                if request is not None and request.limit_revision > self.applied_revision:
-                    self._apply_limit(request.limit_bytes)
-                    self.applied_revision = request.limit_revision
-                    changed = True
-                if request is not None and request.trim_seq > self.trim_ack_seq:
-                    freed = self._unmap_reserved(len(self.pages.reserved))
-                    self.backend.trim_pool(0)
-                    self.trimmed_total += freed
-                    self.trim_bytes = freed
-                    self.trim_ack_seq = request.trim_seq
-                    changed = True
-                if changed:
-                    self._publish()
+            if self._closed:
+                return
+            # Look without the lock first (plain reads; the control block is the controllers' to
+            # write): most ticks find nothing to do and must not make an alloc wait.
+            now = time.monotonic()
+            seen = (self.alloc_count, self.free_count, self.pages.blocks_used, len(self.cache))
+            if seen != activity:
+                activity, active_at = seen, now
+            idle = idle_after is not None and now - active_at >= idle_after and bool(self.pages.reserved)
+            request = self.segment.read_control()
+            asked = request is not None and (request.limit_revision > self.applied_revision
+                                             or request.trim_seq > self.trim_ack_seq)
+            if idle or asked:
+                self._serve_controls(idle)
             now = time.monotonic()
             if now - last_beat >= HEARTBEAT_INTERVAL_S:
                 self.segment.heartbeat()

@@ -394,9 +394,9 @@ class CudaBackend(Backend):
     def _map(self, pages: list[int]) -> list[int]:
         mapped = self._mapped
         native = self._native is not None
-        map_one = self._map_one_native if native else self._map_one
         done: list[int] = []
         fresh: list[int] = []  # mapped by this call (without access yet on the cuda-python path)
+        todo: list[int] = []  # native path: mapped together in one call below
         for page in pages:
             if page in mapped:
                 if not self._revive(page):
@@ -404,8 +404,11 @@ class CudaBackend(Backend):
                 if page in mapped:  # revived: still mapped and accessible
                     done.append(page)
                     continue
+            if native:
+                todo.append(page)
+                continue
             try:
-                handles = map_one(page)
+                handles = self._map_one(page)
             except BackendError:
                 self._rollback(done, fresh, 0)
                 raise
@@ -414,7 +417,44 @@ class CudaBackend(Backend):
             mapped[page] = handles
             done.append(page)
             fresh.append(page)
-        return self._grant(done, fresh) if fresh and not native else done
+        if native:
+            if todo:
+                try:
+                    done += self._map_native(todo)
+                except BackendError:
+                    self._rollback(done, [], 0)
+                    raise
+            return done
+        return self._grant(done, fresh) if fresh else done
+
+    def _map_native(self, pages: list[int]) -> list[int]:
+        """Native path: create what the pool lacks, map and grant access, every page id in one
+        GIL-free call. Returns the page ids backed, a prefix of ``pages`` (short: out of memory)."""
+        native, slices, size, mapped = self._native, self.slices, self.slice_bytes, self._mapped
+        assert native is not None
+        out: list[int] = []
+        drained = False
+        while pages:
+            pooled = self._take_pooled(len(pages) * slices)
+            err, step, count, handles, spare = native.map_pages([p * size for p in pages], pooled)
+            self.created += len(handles) + len(spare) - len(pooled)
+            for i in range(count):
+                mapped[pages[i]] = handles[i * slices:(i + 1) * slices]
+            out += pages[:count]
+            if not err:
+                return out
+            self._return(spare)
+            page, pages = pages[count], pages[count:]
+            if err == self._OOM:
+                if step == 1 and not drained and (self._pending or self._busy):
+                    drained = True  # memory is on its way back: finish the deferred unmaps, then retry
+                    self._drain()
+                    continue
+                return out
+            self._rollback(out, out, 0)
+            call = {1: "cuMemCreate", 2: "cuMemMap", 4: "cuCtxPushCurrent"}.get(step, "cuMemSetAccess")
+            raise BackendError(f"{call}(page {page}) failed: {self._err_name(err)}")
+        return out
 
     def _map_one(self, page: int) -> list[Any] | None:
         """cuda-python path: the page id's handles, mapped; None when the device is out of memory."""
@@ -433,25 +473,6 @@ class CudaBackend(Backend):
                     return None
                 raise BackendError(f"cuMemMap(page {page}) failed: {self._err_name(err)}")
         return handles
-
-    def _map_one_native(self, page: int) -> list[Any] | None:
-        """Native path: create what the pool lacks, map and grant access in one GIL-free call."""
-        drained = False
-        while True:
-            pooled = self._take_pooled(self.slices)
-            err, step, handles = self._native.map_page(page * self.slice_bytes, pooled)  # type: ignore[union-attr]
-            self.created += len(handles) - len(pooled)
-            if not err:
-                return handles
-            self._return(handles)
-            if err == self._OOM:
-                if step == 1 and not drained and (self._pending or self._busy):
-                    drained = True  # memory is on its way back: finish the deferred unmaps, then retry
-                    self._drain()
-                    continue
-                return None
-            call = {1: "cuMemCreate", 2: "cuMemMap", 4: "cuCtxPushCurrent"}.get(step, "cuMemSetAccess")
-            raise BackendError(f"{call}(page {page}) failed: {self._err_name(err)}")
 
     def _revive(self, page: int) -> bool:
         """True when ``page`` was waiting to be unmapped: it is kept if the unmapper has not started

@@ -5,13 +5,14 @@ pays the interpreter's round trip, and on an H200 that measured +5 µs per physi
 (+10-15 % on growth) although the bindings themselves take well under 1 µs: coming back to
 the interpreter between calls is what costs. This module compiles a few-line C loop (no CUDA
 headers: it receives the driver's entry points and cuda-python's own struct pointers) into a
-cache directory once, loads it with ctypes, and lets the backend back a whole page id in one
-call that also releases the GIL for its whole duration. Triton builds its launcher the same way.
+cache directory once, loads it with ctypes, and lets the backend back every page id of a
+``map_pages`` call in one call that also releases the GIL for its whole duration and makes the
+backend's context current itself (a Python guard for that cost 1.5 µs per call on a busy VM,
+which the page layout's 30-60 µs page ids feel). Triton builds its launcher the same way.
 
-``KVCACHED_CUDA_NATIVE``: ``auto`` (default: use it when it builds and a page id has more than
-one handle, i.e. the layer layout; for one handle a ctypes call costs what three binding calls
-do), ``0`` (never), ``1`` (always; the backend fails if it cannot be built). Without a compiler
-the backend simply stays on cuda-python.
+``KVCACHED_CUDA_NATIVE``: ``auto`` (default: use it when it builds, in both layouts), ``0``
+(never), ``1`` (always; the backend fails if it cannot be built). Without a compiler the backend
+simply stays on cuda-python.
 """
 
 from __future__ import annotations
@@ -160,6 +161,32 @@ int kvc_map_page(const struct kvc_vmm *v, size_t offset, uint64_t *handles, size
     return err;
 }
 
+/* Back npages page ids (at offsets[i]) in one call. handles has npages * nbases slots, the first
+ * `have` from the pool. On failure returns the driver's code and *step as kvc_map_page: the first
+ * *done page ids are backed, handles[*done * nbases .. *end) are valid and unmapped (for the pool). */
+int kvc_map_pages(const struct kvc_vmm *v, const uint64_t *offsets, size_t npages, uint64_t *handles, size_t have,
+                  size_t *done, size_t *end, int *step) {
+    int pushed, err = enter(v, &pushed);
+    *done = 0;
+    if (err) {
+        *end = have;
+        *step = 4;
+        return err;
+    }
+    for (size_t i = 0; i < npages; i++) {
+        size_t first = i * v->nbases, mine = 0, count = 0;
+        if (have > first) mine = have - first < v->nbases ? have - first : v->nbases;
+        err = kvc_map_page_in(v, offsets[i], handles + first, mine, &count, step);
+        if (err) {
+            *end = first + count > have ? first + count : have;
+            break;
+        }
+        *done = i + 1;
+    }
+    leave(v, pushed);
+    return err;
+}
+
 int kvc_access(const struct kvc_vmm *v, size_t start, size_t length, size_t *failed) {
     int pushed, err = enter(v, &pushed);
     if (err) return err;
@@ -236,45 +263,62 @@ class NativeVmm:
         size_p, int_p = ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_int)
         # Declared argument types let ctypes convert plain ints itself (no c_size_t objects per call).
         for name, args in (("kvc_map_page", [vmm_p, size, u64_p, size, size_p, int_p]),
+                           ("kvc_map_pages", [vmm_p, u64_p, size, u64_p, size, size_p, size_p, int_p]),
                            ("kvc_access", [vmm_p, size, size, size_p]), ("kvc_unmap", [vmm_p, size, size, size_p]),
                            ("kvc_release", [vmm_p, u64_p, size, size_p])):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = ctypes.c_int, args
-        self._map_page = lib.kvc_map_page
+        self._map_pages = lib.kvc_map_pages
         self._access = lib.kvc_access
         self._unmap = lib.kvc_unmap
         self._release = lib.kvc_release
 
-    def _scratch(self) -> tuple[Any, Any, Any, Any, Any]:
+    def _scratch(self) -> tuple[Any, Any, Any, Any]:
         """This thread's out-parameters (the refill and unmap threads call concurrently)."""
         try:
             return self._tls.scratch
         except AttributeError:
-            handles, count, step = (ctypes.c_uint64 * self._slices)(), ctypes.c_size_t(), ctypes.c_int()
-            self._tls.scratch = scratch = (handles, count, step, ctypes.byref(count), ctypes.byref(step))
+            count, step = ctypes.c_size_t(), ctypes.c_int()
+            self._tls.scratch = scratch = (count, step, ctypes.byref(count), ctypes.byref(step))
             return scratch
 
-    def map_page(self, offset: int, pooled: list[int]) -> tuple[int, int, list[int]]:
-        """(error, step, handles): step 1 = create, 2 = map, 3 = access, 4 = making the context current
-        failed; ``handles`` are the valid ones, none of them left mapped on failure."""
-        buf, count, step, count_ref, step_ref = self._scratch()
-        have = len(pooled)
+    def _arrays(self, pages: int) -> tuple[Any, Any]:
+        """This thread's offset and handle arrays, grown to ``pages`` page ids."""
+        tls = self._tls
+        have = getattr(tls, "pages", 0)
+        if have < pages:
+            tls.pages = pages = max(pages, 2 * have, 8)
+            tls.offsets, tls.handles = (ctypes.c_uint64 * pages)(), (ctypes.c_uint64 * (pages * self._slices))()
+        return tls.offsets, tls.handles
+
+    def map_pages(self, offsets: list[int], pooled: list[int]) -> tuple[int, int, int, list[int], list[int]]:
+        """Back several page ids in one call: (error, step, page ids done, their handles, spare handles).
+
+        ``step``: 1 = create, 2 = map, 3 = access, 4 = making the context current failed; the spare handles are valid and unmapped (the pool's again)."""
+        count, step, count_ref, step_ref = self._scratch()
+        offs, handles = self._arrays(len(offsets))
+        n, have = len(offsets), len(pooled)
+        offs[:n] = offsets
         if have:
-            buf[:have] = pooled
-        err = self._map_page(self._ref, offset, buf, have, count_ref, step_ref)
-        return err, step.value if err else 0, buf[:count.value]
+            handles[:have] = pooled
+        done = ctypes.c_size_t()
+        err = self._map_pages(self._ref, offs, n, handles, have, ctypes.byref(done), count_ref, step_ref)
+        mapped = done.value * self._slices
+        if not err:
+            return 0, 0, n, handles[:mapped], []
+        return err, step.value, done.value, handles[:mapped], handles[mapped:count.value]
 
     def access(self, start: int, length: int) -> int:
-        return self._access(self._ref, start, length, self._scratch()[3])
+        return self._access(self._ref, start, length, self._scratch()[2])
 
     def unmap(self, start: int, length: int) -> int:
-        return self._unmap(self._ref, start, length, self._scratch()[3])
+        return self._unmap(self._ref, start, length, self._scratch()[2])
 
     def release(self, handles: list[int]) -> int:
         if not handles:
             return 0
         arr = (ctypes.c_uint64 * len(handles))(*handles)
-        return self._release(self._ref, arr, len(handles), self._scratch()[3])
+        return self._release(self._ref, arr, len(handles), self._scratch()[2])
 
 
 __all__ = ["NATIVE_ENV", "NativeVmm", "build", "native_mode_from_env"]

@@ -230,7 +230,7 @@ class Pacer:
 
 def alloc_latency(label: str, layout: str, pacing: str, interval_s: float, args: argparse.Namespace, pacer: Pacer,
                   *, grow: bool = True, churn: bool = False, gc_freeze: bool = True, async_unmap: bool = True,
-                  fastpath: bool = True, seed: int = 7) -> dict:
+                  fastpath: bool = True, pin: bool = False, seed: int = 7) -> dict:
     from kvcached_core import KVCacheManager  # noqa: PLC0415
 
     os.environ["KVCACHED_CUDA_LAYOUT"] = layout
@@ -241,6 +241,9 @@ def alloc_latency(label: str, layout: str, pacing: str, interval_s: float, args:
                          num_layers=args.layers, num_kv_buffers=args.buffers, page_size=args.page_mb * MiB,
                          backend="cuda")
     fast_on = mgr._fast is not None
+    allowed = os.sched_getaffinity(0)
+    if pin:  # this thread only, after the manager started its threads (they keep every CPU)
+        os.sched_setaffinity(0, {max(allowed)})
     rng = random.Random(seed)
     sizes = [16, 32, 64] if churn else [1, 1, 2, 2, 4, 8, 16]  # decode-heavy, some prefill chunks
     lat: list[float] = []
@@ -293,6 +296,8 @@ def alloc_latency(label: str, layout: str, pacing: str, interval_s: float, args:
     finally:
         if gc_freeze:
             gc.unfreeze()
+        if pin:
+            os.sched_setaffinity(0, allowed)
         mgr.close()
     row = {
         "label": label, "layout": layout, "pacing": pacing, "interval_us": interval_s * 1e6, "grow": grow,
@@ -303,7 +308,7 @@ def alloc_latency(label: str, layout: str, pacing: str, interval_s: float, args:
         "alloc_p50_us": round(pct(lat, 0.50), 2), "alloc_p99_us": round(pct(lat, 0.99), 2),
         "alloc_p999_us": round(pct(lat, 0.999), 2), "alloc_max_us": round(max(lat), 1),
         "misses_over_200us": sum(1 for x in lat if x > MISS_US),
-        "alloc_path": "C" if fast_on else "Python", "alloc_over_20us": sum(1 for x in lat if x > 20.0),
+        "alloc_path": "C" if fast_on else "Python", "pinned": pin, "alloc_over_20us": sum(1 for x in lat if x > 20.0),
         "free_p50_us": round(pct(free_lat, 0.50), 2), "free_p99_us": round(pct(free_lat, 0.99), 2),
         "free_max_us": round(max(free_lat), 1),
     }
@@ -320,6 +325,9 @@ ALLOC_RUNS = (  # label, layout, pacing, interval us, options
     ("grow-page-gpu-250", "page", "gpu", 250, {}),
     ("nogrow-layer-gpu-1000", "layer", "gpu", 1000, {"grow": False}),
     ("nogrow-layer-gpu-1000-python", "layer", "gpu", 1000, {"grow": False, "fastpath": False}),
+    ("grow-layer-gpu-1000-pinned", "layer", "gpu", 1000, {"pin": True}),
+    ("grow-page-gpu-1000-pinned", "page", "gpu", 1000, {"pin": True}),
+    ("nogrow-layer-gpu-1000-pinned", "layer", "gpu", 1000, {"grow": False, "pin": True}),
     ("grow-layer-sleep-1000", "layer", "sleep", 1000, {}),
     ("grow-layer-gpu-1000-gc", "layer", "gpu", 1000, {"gc_freeze": False}),
     ("churn-layer-gpu-500", "layer", "gpu", 500, {"churn": True}),
@@ -411,7 +419,8 @@ def markdown(report: dict) -> str:
         "per step; `nogrow`: the same with every page mapped beforehand; `churn`: 200 requests of 16-64 blocks held "
         "FIFO, one alloc and one free per step, so pages empty, get unmapped and come back. Pacing `gpu`: a spinning "
         "GPU kernel then torch.cuda.synchronize between steps (an engine waiting on its forward pass); `sleep`: "
-        "time.sleep. `gc`: the run without gc.freeze(). Alloc path: `C` is the compiled alloc path "
+        "time.sleep. `gc`: the run without gc.freeze(). `pinned`: the engine-like thread is bound to one CPU "
+        "(os.sched_setaffinity) after the allocator started its threads, so the OS cannot move it while it waits. Alloc path: `C` is the compiled alloc path "
         "(`KVCACHED_FASTPATH=auto`, the default), `Python` the same run with `KVCACHED_FASTPATH=0`. Misses: allocs over 200 µs (mapped on the caller's thread).",
         "",
         "| run | repeat | alloc path | allocs | alloc p50 µs | p99 | p99.9 | max | allocs > 20 µs | misses "

@@ -163,8 +163,24 @@ static long set_min(PyObject *bucket) {
     return PyErr_Occurred() ? -1 : best;
 }
 
+/* The page table's `nonempty` bits (bit f: some in-use page has f free slots) as a machine word,
+ * when blocks_per_page <= 64: then best_fit and emptiest find their bucket without touching the
+ * bucket objects (right after an engine's GPU wait, every object touched is a likely cache miss). */
+static int nonempty_bits(FastPath *f, unsigned long long *bits) {
+    if (f->bpp > 64) return 0; /* in-use pages have 1..bpp-1 free slots: bits 1..63 */
+    *bits = PyLong_AsUnsignedLongLongMask(f->nonempty);
+    return !(*bits == (unsigned long long)-1 && PyErr_Occurred());
+}
+
 /* PageTable.best_fit: the fullest in-use page with room for count (lowest id among equals); -2 none */
 static long best_fit(FastPath *f, long count) {
+    unsigned long long bits;
+    if (count > f->bpp) return -2;
+    if (nonempty_bits(f, &bits)) {
+        bits >>= count;
+        return bits ? set_min(PyList_GET_ITEM(f->partial, count + __builtin_ctzll(bits))) : -2;
+    }
+    if (PyErr_Occurred()) return -1;
     for (long fr = count; fr <= f->bpp; fr++) {
         PyObject *bucket = PyList_GET_ITEM(f->partial, fr);
         if (PySet_GET_SIZE(bucket)) return set_min(bucket);
@@ -174,6 +190,9 @@ static long best_fit(FastPath *f, long count) {
 
 /* PageTable.emptiest; -2 none */
 static long emptiest(FastPath *f) {
+    unsigned long long bits;
+    if (nonempty_bits(f, &bits)) return bits ? set_min(PyList_GET_ITEM(f->partial, 63 - __builtin_clzll(bits))) : -2;
+    if (PyErr_Occurred()) return -1;
     for (long fr = f->bpp; fr >= 1; fr--) {
         PyObject *bucket = PyList_GET_ITEM(f->partial, fr);
         if (PySet_GET_SIZE(bucket)) return set_min(bucket);

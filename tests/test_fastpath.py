@@ -30,12 +30,13 @@ def deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
 
 
-def pair(policy: str, monkeypatch: pytest.MonkeyPatch, pages: int = 24) -> tuple[KVCacheManager, KVCacheManager]:
+def pair(policy: str, monkeypatch: pytest.MonkeyPatch, pages: int = 24,
+         bpp: int = BPP) -> tuple[KVCacheManager, KVCacheManager]:
     made = []
     for mode in ("1", "0"):
         monkeypatch.setenv("KVCACHED_FASTPATH", mode)
-        made.append(KVCacheManager(f"fp-{mode}", num_blocks=BPP * pages - 3, block_bytes=16 << 10, num_layers=1,
-                                   page_size=128 << 10, policy=policy))
+        made.append(KVCacheManager(f"fp-{mode}", num_blocks=bpp * pages - 3, block_bytes=16 << 10, num_layers=1,
+                                   page_size=bpp * (16 << 10), policy=policy))
     fast, slow = made
     assert fast._fast is not None and slow._fast is None, fast.fastpath_reason
     return fast, slow
@@ -53,7 +54,7 @@ def state(m: KVCacheManager) -> tuple:
             m.segment.page_sum, m.segment._seq)
 
 
-alloc_op = st.tuples(st.just("alloc"), st.integers(1, 3 * BPP + 2), st.integers(-40, 40))  # half without a hint
+alloc_op = st.tuples(st.just("alloc"), st.integers(1, 200), st.integers(-40, 40))  # half without a hint
 ops = st.lists(st.one_of(
     alloc_op, alloc_op, alloc_op,
     st.tuples(st.just("free"), st.integers(0, 30), st.just(0)),
@@ -65,11 +66,13 @@ ops = st.lists(st.one_of(
 
 
 @needs_build
-@pytest.mark.parametrize("policy", ["affinity", "best-fit"])
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.parametrize(("policy", "bpp"), [("affinity", 8), ("best-fit", 8), ("affinity", 64), ("affinity", 80)])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(script=ops)
-def test_same_blocks_and_bytes(policy: str, script: list, deterministic: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    fast, slow = pair(policy, monkeypatch)
+def test_same_blocks_and_bytes(policy: str, bpp: int, script: list, deterministic: None,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages of 8, 64 and 80 blocks: the C path finds buckets by bitmask up to 64, by scanning above."""
+    fast, slow = pair(policy, monkeypatch, bpp=bpp)
     held: list[list[int]] = []
     try:
         for op, a, b in script:
@@ -77,7 +80,7 @@ def test_same_blocks_and_bytes(policy: str, script: list, deterministic: None, m
             for m in (fast, slow):
                 if op == "alloc":
                     near = None if b < 0 or not held else held[b % len(held)][-1]
-                    results.append(m.alloc(a, near=near))
+                    results.append(m.alloc(a % (3 * bpp + 2) + 1, near=near))
                 elif op == "free" and held:
                     m.free(held[a % len(held)])
                 elif op == "cache" and held:

@@ -599,8 +599,11 @@ class CudaBackend(Backend):
         if self.async_unmap:
             self._defer(pages)
             return
-        with self._context():
+        if self._native is not None:  # the C calls make our context current themselves
             self._unmap(pages, keep=True)
+        else:
+            with self._context():
+                self._unmap(pages, keep=True)
         self._claimed()
 
     # -- deferred unmapping ----------------------------------------------------------------------

@@ -235,6 +235,20 @@ class _Vmm(ctypes.Structure):
                 ("pop", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
+class _Scratch:
+    """One thread's argument buffers: out-parameters and arrays for ``pages`` page ids."""
+
+    __slots__ = ("pages", "offsets", "handles", "done", "count", "step", "done_ref", "count_ref", "step_ref")
+
+    def __init__(self, pages: int, slices: int) -> None:
+        self.pages = pages
+        self.offsets = (ctypes.c_uint64 * pages)()
+        self.handles = (ctypes.c_uint64 * (pages * slices))()
+        self.done, self.count, self.step = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_int()
+        self.done_ref, self.count_ref, self.step_ref = ctypes.byref(self.done), ctypes.byref(self.count), \
+            ctypes.byref(self.step)
+
+
 class NativeVmm:
     """The compiled loop bound to one backend's ranges (handles are plain ints here)."""
 
@@ -273,52 +287,46 @@ class NativeVmm:
         self._unmap = lib.kvc_unmap
         self._release = lib.kvc_release
 
-    def _scratch(self) -> tuple[Any, Any, Any, Any]:
-        """This thread's out-parameters (the refill and unmap threads call concurrently)."""
+    def _scratch(self, pages: int = 1) -> _Scratch:
+        """This thread's arguments for the C calls (the refill and unmap threads call concurrently),
+        grown to hold ``pages`` page ids."""
         try:
-            return self._tls.scratch
+            scratch = self._tls.scratch
+            if scratch.pages >= pages:
+                return scratch
         except AttributeError:
-            count, step = ctypes.c_size_t(), ctypes.c_int()
-            self._tls.scratch = scratch = (count, step, ctypes.byref(count), ctypes.byref(step))
-            return scratch
-
-    def _arrays(self, pages: int) -> tuple[Any, Any]:
-        """This thread's offset and handle arrays, grown to ``pages`` page ids."""
-        tls = self._tls
-        have = getattr(tls, "pages", 0)
-        if have < pages:
-            tls.pages = pages = max(pages, 2 * have, 8)
-            tls.offsets, tls.handles = (ctypes.c_uint64 * pages)(), (ctypes.c_uint64 * (pages * self._slices))()
-        return tls.offsets, tls.handles
+            pass
+        self._tls.scratch = scratch = _Scratch(max(pages, 8), self._slices)
+        return scratch
 
     def map_pages(self, offsets: list[int], pooled: list[int]) -> tuple[int, int, int, list[int], list[int]]:
         """Back several page ids in one call: (error, step, page ids done, their handles, spare handles).
 
-        ``step``: 1 = create, 2 = map, 3 = access, 4 = making the context current failed; the spare handles are valid and unmapped (the pool's again)."""
-        count, step, count_ref, step_ref = self._scratch()
-        offs, handles = self._arrays(len(offsets))
+        ``step``: 1 = create, 2 = map, 3 = access, 4 = making the context current failed; the spare
+        handles are valid and unmapped (the pool's again)."""
         n, have = len(offsets), len(pooled)
-        offs[:n] = offsets
+        sc = self._scratch(n)
+        handles = sc.handles
+        sc.offsets[:n] = offsets
         if have:
             handles[:have] = pooled
-        done = ctypes.c_size_t()
-        err = self._map_pages(self._ref, offs, n, handles, have, ctypes.byref(done), count_ref, step_ref)
-        mapped = done.value * self._slices
+        err = self._map_pages(self._ref, sc.offsets, n, handles, have, sc.done_ref, sc.count_ref, sc.step_ref)
         if not err:
-            return 0, 0, n, handles[:mapped], []
-        return err, step.value, done.value, handles[:mapped], handles[mapped:count.value]
+            return 0, 0, n, handles[:n * self._slices], []
+        mapped = sc.done.value * self._slices
+        return err, sc.step.value, sc.done.value, handles[:mapped], handles[mapped:sc.count.value]
 
     def access(self, start: int, length: int) -> int:
-        return self._access(self._ref, start, length, self._scratch()[2])
+        return self._access(self._ref, start, length, self._scratch().count_ref)
 
     def unmap(self, start: int, length: int) -> int:
-        return self._unmap(self._ref, start, length, self._scratch()[2])
+        return self._unmap(self._ref, start, length, self._scratch().count_ref)
 
     def release(self, handles: list[int]) -> int:
         if not handles:
             return 0
         arr = (ctypes.c_uint64 * len(handles))(*handles)
-        return self._release(self._ref, arr, len(handles), self._scratch()[2])
+        return self._release(self._ref, arr, len(handles), self._scratch().count_ref)
 
 
 __all__ = ["NATIVE_ENV", "NativeVmm", "build", "native_mode_from_env"]

@@ -10,7 +10,7 @@ Run on a GPU machine from the checkout (writes vmm.json and vmm.md under --out):
    which then does the same work, with its native loop and with cuda-python alone. All three
    take turns on every chunk of page ids (rotating who goes first), sharing one context, so
    drift cancels. Both layouts (``layer``, ``page``), chunks of 1 page id (the refill thread's
-   steady state) and 5 (a refill after a burst). Reported: median microseconds per page id
+   steady state in the layer layout) and 4 (its batch in the page layout, and a refill after a burst). Reported: median microseconds per page id
    and the ratio to the floor.
 2. Alloc latency while the pool grows: a real KVCacheManager(backend="cuda") starts empty and an
    engine-like loop allocates 1-16 blocks every ``interval`` (sleeping in between, as an engine
@@ -129,7 +129,7 @@ def compare(floor: ctypes.CDLL | None, args: argparse.Namespace, native_ok: bool
     rows = []
     variants = (("backend", "on"), ("bindings", "off")) if native_ok else (("bindings", "off"),)
     for layout in ("layer", "page"):
-        for batch in (1, 5):
+        for batch in (1, 4):
             sides = {name: BackendSide(layout, args, mode) for name, mode in variants}
             totals: dict[str, dict[str, list[float]]] = {name: {op: [] for op in NATIVE_OPS} for name in
                                                           ("native", "native_py", *sides)}

@@ -177,6 +177,7 @@ static long best_fit(FastPath *f, long count) {
     unsigned long long bits;
     if (count > f->bpp) return -2;
     if (nonempty_bits(f, &bits)) {
+        if (count >= 64) return -2; /* no in-use page has 64 free slots (and a 64-bit shift is undefined) */
         bits >>= count;
         return bits ? set_min(PyList_GET_ITEM(f->partial, count + __builtin_ctzll(bits))) : -2;
     }

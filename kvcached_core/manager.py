@@ -611,7 +611,10 @@ class KVCacheManager:
         self._publish()
 
     def _refill_need(self) -> int:
-        want = self.min_reserved - len(self.pages.reserved) - self.pages.inflight
+        pool = len(self.pages.reserved) + self.pages.inflight
+        want = self.min_reserved - pool
+        if want > 0:  # a batch when the backend asks for one, never past the pool's maximum
+            want = max(want, min(self.backend.refill_batch, self.max_reserved - pool))
         return min(want, self._headroom())
 
     def _watch_loop(self) -> None:

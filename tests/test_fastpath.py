@@ -161,3 +161,21 @@ def test_ties_go_to_the_lowest_page(policy: str, deterministic: None, monkeypatc
     finally:
         fast.close()
         slow.close()
+
+
+@needs_build
+@pytest.mark.parametrize("bpp", [8, 64, 80])
+def test_a_whole_page_request_that_cannot_grow(bpp: int, deterministic: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A limit stops growth and a page's worth of blocks is asked for: both paths fill what is mapped,
+    find it short and give everything back (a 64-block page once sent the C path past its buckets)."""
+    fast, slow = pair("affinity", monkeypatch, pages=4, bpp=bpp)
+    try:
+        for m in (fast, slow):
+            assert m.alloc(10) is not None
+            m.set_limit(m.bundle_bytes)
+            assert m.alloc(bpp) is None
+            assert m.alloc(bpp - 10) is not None  # exactly what is left
+        assert state(fast) == state(slow)
+    finally:
+        fast.close()
+        slow.close()

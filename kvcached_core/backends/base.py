@@ -43,6 +43,9 @@ class Backend(ABC):
     """
 
     name: str = "base"
+    # Page ids the refill thread maps per call once the pool is short (up to the pool's maximum):
+    # more than one where a call's fixed cost is a sizeable share of a page id's (see CudaBackend).
+    refill_batch: int = 1
 
     def __init__(self, geometry: Geometry, device: int = 0) -> None:
         self.geometry = geometry

@@ -248,6 +248,9 @@ class CudaBackend(Backend):
         self.native_reason = "not requested" if self.native_mode == "off" else ""
         g = geometry
         self.slices = g.num_layers * g.num_kv_buffers if self.layout == "layer" else 1
+        # A page-major page id takes 30-60 µs to back and a map_pages call ~5 µs of fixed cost on a
+        # busy host: the refill maps four per call there (1.10x the driver's floor instead of 1.2x).
+        self.refill_batch = 4 if self.layout == "page" else 1
         self.slice_bytes = g.page_size if self.layout == "layer" else g.bundle_bytes
         self.va_bytes = g.range_bytes * g.num_layers * g.num_kv_buffers
         self.created = self.released = 0  # physical handles, for tests and benchmarks

@@ -1,0 +1,44 @@
+"""The refill thread: batches where the backend asks for them, and wakes again after lingering."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import wait_for
+
+from kvcached_core import KVCacheManager
+from kvcached_core import manager as manager_mod
+
+MODEL = dict(num_blocks=64 * 16, block_bytes=16 * 1024, num_layers=1, page_size=256 * 1024)  # 16 blocks a page
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "2")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "6")
+
+
+def settled_pool(m: KVCacheManager) -> int:
+    wait_for(lambda: m.pages.inflight == 0 and len(m.pages.reserved) >= m.min_reserved, what="the pool to refill")
+    time.sleep(0.05)  # nothing more arrives
+    return len(m.pages.reserved)
+
+
+@pytest.mark.parametrize(("batch", "expected"), [(1, 2), (3, 3), (9, 6)])
+def test_a_short_pool_refills_in_the_backends_batch_up_to_the_maximum(batch: int, expected: int) -> None:
+    with KVCacheManager("batch", **MODEL) as m:
+        m.backend.refill_batch = batch
+        assert m.alloc(16) is not None  # maps one page on the spot; the pool (empty) is short
+        assert settled_pool(m) == expected
+
+
+def test_a_refill_after_the_thread_went_back_to_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(manager_mod, "REFILL_LINGER_S", 0.02)
+    with KVCacheManager("linger", **MODEL) as m:
+        m.alloc(16)
+        assert settled_pool(m) == 2
+        wait_for(lambda: not m._refill_polling, what="the refill thread to stop polling")
+        assert m.alloc(32) is not None  # the two pool pages go: the thread must be woken
+        assert settled_pool(m) == 2 and m.pages.pages_inuse == 3

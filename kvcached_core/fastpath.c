@@ -163,6 +163,17 @@ static long set_min(PyObject *bucket) {
     return PyErr_Occurred() ? -1 : best;
 }
 
+/* The lowest page id in bucket `free`, checked: a page table that disagrees with itself raises
+ * instead of sending C past its lists. */
+static long bucket_min(FastPath *f, long free) {
+    PyObject *bucket;
+    if (free < 1 || free > (long)f->bpp || PySet_GET_SIZE(bucket = PyList_GET_ITEM(f->partial, free)) == 0) {
+        PyErr_Format(PyExc_RuntimeError, "page table: nonempty marks bucket %ld, which is empty or out of range", free);
+        return -1;
+    }
+    return set_min(bucket);
+}
+
 /* The page table's `nonempty` bits (bit f: some in-use page has f free slots) as a machine word,
  * when blocks_per_page <= 64: then best_fit and emptiest find their bucket without touching the
  * bucket objects (right after an engine's GPU wait, every object touched is a likely cache miss). */
@@ -179,7 +190,7 @@ static long best_fit(FastPath *f, long count) {
     if (nonempty_bits(f, &bits)) {
         if (count >= 64) return -2; /* no in-use page has 64 free slots (and a 64-bit shift is undefined) */
         bits >>= count;
-        return bits ? set_min(PyList_GET_ITEM(f->partial, count + __builtin_ctzll(bits))) : -2;
+        return bits ? bucket_min(f, count + __builtin_ctzll(bits)) : -2;
     }
     if (PyErr_Occurred()) return -1;
     for (long fr = count; fr <= f->bpp; fr++) {
@@ -192,7 +203,7 @@ static long best_fit(FastPath *f, long count) {
 /* PageTable.emptiest; -2 none */
 static long emptiest(FastPath *f) {
     unsigned long long bits;
-    if (nonempty_bits(f, &bits)) return bits ? set_min(PyList_GET_ITEM(f->partial, 63 - __builtin_clzll(bits))) : -2;
+    if (nonempty_bits(f, &bits)) return bits ? bucket_min(f, 63 - __builtin_clzll(bits)) : -2;
     if (PyErr_Occurred()) return -1;
     for (long fr = f->bpp; fr >= 1; fr--) {
         PyObject *bucket = PyList_GET_ITEM(f->partial, fr);
@@ -221,6 +232,10 @@ static long empty_page(FastPath *f) {
 
 /* PageTable.take_blocks: count free slots of page go to taken; returns count or -1 */
 static long take_blocks(FastPath *f, long page, long count, PyObject *taken) {
+    if (page < 0 || page >= PyList_GET_SIZE(f->used)) {
+        PyErr_Format(PyExc_RuntimeError, "page table: page %ld out of range", page);
+        return -1;
+    }
     long before = list_long(f->used, page), cap = list_long(f->cap, page);
     PyObject *pobj = PyLong_FromLong(page);
     if (!pobj) return -1;
@@ -338,6 +353,11 @@ static int publish(FastPath *f, long long alloc_count, long long alloc_blocks) {
         if (!it) goto fail;
         while ((item = PyIter_Next(it))) {
             long page = PyLong_AsLong(item);
+            if (page < 0 || page >= PyList_GET_SIZE(f->used)) {
+                Py_DECREF(item);
+                if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "page table: touched page %ld out of range", page);
+                goto fail;
+            }
             PyObject *on_page = PyDict_GetItemWithError(by_page, item); /* borrowed */
             Py_DECREF(item);
             if (PyErr_Occurred()) goto fail;
@@ -387,10 +407,16 @@ fail:
 /* alloc(n, near) -> list of block ids, or None when pages ran out (the blocks taken were given
  * back through the manager's _release_blocks; the caller publishes and reports). The caller holds
  * the manager's lock and has checked the fast path applies (open, no deferred limit, one rank). */
-static PyObject *FastPath_alloc(FastPath *f, PyObject *args) {
+static PyObject *FastPath_alloc(FastPath *f, PyObject *const *args, Py_ssize_t nargs) {
     long n, near = -1;
-    PyObject *near_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "lO", &n, &near_obj)) return NULL;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "alloc(n, near) takes two arguments");
+        return NULL;
+    }
+    PyObject *near_obj = args[1];
+    n = PyLong_AsLong(args[0]);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n <= 0) return PyList_New(0);
     if (near_obj != Py_None) {
         near = PyLong_AsLong(near_obj);
         if (near == -1 && PyErr_Occurred()) return NULL;
@@ -537,7 +563,7 @@ static void FastPath_dealloc(FastPath *f) {
 }
 
 static PyMethodDef FastPath_methods[] = {
-    {"alloc", (PyCFunction)FastPath_alloc, METH_VARARGS, "alloc(n, near) -> block ids, or None when pages ran out"},
+    {"alloc", (PyCFunction)(void (*)(void))FastPath_alloc, METH_FASTCALL, "alloc(n, near) -> block ids, or None when pages ran out"},
     {NULL, NULL, 0, NULL},
 };
 

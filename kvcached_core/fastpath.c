@@ -36,7 +36,62 @@ typedef struct {
     /* page-table integers, cached in C for the length of one call */
     long inuse, blocks_used;
     PyObject *nonempty;
+    /* One int object per block id, made on first use and handed out again after: an alloc then
+     * creates no objects but its list, so it rarely touches fresh heap (a page fault on a VM). */
+    PyObject **idcache;
 } FastPath;
+
+/* The block ids one alloc takes, before they become a list. */
+typedef struct {
+    long *v;
+    Py_ssize_t n, cap;
+    long stack[128];
+} Ids;
+
+static int ids_push(Ids *ids, long block) {
+    if (ids->n == ids->cap) {
+        Py_ssize_t cap = 2 * ids->cap;
+        long *v = ids->v == ids->stack ? PyMem_Malloc(cap * sizeof(long)) : PyMem_Realloc(ids->v, cap * sizeof(long));
+        if (!v) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        if (ids->v == ids->stack) memcpy(v, ids->stack, sizeof ids->stack);
+        ids->v = v;
+        ids->cap = cap;
+    }
+    ids->v[ids->n++] = block;
+    return 0;
+}
+
+static void ids_free(Ids *ids) {
+    if (ids->v != ids->stack) PyMem_Free(ids->v);
+}
+
+static PyObject *id_object(FastPath *f, long block) {
+    if (block < 0 || block >= (long)f->nblocks) return PyLong_FromLong(block);
+    PyObject *o = f->idcache[block];
+    if (!o) {
+        o = PyLong_FromLong(block);
+        if (!o) return NULL;
+        f->idcache[block] = o;
+    }
+    return Py_NewRef(o);
+}
+
+static PyObject *ids_list(FastPath *f, const Ids *ids) {
+    PyObject *list = PyList_New(ids->n);
+    if (!list) return NULL;
+    for (Py_ssize_t i = 0; i < ids->n; i++) {
+        PyObject *o = id_object(f, ids->v[i]);
+        if (!o) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, o);
+    }
+    return list;
+}
 
 static uint32_t crc_table[8][256];
 
@@ -231,7 +286,7 @@ static long empty_page(FastPath *f) {
 }
 
 /* PageTable.take_blocks: count free slots of page go to taken; returns count or -1 */
-static long take_blocks(FastPath *f, long page, long count, PyObject *taken) {
+static long take_blocks(FastPath *f, long page, long count, Ids *taken) {
     if (page < 0 || page >= PyList_GET_SIZE(f->used)) {
         PyErr_Format(PyExc_RuntimeError, "page table: page %ld out of range", page);
         return -1;
@@ -254,12 +309,7 @@ static long take_blocks(FastPath *f, long page, long count, PyObject *taken) {
     long base = page * (long)f->bpp;
     for (long i = 0; i < count; i++) {
         long block = base + PyLong_AsLong(PyList_GET_ITEM(slots, len - 1 - i));
-        PyObject *id = PyLong_FromLong(block);
-        if (!id || PyList_Append(taken, id) < 0) {
-            Py_XDECREF(id);
-            goto fail;
-        }
-        Py_DECREF(id);
+        if (ids_push(taken, block) < 0) goto fail;
         flags[block] = 1;
     }
     if (PyList_SetSlice(slots, len - count, len, NULL) < 0) goto fail;
@@ -280,7 +330,7 @@ static long free_slots(FastPath *f, long page) { return list_long(f->cap, page) 
 #define TAKE(page, k) do { if (take_blocks(f, (page), (k), taken) < 0) return -1; remaining -= (k); } while (0)
 
 /* Policy.place (best-fit); 1 placed, 0 pages ran out, -1 error */
-static int place_best_fit(FastPath *f, long remaining, PyObject *taken) {
+static int place_best_fit(FastPath *f, long remaining, Ids *taken) {
     long page, bpp = (long)f->bpp;
     while (remaining >= bpp) {
         page = empty_page(f);
@@ -304,7 +354,7 @@ static int place_best_fit(FastPath *f, long remaining, PyObject *taken) {
 }
 
 /* Affinity.place */
-static int place_affinity(FastPath *f, long n, long near, PyObject *taken) {
+static int place_affinity(FastPath *f, long n, long near, Ids *taken) {
     long remaining = n;
     if (near >= 0 && near < (long)f->nblocks) {
         long page = near / (long)f->bpp;
@@ -423,15 +473,19 @@ static PyObject *FastPath_alloc(FastPath *f, PyObject *const *args, Py_ssize_t n
         if (near < 0) near = -1;
     }
     if (load_state(f) < 0) return NULL;
-    PyObject *taken = PyList_New(0);
-    if (!taken) return NULL;
-    int ok = f->affinity && near_obj != Py_None ? place_affinity(f, n, near, taken)
-                                                 : place_best_fit(f, n, taken);
+    Ids taken = {.v = NULL, .n = 0, .cap = 128};
+    taken.v = taken.stack;
+    PyObject *list = NULL;
+    int ok = f->affinity && near_obj != Py_None ? place_affinity(f, n, near, &taken)
+                                                 : place_best_fit(f, n, &taken);
     if (store_state(f) < 0) ok = -1;
     if (ok < 0) goto fail;
+    list = ids_list(f, &taken);
+    if (!list) goto fail;
     if (!ok) {
-        PyObject *r = PyObject_CallOneArg(f->release_blocks, taken);
-        Py_DECREF(taken);
+        PyObject *r = PyObject_CallOneArg(f->release_blocks, list);
+        Py_DECREF(list);
+        ids_free(&taken);
         if (!r) return NULL;
         Py_DECREF(r);
         Py_RETURN_NONE;
@@ -442,9 +496,11 @@ static PyObject *FastPath_alloc(FastPath *f, PyObject *const *args, Py_ssize_t n
     if (set_long_attr(f->mgr_d, S_alloc_count, count + 1) < 0 || set_long_attr(f->mgr_d, S_alloc_blocks, blocks + n) < 0)
         goto fail;
     if (publish(f, count + 1, blocks + n) < 0) goto fail;
-    return taken;
+    ids_free(&taken);
+    return list;
 fail:
-    Py_DECREF(taken);
+    Py_XDECREF(list);
+    ids_free(&taken);
     return NULL;
 }
 
@@ -491,6 +547,11 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
         return -1;
     }
     f->nblocks = PyByteArray_GET_SIZE(f->block_used);
+    f->idcache = PyMem_Calloc(f->nblocks ? f->nblocks : 1, sizeof(PyObject *));
+    if (!f->idcache) {
+        PyErr_NoMemory();
+        return -1;
+    }
     if (PyList_GET_SIZE(f->partial) != f->bpp + 1) {
         PyErr_SetString(PyExc_ValueError, "the page table's buckets do not match its blocks per page");
         return -1;
@@ -559,6 +620,10 @@ static int FastPath_clear(FastPath *f) {
 static void FastPath_dealloc(FastPath *f) {
     PyObject_GC_UnTrack(f);
     FastPath_clear(f);
+    if (f->idcache) {
+        for (Py_ssize_t i = 0; i < f->nblocks; i++) Py_XDECREF(f->idcache[i]);
+        PyMem_Free(f->idcache);
+    }
     Py_TYPE(f)->tp_free((PyObject *)f);
 }
 

@@ -646,7 +646,9 @@ static PyTypeObject FastPathType = {
     .tp_methods = FastPath_methods,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvc_fastpath", NULL, -1, NULL};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_kvc_fastpath", .m_doc = NULL, .m_size = -1, .m_methods = NULL,
+};
 
 PyMODINIT_FUNC PyInit__kvc_fastpath(void) {
     crc_init();

@@ -74,12 +74,10 @@ static void leave(const struct kvc_vmm *v, int pushed) {
     if (pushed) v->pop(&ctx);
 }
 
-/* Back one page id. handles[0..have) come from the pool, the rest are created, then handle s is
- * mapped at bases[s] + offset and made readable and writable. On failure returns the driver's
- * code with *step = 1 (create; handles[0..*count) are valid), 2 (map) or 3 (access); nothing is
- * left mapped then. */
-static int kvc_map_page_in(const struct kvc_vmm *v, size_t offset, uint64_t *handles, size_t have, size_t *count,
-                 int *step) {
+/* Create what the pool lacks and map handle s at bases[s] + offset, without access yet; on failure
+ * nothing is left mapped and handles[0..*count) are valid. */
+static int map_only(const struct kvc_vmm *v, size_t offset, uint64_t *handles, size_t have, size_t *count,
+                    int *step) {
     size_t s;
     for (s = have; s < v->nbases; s++) {
         int err = v->create(&handles[s], v->size, v->prop, 0);
@@ -93,17 +91,26 @@ static int kvc_map_page_in(const struct kvc_vmm *v, size_t offset, uint64_t *han
     for (s = 0; s < v->nbases; s++) {
         int err = v->map(v->bases[s] + offset, v->size, 0, handles[s], 0);
         if (err) {
-            size_t k;
-            for (k = 0; k < s; k++) v->unmap(v->bases[k] + offset, v->size);
+            for (size_t k = 0; k < s; k++) v->unmap(v->bases[k] + offset, v->size);
             *step = 2;
             return err;
         }
     }
-    for (s = 0; s < v->nbases; s++) {
-        int err = v->access(v->bases[s] + offset, v->size, v->desc, 1);
+    return 0;
+}
+
+/* Back one page id. handles[0..have) come from the pool, the rest are created, then handle s is
+ * mapped at bases[s] + offset and made readable and writable. On failure returns the driver's
+ * code with *step = 1 (create; handles[0..*count) are valid), 2 (map) or 3 (access); nothing is
+ * left mapped then. */
+static int kvc_map_page_in(const struct kvc_vmm *v, size_t offset, uint64_t *handles, size_t have, size_t *count,
+                           int *step) {
+    int err = map_only(v, offset, handles, have, count, step);
+    if (err) return err;
+    for (size_t s = 0; s < v->nbases; s++) {
+        err = v->access(v->bases[s] + offset, v->size, v->desc, 1);
         if (err) {
-            size_t k;
-            for (k = 0; k < v->nbases; k++) v->unmap(v->bases[k] + offset, v->size);
+            for (size_t k = 0; k < v->nbases; k++) v->unmap(v->bases[k] + offset, v->size);
             *step = 3;
             return err;
         }
@@ -161,11 +168,14 @@ int kvc_map_page(const struct kvc_vmm *v, size_t offset, uint64_t *handles, size
     return err;
 }
 
-/* Back npages page ids (at offsets[i]) in one call. handles has npages * nbases slots, the first
- * `have` from the pool. On failure returns the driver's code and *step as kvc_map_page: the first
- * *done page ids are backed, handles[*done * nbases .. *end) are valid and unmapped (for the pool). */
+/* Back npages page ids (at offsets[i]) in one call, in the order a C program would: create and map
+ * every handle, then one cuMemSetAccess per run of adjacent page ids and range (as the floor in
+ * benchmarks/native/vmm_floor.c and the cuda-python path do). handles has npages * nbases slots,
+ * the first `have` from the pool. On failure returns the driver's code and *step as kvc_map_page:
+ * the first *done page ids are backed, handles[*done * nbases .. *end) are valid and unmapped. */
 int kvc_map_pages(const struct kvc_vmm *v, const uint64_t *offsets, size_t npages, uint64_t *handles, size_t have,
                   size_t *done, size_t *end, int *step) {
+    size_t nb = v->nbases, mapped = 0, count = 0, i, j, k, s;
     int pushed, err = enter(v, &pushed);
     *done = 0;
     if (err) {
@@ -173,15 +183,30 @@ int kvc_map_pages(const struct kvc_vmm *v, const uint64_t *offsets, size_t npage
         *step = 4;
         return err;
     }
-    for (size_t i = 0; i < npages; i++) {
-        size_t first = i * v->nbases, mine = 0, count = 0;
-        if (have > first) mine = have - first < v->nbases ? have - first : v->nbases;
-        err = kvc_map_page_in(v, offsets[i], handles + first, mine, &count, step);
-        if (err) {
-            *end = first + count > have ? first + count : have;
-            break;
+    for (i = 0; i < npages; i++) {
+        size_t first = i * nb, mine = 0;
+        if (have > first) mine = have - first < nb ? have - first : nb;
+        err = map_only(v, offsets[i], handles + first, mine, &count, step);
+        if (err) break;
+        mapped = i + 1;
+    }
+    *end = mapped * nb;
+    if (err) *end = mapped * nb + count > have ? mapped * nb + count : have;
+    for (i = 0; i < mapped; i = j) {
+        for (j = i + 1; j < mapped && offsets[j] == offsets[j - 1] + v->size; j++) {
         }
-        *done = i + 1;
+        for (s = 0; s < nb; s++) {
+            int aerr = v->access(v->bases[s] + offsets[i], (j - i) * v->size, v->desc, 1);
+            if (aerr) {  /* the pages from this run on are mapped without access: take them back */
+                for (k = i; k < mapped; k++)
+                    for (size_t r = 0; r < nb; r++) v->unmap(v->bases[r] + offsets[k], v->size);
+                *end = *end > mapped * nb ? *end : mapped * nb;
+                *step = 3;
+                leave(v, pushed);
+                return aerr;
+            }
+        }
+        *done = j;
     }
     leave(v, pushed);
     return err;

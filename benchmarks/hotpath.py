@@ -4,14 +4,17 @@ A 2-layer model with K and V, 2 MiB pages and 32 KiB blocks (64 blocks per page)
 pool is warm, so no pair maps or unmaps anything: what is measured is placement, bookkeeping
 and the publish of each state change. Rows:
 
-* each placement policy (``affinity`` is the default) with our seqlocked publish;
-* upstream-style: the same allocator (``best-fit``, upstream's policy) with every publish
-  replaced by upstream's status update (open, flock, mmap, write, close the 24-byte file);
-* bookkeeping alone (publish disabled), to show what the publish costs inside the pair.
+* each placement policy (``affinity`` is the default) with our seqlocked publish; ``alloc`` runs
+  in C where it can (``kvcached_core/fastpath.c``), and once more in Python for comparison;
+* upstream-style: the same allocator (``best-fit``, upstream's policy, Python path) with every
+  publish replaced by upstream's status update (open, flock, mmap, write, close the 24-byte file);
+* bookkeeping alone (Python path, publish disabled), to show what the publish costs inside the pair;
+* ``alloc`` alone (its ``free`` untimed), C path and Python path side by side.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 from ._common import legacy_create, legacy_publish, private_segments, summary_us
@@ -19,11 +22,19 @@ from ._common import legacy_create, legacy_publish, private_segments, summary_us
 BLOCKS = 16
 
 
-def _manager(policy: str):  # noqa: ANN202
+def _manager(policy: str, fastpath: bool = True):  # noqa: ANN202
     from kvcached_core.manager import KVCacheManager
 
-    m = KVCacheManager(f"bench-hot-{policy}", num_blocks=64 * 256, block_bytes=32 * 1024, num_layers=2,
-                       page_size=2 * 1024 * 1024, policy=policy)
+    saved = os.environ.get("KVCACHED_FASTPATH")
+    os.environ["KVCACHED_FASTPATH"] = "auto" if fastpath else "0"
+    try:
+        m = KVCacheManager(f"bench-hot-{policy}", num_blocks=64 * 256, block_bytes=32 * 1024, num_layers=2,
+                           page_size=2 * 1024 * 1024, policy=policy)
+    finally:
+        if saved is None:
+            del os.environ["KVCACHED_FASTPATH"]
+        else:
+            os.environ["KVCACHED_FASTPATH"] = saved
     deadline = time.monotonic() + 5
     m.free(m.alloc(BLOCKS))
     while len(m.pages.reserved) < m.min_reserved and time.monotonic() < deadline:
@@ -44,6 +55,20 @@ def _pairs(m, count: int) -> list[int]:  # noqa: ANN001
     return samples
 
 
+def _allocs(m, count: int) -> list[int]:  # noqa: ANN001
+    """``alloc`` alone: its ``free`` happens outside the timed span."""
+    alloc, free, clock = m.alloc, m.free, time.perf_counter_ns
+    for _ in range(min(2000, count)):
+        free(alloc(BLOCKS))
+    samples = []
+    for _ in range(count):
+        t0 = clock()
+        ids = alloc(BLOCKS)
+        samples.append(clock() - t0)
+        free(ids)
+    return samples
+
+
 def _upstream_publish(m, path):  # noqa: ANN001, ANN202
     def publish() -> None:
         m._dirty.clear()
@@ -56,14 +81,15 @@ def run(quick: bool) -> list[dict]:
     rows: list[dict] = []
     results: dict[str, dict[str, float]] = {}
     with private_segments(KVCACHED_HOST_CAPACITY="1GiB") as directory:
-        for label, policy, publish in (
-            ("ours, affinity (default)", "affinity", "seqlock"),
-            ("ours, best-fit", "best-fit", "seqlock"),
-            ("ours, first-fit", "first-fit", "seqlock"),
-            ("upstream-style: best-fit + flock publish per op", "best-fit", "legacy"),
-            ("bookkeeping only (affinity, publish disabled)", "affinity", "off"),
+        for label, policy, publish, fast in (
+            ("ours, affinity (default)", "affinity", "seqlock", True),
+            ("ours, affinity, alloc in Python", "affinity", "seqlock", False),
+            ("ours, best-fit", "best-fit", "seqlock", True),
+            ("ours, first-fit (Python path)", "first-fit", "seqlock", True),
+            ("upstream-style: best-fit + flock publish per op", "best-fit", "legacy", False),
+            ("bookkeeping only (affinity, publish disabled)", "affinity", "off", False),
         ):
-            m = _manager(policy)
+            m = _manager(policy, fast)
             try:
                 if publish == "legacy":
                     path = directory / f"kvcached_hot_{policy}"
@@ -79,10 +105,23 @@ def run(quick: bool) -> list[dict]:
             results[label] = stats
             rows.append({"name": f"alloc({BLOCKS})+free pair: {label}", "value": round(stats["p50"], 2),
                          "unit": "µs p50", "note": f"p99 {stats['p99']:.2f} µs; {count} pairs, pool warm"})
+        for label, fast in (("C path (default)", True), ("Python path", False)):
+            m = _manager("affinity", fast)
+            try:
+                path_used = "C" if m._fast is not None else f"Python: {m.fastpath_reason}"
+                stats = summary_us(_allocs(m, count))
+            finally:
+                m.close()
+            results[f"alloc {label}"] = stats
+            rows.append({"name": f"alloc({BLOCKS}) alone: {label}", "value": round(stats["p50"], 2), "unit": "µs p50",
+                         "note": f"p99 {stats['p99']:.2f} µs; ran on the {path_used} path"})
     ours = results["ours, affinity (default)"]["p50"]
     upstream = results["upstream-style: best-fit + flock publish per op"]["p50"]
     rows.append({"name": "alloc+free pair: upstream-style / ours", "value": round(upstream / ours, 2), "unit": "x",
                  "note": "ratio of the medians above"})
+    rows.append({"name": "alloc alone: Python path / C path",
+                 "value": round(results["alloc Python path"]["p50"] / results["alloc C path (default)"]["p50"], 2),
+                 "unit": "x", "note": "ratio of the medians above"})
     return rows
 
 

@@ -1,0 +1,1 @@
+"""One-off probes run on the GPU machine to explain a benchmark's figures (not part of ``python -m benchmarks``)."""

@@ -19,6 +19,17 @@ _pack_counters = L.COUNTERS.pack_into
 _pack_u64 = L.U64.pack_into
 
 
+TEMP_PREFIX = ".kvc-new."  # a segment being created: TEMP_PREFIX + name + "." + pid
+
+
+def temp_owner(filename: str) -> int | None:
+    """The pid that was creating ``filename`` (a :data:`TEMP_PREFIX` file), or None if it is not one."""
+    if not filename.startswith(TEMP_PREFIX):
+        return None
+    _name, _, pid = filename[len(TEMP_PREFIX):].rpartition(".")
+    return int(pid) if pid.isdigit() and _name else None
+
+
 class SegmentError(OSError):
     """The segment cannot be created or written; the message says which file and why."""
 
@@ -97,7 +108,7 @@ def create_segment_file(name: str, size: int, initial: bytes = b"", directory: P
     An existing segment is replaced only if it is our own and its process is gone.
     """
     path = segment_path(validate(name), directory)
-    tmp = path.with_name(f".kvc-new.{name}.{os.getpid()}")
+    tmp = path.with_name(f"{TEMP_PREFIX}{name}.{os.getpid()}")
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         with contextlib.suppress(FileNotFoundError):

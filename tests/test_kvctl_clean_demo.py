@@ -118,3 +118,22 @@ def test_demo_refuses_to_start_twice(shm_dir: Path):
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=60) == 128 + signal.SIGTERM
     assert segments(shm_dir) == []
+
+
+def test_clean_removes_half_created_segments_of_dead_processes(shm_dir: Path):
+    """A creator killed between creating its hidden file and naming it leaves `.kvc-new.<name>.<pid>`."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)  # exited and reaped: no such process now
+    dead = shm_dir / f".kvc-new.llama.{dead_pid}"
+    dead.write_bytes(b"\0" * 4096)
+    live = shm_dir / f".kvc-new.qwen.{os.getpid()}"  # still being created, as far as anyone can tell
+    live.write_bytes(b"\0" * 4096)
+    other = shm_dir / ".kvc-new.notes"  # not a creator's file: no pid
+    other.write_bytes(b"x")
+    result = kvctl("clean", "--dry-run")
+    assert result.exit_code == 0 and f"would remove {dead} (a segment pid {dead_pid} never finished" in result.output
+    assert dead.exists()
+    result = kvctl("clean")
+    assert result.exit_code == 0 and f"removed {dead}" in result.output
+    assert not dead.exists() and live.exists() and other.exists()
+    assert kvctl("clean").output.strip() == "nothing to clean"

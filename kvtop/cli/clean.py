@@ -9,8 +9,10 @@ import click
 
 from kvcached_core import ModelSnapshot
 from kvcached_core import layout as L
+from kvcached_core.config import shm_dir
 from kvcached_core.procinfo import is_alive
 from kvcached_core.reader import parse_header
+from kvcached_core.segment import temp_owner
 from kvtop import textfmt as T
 from kvtop.cli import ExitCode
 from kvtop.cli.common import read, warn
@@ -36,10 +38,35 @@ def _still_dead(m: ModelSnapshot) -> os.stat_result | None:
     return None if is_alive(m.pid, m.start_time) else st
 
 
+def _leftovers() -> list[tuple[str, int, os.stat_result]]:
+    """Half-created segments (a creator killed between creating and naming the file): ours, its pid gone."""
+    directory = shm_dir()
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    found = []
+    for filename in names:
+        pid = temp_owner(filename)
+        if pid is None or is_alive(pid, 0):
+            continue
+        path = str(directory / filename)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+            found.append((path, pid, st))
+    return found
+
+
 @click.command("clean")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed, remove nothing.")
 def clean_cmd(dry_run: bool) -> None:
     """Remove stale segments of dead processes that belong to you, and say what was removed.
+
+    Also removes your half-created segments: the hidden ``.kvc-new.<name>.<pid>`` file an
+    allocator builds before naming it, left behind when that process was killed mid-creation.
 
     Never touches a live segment, a segment whose process still runs (even with a late
     heartbeat), another user's segment (one warning line each), an upstream kvcached
@@ -83,6 +110,24 @@ def clean_cmd(dry_run: bool) -> None:
         except OSError as exc:
             failed = True
             click.echo(f"kvctl: cannot remove {m.path}: {exc.strerror}", err=True)
+            continue
+        click.echo(f"removed {what}")
+    for path, pid, st in _leftovers():
+        what = f"{path} (a segment pid {pid} never finished creating, {T.fmt_bytes(st.st_size)})"
+        acted += 1
+        if dry_run:
+            click.echo(f"would remove {what}")
+            continue
+        try:
+            now = os.lstat(path)
+            if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+                continue
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            failed = True
+            click.echo(f"kvctl: cannot remove {path}: {exc.strerror}", err=True)
             continue
         click.echo(f"removed {what}")
     if not acted:

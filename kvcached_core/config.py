@@ -115,6 +115,16 @@ def float_env(name: str, default: float) -> float:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
 
 
+def tristate_env(name: str) -> str:
+    """``auto`` (unset too), ``on`` (1/on/true/yes) or ``off`` (0/off/false/no); a ConfigError otherwise."""
+    raw = os.environ.get(name, "").strip().lower() or "auto"
+    table = {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on",
+             "0": "off", "off": "off", "false": "off", "no": "off"}
+    if raw not in table:
+        raise ConfigError(f"{name}={raw!r} must be auto, 1 or 0")
+    return table[raw]
+
+
 def idle_return_s() -> float | None:
     """Seconds without traffic after which a model unmaps its warm pool (``KVCACHED_IDLE_RETURN_S``, default 10; < 0 never)."""
     value = float_env("KVCACHED_IDLE_RETURN_S", DEFAULT_IDLE_RETURN_S)

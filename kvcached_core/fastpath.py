@@ -25,7 +25,7 @@ from typing import Any
 
 from . import layout as L
 from .cbuild import compile_c
-from .config import ConfigError
+from .config import ConfigError, tristate_env
 
 FASTPATH_ENV = "KVCACHED_FASTPATH"
 MODULE = "_kvc_fastpath"
@@ -35,12 +35,7 @@ _load_lock = threading.Lock()
 
 
 def mode_from_env() -> str:
-    raw = os.environ.get(FASTPATH_ENV, "").strip().lower() or "auto"
-    table = {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on",
-             "0": "off", "off": "off", "false": "off", "no": "off"}
-    if raw not in table:
-        raise ConfigError(f"{FASTPATH_ENV}={raw!r} must be auto, 1 or 0")
-    return table[raw]
+    return tristate_env(FASTPATH_ENV)
 
 
 def load() -> tuple[ModuleType | None, str]:

@@ -18,13 +18,12 @@ simply stays on cuda-python.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from pathlib import Path
 from typing import Any
 
 from ..cbuild import compile_c
-from ..config import ConfigError
+from ..config import tristate_env
 
 NATIVE_ENV = "KVCACHED_CUDA_NATIVE"
 
@@ -239,12 +238,7 @@ int kvc_release(const struct kvc_vmm *v, const uint64_t *handles, size_t n, size
 
 
 def native_mode_from_env() -> str:
-    raw = os.environ.get(NATIVE_ENV, "").strip().lower() or "auto"
-    table = {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on",
-             "0": "off", "off": "off", "false": "off", "no": "off"}
-    if raw not in table:
-        raise ConfigError(f"{NATIVE_ENV}={raw!r} must be auto, 1 or 0")
-    return table[raw]
+    return tristate_env(NATIVE_ENV)
 
 
 def build() -> tuple[Path | None, str]:

@@ -78,8 +78,7 @@ def clean_cmd(dry_run: bool) -> None:
       kvctl clean --dry-run
       kvctl clean
     """
-    failed = False
-    acted = 0
+    doomed: list[tuple[str, str, os.stat_result]] = []  # (path, what it is, its stat when we checked)
     for m in read().models:
         if m.status != "stale":
             continue
@@ -95,33 +94,20 @@ def clean_cmd(dry_run: bool) -> None:
             if is_alive(m.pid, m.start_time):
                 warn(f"kept {m.path}: process {m.pid} still runs (its heartbeat is late)")
             continue
-        what = f"{m.path} (model {m.model}, pid {m.pid}, {T.fmt_bytes(checked.st_size)})"
-        acted += 1
-        if dry_run:
-            click.echo(f"would remove {what}")
-            continue
-        try:
-            now = os.lstat(m.path)
-            if (now.st_ino, now.st_dev) != (checked.st_ino, checked.st_dev):
-                continue  # replaced meanwhile: not ours to remove any more
-            os.unlink(m.path)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            failed = True
-            click.echo(f"kvctl: cannot remove {m.path}: {exc.strerror}", err=True)
-            continue
-        click.echo(f"removed {what}")
-    for path, pid, st in _leftovers():
-        what = f"{path} (a segment pid {pid} never finished creating, {T.fmt_bytes(st.st_size)})"
+        doomed.append((m.path, f"model {m.model}, pid {m.pid}", checked))
+    doomed += [(path, f"a segment pid {pid} never finished creating", st) for path, pid, st in _leftovers()]
+    failed = False
+    acted = 0
+    for path, detail, checked in doomed:
+        what = f"{path} ({detail}, {T.fmt_bytes(checked.st_size)})"
         acted += 1
         if dry_run:
             click.echo(f"would remove {what}")
             continue
         try:
             now = os.lstat(path)
-            if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
-                continue
+            if (now.st_ino, now.st_dev) != (checked.st_ino, checked.st_dev):
+                continue  # replaced meanwhile: not ours to remove any more
             os.unlink(path)
         except FileNotFoundError:
             continue

@@ -4,8 +4,8 @@ A 2-layer model with K and V, 2 MiB pages and 32 KiB blocks (64 blocks per page)
 pool is warm, so no pair maps or unmaps anything: what is measured is placement, bookkeeping
 and the publish of each state change. Rows:
 
-* each placement policy (``affinity`` is the default) with our seqlocked publish; ``alloc`` runs
-  in C where it can (``kvcached_core/fastpath.c``), and once more in Python for comparison;
+* each placement policy (``affinity`` is the default) with our seqlocked publish; ``alloc`` and
+  ``free`` run in C where they can (``kvcached_core/fastpath.c``), and once more in Python for comparison;
 * upstream-style: the same allocator (``best-fit``, upstream's policy, Python path) with every
   publish replaced by upstream's status update (open, flock, mmap, write, close the 24-byte file);
 * bookkeeping alone (Python path, publish disabled), to show what the publish costs inside the pair;
@@ -83,7 +83,7 @@ def run(quick: bool) -> list[dict]:
     with private_segments(KVCACHED_HOST_CAPACITY="1GiB") as directory:
         for label, policy, publish, fast in (
             ("ours, affinity (default)", "affinity", "seqlock", True),
-            ("ours, affinity, alloc in Python", "affinity", "seqlock", False),
+            ("ours, affinity, Python path (KVCACHED_FASTPATH=0)", "affinity", "seqlock", False),
             ("ours, best-fit", "best-fit", "seqlock", True),
             ("ours, first-fit (Python path)", "first-fit", "seqlock", True),
             ("upstream-style: best-fit + flock publish per op", "best-fit", "legacy", False),

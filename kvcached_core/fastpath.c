@@ -1,7 +1,7 @@
-/* The allocator's alloc hot path in C: placement plus the segment publish that follows it.
+/* The allocator's hot path in C: alloc (placement plus the segment publish that follows it) and free.
  *
  * It mirrors kvcached_core/placement.py (Policy.place, Affinity.place), pages.py (take_blocks,
- * best_fit, emptiest) and manager.py (_publish) step for step, on the very same Python objects
+ * best_fit, emptiest, free_blocks) and manager.py (free, _release_blocks, _publish) step for step, on the very same Python objects
  * (the page table's lists and sets, the segment's mapping), so the Python code stays the one
  * source of truth and either path may run at any time. tests/test_fastpath.py checks that both
  * produce the same blocks and the same segment bytes. The interpreter's dispatch is what this
@@ -17,7 +17,8 @@
 #include <time.h>
 
 static PyObject *S_nonempty, *S_pages_inuse, *S_blocks_used, *S_alloc_count, *S_alloc_blocks, *S_seq,
-    *S_page_sum, *S_by_page;
+    *S_page_sum, *S_by_page, *S_free_count, *S_free_blocks, *S_blocks, *S_limit_pages, *S_limit_status,
+    *S_max_reserved, *S_inflight;
 
 typedef struct {
     PyObject_HEAD
@@ -25,6 +26,7 @@ typedef struct {
     PyObject *mgr_d, *pages_d, *seg_d;                 /* their __dict__s */
     PyObject *used, *cap, *slots, *partial, *reserved, *block_used, *touched, *mapped;
     PyObject *empty_page, *release_blocks;             /* bound methods of the manager */
+    PyObject *pool_overflow, *update_limit, *publish_all, *cache_remove;
     Py_ssize_t bpp, nblocks;
     int affinity;
     double slack;
@@ -33,12 +35,14 @@ typedef struct {
     int cached_shift;
     Py_ssize_t seq_off, counters_off, counters_len, checksum_off, page_map_off;
     Py_ssize_t o_inuse, o_reserved, o_blocks_used, o_mapped, o_alloc_count, o_alloc_blocks, o_updated, o_page_sum;
+    Py_ssize_t o_free_count, o_free_blocks;
     /* page-table integers, cached in C for the length of one call */
     long inuse, blocks_used;
     PyObject *nonempty;
     /* One int object per block id, made on first use and handed out again after: an alloc then
      * creates no objects but its list, so it rarely touches fresh heap (a page fault on a VM). */
     PyObject **idcache;
+    long *counts; /* free: blocks freed per page, zero between calls */
 } FastPath;
 
 /* The block ids one alloc takes, before they become a list. */
@@ -379,9 +383,11 @@ static int place_affinity(FastPath *f, long n, long near, Ids *taken) {
 
 static inline void put_u64(char *buf, Py_ssize_t off, uint64_t v) { memcpy(buf + off, &v, 8); }
 
-/* manager._publish for an alloc: the touched pages' entries and the counters an alloc changes
- * (every other counter is as the last full publish left it). */
-static int publish(FastPath *f, long long alloc_count, long long alloc_blocks) {
+/* manager._publish for an alloc or a free: the touched pages' entries and the counters those
+ * change (every other counter is as the last full publish left it); the operation's own two
+ * counters (alloc_count/alloc_blocks or free_count/free_blocks) come as offset and value. */
+static int publish(FastPath *f, Py_ssize_t off_count, long long count_value, Py_ssize_t off_blocks,
+                   long long blocks_value) {
     Py_buffer b;
     PyObject *by_page = NULL, *it = NULL, *item;
     long seq0, page_sum0;
@@ -434,8 +440,8 @@ static int publish(FastPath *f, long long alloc_count, long long alloc_blocks) {
     put_u64(buf, f->o_reserved, (uint64_t)reserved);
     put_u64(buf, f->o_blocks_used, (uint64_t)f->blocks_used);
     put_u64(buf, f->o_mapped, (uint64_t)((f->inuse + reserved) * f->bundle_bytes));
-    put_u64(buf, f->o_alloc_count, (uint64_t)alloc_count);
-    put_u64(buf, f->o_alloc_blocks, (uint64_t)alloc_blocks);
+    put_u64(buf, off_count, (uint64_t)count_value);
+    put_u64(buf, off_blocks, (uint64_t)blocks_value);
     put_u64(buf, f->o_updated, (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec);
     put_u64(buf, f->o_page_sum, (uint64_t)page_sum);
     seq += 1;
@@ -495,13 +501,169 @@ static PyObject *FastPath_alloc(FastPath *f, PyObject *const *args, Py_ssize_t n
         goto fail;
     if (set_long_attr(f->mgr_d, S_alloc_count, count + 1) < 0 || set_long_attr(f->mgr_d, S_alloc_blocks, blocks + n) < 0)
         goto fail;
-    if (publish(f, count + 1, blocks + n) < 0) goto fail;
+    if (publish(f, f->o_alloc_count, count + 1, f->o_alloc_blocks, blocks + n) < 0) goto fail;
     ids_free(&taken);
     return list;
 fail:
     Py_XDECREF(list);
     ids_free(&taken);
     return NULL;
+}
+
+
+static PyObject *call0(PyObject *fn) {
+    PyObject *r = PyObject_CallNoArgs(fn);
+    if (!r) return NULL;
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
+/* free(ids) -> True when done, False when an id is not a plain int (the caller's Python path takes
+ * those). Mirrors manager.free: _validate_used, the prefix-cache removals, PageTable.free_blocks and
+ * _release_blocks, the counters and the publish. Anything beyond the page table (a cache removal, an
+ * unmap, a limit's status) goes through the manager's own methods, and then the full publish. */
+static PyObject *FastPath_free(FastPath *f, PyObject *ids) {
+    if (!PyList_CheckExact(ids)) {
+        PyErr_SetString(PyExc_TypeError, "free(ids) takes a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(ids), i;
+    char *flags = PyByteArray_AS_STRING(f->block_used);
+    for (i = 0; i < n; i++)
+        if (!PyLong_CheckExact(PyList_GET_ITEM(ids, i))) Py_RETURN_FALSE;
+    /* validate: each allocated, none twice (a seen block is marked 2 until the check ends) */
+    for (i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(ids, i);
+        long block = PyLong_AsLong(item);
+        if (block == -1 && PyErr_Occurred()) PyErr_Clear();
+        if (block < 0 || block >= (long)f->nblocks || flags[block] != 1) {
+            for (Py_ssize_t k = 0; k < i; k++) flags[PyLong_AsLong(PyList_GET_ITEM(ids, k))] = 1;
+            PyErr_Format(PyExc_ValueError, "block %R is not allocated (or listed twice); nothing was changed", item);
+            return NULL;
+        }
+        flags[block] = 2;
+    }
+    for (i = 0; i < n; i++) flags[PyLong_AsLong(PyList_GET_ITEM(ids, i))] = 1;
+    int slow_publish = 0;
+    PyObject *cached = PyObject_GetAttr(f->cache, S_blocks); /* the prefix cache: block -> age */
+    if (!cached) return NULL;
+    if (PyDict_Check(cached) && PyDict_GET_SIZE(cached)) {
+        for (i = 0; i < n; i++) {
+            PyObject *item = PyList_GET_ITEM(ids, i);
+            int has = PyDict_Contains(cached, item);
+            PyObject *r = has > 0 ? PyObject_CallOneArg(f->cache_remove, item) : NULL;
+            if (has < 0 || (has > 0 && !r)) {
+                Py_DECREF(cached);
+                return NULL;
+            }
+            Py_XDECREF(r);
+            slow_publish |= has;
+        }
+    }
+    Py_DECREF(cached);
+    if (load_state(f) < 0) return NULL; /* the publish below reads these too */
+    if (n) {
+        /* PageTable.free_blocks */
+        long bpp = (long)f->bpp;
+        Ids order = {.v = NULL, .n = 0, .cap = 128};
+        order.v = order.stack;
+        for (i = 0; i < n; i++) {
+            long block = PyLong_AsLong(PyList_GET_ITEM(ids, i)), page = block / bpp;
+            flags[block] = 0;
+            PyObject *slot = PyLong_FromLong(block - page * bpp);
+            if (!slot || PyList_Append(PyList_GET_ITEM(f->slots, page), slot) < 0) {
+                Py_XDECREF(slot);
+                ids_free(&order);
+                return NULL;
+            }
+            Py_DECREF(slot);
+            if (f->counts[page]++ == 0 && ids_push(&order, page) < 0) {
+                ids_free(&order);
+                return NULL;
+            }
+        }
+        int failed = 0;
+        for (i = 0; i < order.n && !failed; i++) {
+            long page = order.v[i], count = f->counts[page];
+            long before = list_long(f->used, page), cap = list_long(f->cap, page);
+            PyObject *pobj = PyLong_FromLong(page);
+            if (!pobj) {
+                failed = 1;
+                break;
+            }
+            if (before != cap && unlist(f, pobj, cap - before) < 0) failed = 1;
+            if (!failed && list_set_long(f->used, page, before - count) < 0) failed = 1;
+            if (!failed) {
+                if (before == count) f->inuse--;
+                else if (enlist(f, pobj, cap - before + count) < 0) failed = 1;
+            }
+            if (!failed && PySet_Add(f->touched, pobj) < 0) failed = 1;
+            Py_DECREF(pobj);
+        }
+        f->blocks_used -= (long)n;
+        for (i = 0; i < order.n; i++) f->counts[order.v[i]] = 0;
+        if (failed || store_state(f) < 0) {
+            ids_free(&order);
+            return NULL;
+        }
+        /* manager._release_blocks: pages that emptied join the pool, or go when it is full or over the limit */
+        for (i = 0; i < order.n; i++) {
+            long page = order.v[i];
+            if (list_long(f->used, page) != 0) continue;
+            PyObject *pobj = PyLong_FromLong(page);
+            if (!pobj || PyList_Append(f->reserved, pobj) < 0) {
+                Py_XDECREF(pobj);
+                ids_free(&order);
+                return NULL;
+            }
+            Py_DECREF(pobj);
+            long max_reserved, inflight, limit = -1, status;
+            PyObject *limit_obj = PyDict_GetItemWithError(f->mgr_d, S_limit_pages);
+            if ((!limit_obj && PyErr_Occurred()) || get_long_attr(f->mgr_d, S_max_reserved, &max_reserved) < 0 ||
+                get_long_attr(f->pages_d, S_inflight, &inflight) < 0 ||
+                get_long_attr(f->mgr_d, S_limit_status, &status) < 0) {
+                ids_free(&order);
+                return NULL;
+            }
+            if (limit_obj && limit_obj != Py_None) limit = PyLong_AsLong(limit_obj);
+            Py_ssize_t pool = PyList_GET_SIZE(f->reserved);
+            int over_limit = limit >= 0 && f->inuse + pool + inflight > limit;
+            PyObject *r = NULL;
+            if (over_limit || pool > max_reserved) {
+                if (!(r = call0(f->pool_overflow))) {
+                    ids_free(&order);
+                    return NULL;
+                }
+                Py_DECREF(r);
+                slow_publish = 1;
+            }
+            if (status == 2 /* LIMIT_DEFERRED */) {
+                if (!(r = call0(f->update_limit))) {
+                    ids_free(&order);
+                    return NULL;
+                }
+                Py_DECREF(r);
+                slow_publish = 1;
+            }
+            if (load_state(f) < 0) {
+                ids_free(&order);
+                return NULL;
+            }
+        }
+        ids_free(&order);
+    }
+    long count, blocks;
+    if (get_long_attr(f->mgr_d, S_free_count, &count) < 0 || get_long_attr(f->mgr_d, S_free_blocks, &blocks) < 0 ||
+        set_long_attr(f->mgr_d, S_free_count, count + 1) < 0 || set_long_attr(f->mgr_d, S_free_blocks, blocks + n) < 0)
+        return NULL;
+    if (slow_publish) {
+        PyObject *r = call0(f->publish_all);
+        if (!r) return NULL;
+        Py_DECREF(r);
+    } else if (publish(f, f->o_free_count, count + 1, f->o_free_blocks, blocks + n) < 0) {
+        return NULL;
+    }
+    Py_RETURN_TRUE;
 }
 
 static PyObject *attr(PyObject *obj, const char *name) { return PyObject_GetAttrString(obj, name); }
@@ -537,7 +699,14 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_TypeError, "the page table's containers are not the types the fast path reads");
         return -1;
     }
-    if (!(f->empty_page = attr(mgr, "_empty_page")) || !(f->release_blocks = attr(mgr, "_release_blocks"))) return -1;
+    if (!(f->empty_page = attr(mgr, "_empty_page")) || !(f->release_blocks = attr(mgr, "_release_blocks")) ||
+        !(f->pool_overflow = attr(mgr, "_pool_overflow")) || !(f->update_limit = attr(mgr, "_update_limit_status")) ||
+        !(f->publish_all = attr(mgr, "_publish")) || !(f->cache_remove = attr(f->cache, "remove")))
+        return -1;
+    if (!(f->counts = PyMem_Calloc(PyList_GET_SIZE(f->used) + 1, sizeof(long)))) {
+        PyErr_NoMemory();
+        return -1;
+    }
     PyObject *bpp = attr(f->pages, "bpp");
     if (!bpp) return -1;
     f->bpp = PyLong_AsSsize_t(bpp);
@@ -561,6 +730,7 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
         {"checksum", &f->checksum_off}, {"page_map", &f->page_map_off}, {"pages_inuse", &f->o_inuse},
         {"pages_reserved", &f->o_reserved}, {"blocks_used", &f->o_blocks_used}, {"mapped_bytes", &f->o_mapped},
         {"alloc_count", &f->o_alloc_count}, {"alloc_blocks", &f->o_alloc_blocks}, {"updated_ns", &f->o_updated},
+        {"free_count", &f->o_free_count}, {"free_blocks", &f->o_free_blocks},
         {"page_sum", &f->o_page_sum}, {"cached_shift", NULL}, {"page_mapped", NULL}, {"bundle_bytes", NULL},
     };
     for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
@@ -590,6 +760,10 @@ static int FastPath_traverse(FastPath *f, visitproc visit, void *arg) {
     Py_VISIT(f->view);
     Py_VISIT(f->empty_page);
     Py_VISIT(f->release_blocks);
+    Py_VISIT(f->pool_overflow);
+    Py_VISIT(f->update_limit);
+    Py_VISIT(f->publish_all);
+    Py_VISIT(f->cache_remove);
     Py_VISIT(f->nonempty);
     return 0;
 }
@@ -613,6 +787,10 @@ static int FastPath_clear(FastPath *f) {
     Py_CLEAR(f->mapped);
     Py_CLEAR(f->empty_page);
     Py_CLEAR(f->release_blocks);
+    Py_CLEAR(f->pool_overflow);
+    Py_CLEAR(f->update_limit);
+    Py_CLEAR(f->publish_all);
+    Py_CLEAR(f->cache_remove);
     Py_CLEAR(f->nonempty);
     return 0;
 }
@@ -624,10 +802,12 @@ static void FastPath_dealloc(FastPath *f) {
         for (Py_ssize_t i = 0; i < f->nblocks; i++) Py_XDECREF(f->idcache[i]);
         PyMem_Free(f->idcache);
     }
+    PyMem_Free(f->counts);
     Py_TYPE(f)->tp_free((PyObject *)f);
 }
 
 static PyMethodDef FastPath_methods[] = {
+    {"free", (PyCFunction)FastPath_free, METH_O, "free(ids) -> True when done, False when Python must do it"},
     {"alloc", (PyCFunction)(void (*)(void))FastPath_alloc, METH_FASTCALL, "alloc(n, near) -> block ids, or None when pages ran out"},
     {NULL, NULL, 0, NULL},
 };
@@ -660,6 +840,13 @@ PyMODINIT_FUNC PyInit__kvc_fastpath(void) {
     S_seq = PyUnicode_InternFromString("_seq");
     S_page_sum = PyUnicode_InternFromString("page_sum");
     S_by_page = PyUnicode_InternFromString("by_page");
+    S_free_count = PyUnicode_InternFromString("free_count");
+    S_free_blocks = PyUnicode_InternFromString("free_blocks");
+    S_blocks = PyUnicode_InternFromString("blocks");
+    S_limit_pages = PyUnicode_InternFromString("limit_pages");
+    S_limit_status = PyUnicode_InternFromString("limit_status");
+    S_max_reserved = PyUnicode_InternFromString("max_reserved");
+    S_inflight = PyUnicode_InternFromString("inflight");
     if (PyType_Ready(&FastPathType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

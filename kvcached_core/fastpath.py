@@ -1,14 +1,16 @@
-"""The optional C alloc path: ``fastpath.c``, built once with the system compiler.
+"""The optional C hot path: ``alloc`` and ``free`` in ``fastpath.c``, built once with the system compiler.
 
 ``alloc`` in Python is ~200 bytecodes of placement and segment publishing; on a busy VM right after
 an engine's GPU wait that measured 25-35 µs at p50. The C version walks the same page-table
 objects and writes the same segment bytes, so the Python code stays the reference and the two
 may interleave freely (tests/test_fastpath.py compares them block for block, byte for byte).
+``free`` likewise; what it triggers beyond the page table (a prefix-cache removal, an unmap, a
+limit's status) it asks of the manager's own Python methods.
 
 ``KVCACHED_FASTPATH``: ``auto`` (default: use it when it builds), ``0`` (never), ``1`` (always:
 the allocator fails to start if it cannot be built). It serves the ``affinity`` and ``best-fit``
 policies on a single-rank allocator while no lowered limit is waiting; anything else (first-fit,
-a deferred limit, tensor parallelism) takes the Python path, as does every ``free``.
+a deferred limit, tensor parallelism, ids that are not plain ints) takes the Python path.
 """
 
 from __future__ import annotations

@@ -203,7 +203,11 @@ class KVCacheManager:
         """Return blocks (active or cached). Unknown or repeated ids raise ValueError and change nothing."""
         ids = list(ids)
         with self._lock:
-            self._check_open()
+            if self._closed:
+                self._check_open()
+            fast = self._fast
+            if fast is not None and fast.free(ids):  # all of the below, in C (False: ids that are not ints)
+                return
             self._validate_used(ids)
             cache = self.cache
             if cache.blocks:
@@ -437,9 +441,13 @@ class KVCacheManager:
                 self.pages.reserved.append(page)
                 over_limit = self.limit_pages is not None and self._mapped_or_mapping() > self.limit_pages
                 if over_limit or len(self.pages.reserved) > self.max_reserved:
-                    self._unmap_reserved(1, newest=True)
+                    self._pool_overflow()
                 if self.limit_status == L.LIMIT_DEFERRED:
                     self._update_limit_status()
+
+    def _pool_overflow(self) -> None:
+        """A page just joined a pool that is full (or the model is over its limit): unmap the newest."""
+        self._unmap_reserved(1, newest=True)
 
     def _unmap_reserved(self, count: int, *, newest: bool = False) -> int:
         if count <= 0:

@@ -60,6 +60,7 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("free"), st.integers(0, 30), st.just(0)),
     st.tuples(st.just("free"), st.integers(0, 30), st.just(0)),
     st.tuples(st.just("cache"), st.integers(0, 30), st.just(0)),
+    st.tuples(st.just("free-cached"), st.integers(0, 30), st.just(0)),  # a request whose blocks were cached
     st.tuples(st.just("evict"), st.integers(1, 12), st.just(0)),
     st.tuples(st.just("limit"), st.integers(-1, 12), st.just(0)),
 ), min_size=10, max_size=80)
@@ -73,7 +74,8 @@ def test_same_blocks_and_bytes(policy: str, bpp: int, script: list, deterministi
                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Pages of 8, 64 and 80 blocks: the C path finds buckets by bitmask up to 64, by scanning above."""
     fast, slow = pair(policy, monkeypatch, bpp=bpp)
-    held: list[list[int]] = []
+    held: list[list[int]] = []  # active requests' blocks
+    cached: list[list[int]] = []  # cached requests' blocks, minus those evicted since
     try:
         for op, a, b in script:
             results = []
@@ -83,6 +85,8 @@ def test_same_blocks_and_bytes(policy: str, bpp: int, script: list, deterministi
                     results.append(m.alloc(a % (3 * bpp + 2) + 1, near=near))
                 elif op == "free" and held:
                     m.free(held[a % len(held)])
+                elif op == "free-cached" and cached:
+                    m.free(cached[a % len(cached)])
                 elif op == "cache" and held:
                     results.append(m.mark_cached(held[a % len(held)]))
                 elif op == "evict":
@@ -93,7 +97,14 @@ def test_same_blocks_and_bytes(policy: str, bpp: int, script: list, deterministi
             if op == "alloc" and results[0] is not None:
                 held.append(results[0])
             elif op in ("free", "cache") and held:
-                held.pop(a % len(held))
+                done = held.pop(a % len(held))
+                if op == "cache":
+                    cached.append(done)
+            elif op == "free-cached" and cached:
+                cached.pop(a % len(cached))
+            if op in ("cache", "evict") and results and results[0]:
+                gone = set(results[0])
+                cached = [[x for x in ids if x not in gone] for ids in cached]
             assert state(fast) == state(slow), (op, a, b)
         snap = snapshot(fast.name)  # the reader checks the seqlock and the checksum the C path wrote
         assert snap.blocks_used == fast.pages.blocks_used
@@ -175,6 +186,29 @@ def test_a_whole_page_request_that_cannot_grow(bpp: int, deterministic: None, mo
             m.set_limit(m.bundle_bytes)
             assert m.alloc(bpp) is None
             assert m.alloc(bpp - 10) is not None  # exactly what is left
+        assert state(fast) == state(slow)
+    finally:
+        fast.close()
+        slow.close()
+
+
+@needs_build
+@pytest.mark.parametrize("bad", [[3, 3], [999999], [-1], [5, 0, 5], ["x"]])
+def test_a_bad_free_changes_nothing_on_either_path(bad: list, deterministic: None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    fast, slow = pair("affinity", monkeypatch)
+    try:
+        messages = []
+        for m in (fast, slow):
+            ids = m.alloc(6)
+            assert ids == list(range(6))
+            before = state(m)
+            with pytest.raises(ValueError) as err:
+                m.free([b if isinstance(b, str) else b for b in bad])
+            messages.append(str(err.value))
+            assert state(m) == before and m.pages.block_used[:6] == b"\x01" * 6
+            m.free(ids)  # and the good ones still free
+        assert messages[0] == messages[1] and "is not allocated (or listed twice); nothing was changed" in messages[0]
         assert state(fast) == state(slow)
     finally:
         fast.close()

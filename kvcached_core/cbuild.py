@@ -12,6 +12,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -22,6 +23,15 @@ def cache_dir() -> Path:
     return Path(base) / "kvcached"
 
 
+def _trusted(path: Path, kind: int) -> bool:
+    """Ours, of the expected kind, and writable by nobody else: we load code from here."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_IFMT(st.st_mode) == kind and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def compile_c(source: str, stem: str, *, suffix: str = ".so", flags: tuple[str, ...] = ()) -> tuple[Path | None, str]:
     """The shared object built from ``source`` (cached), or None and one line saying why not."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -30,10 +40,17 @@ def compile_c(source: str, stem: str, *, suffix: str = ".so", flags: tuple[str, 
     digest = hashlib.sha256("\0".join((source, platform.machine(), cc, *flags)).encode()).hexdigest()[:16]
     for directory in (cache_dir(), Path(tempfile.gettempdir()) / f"kvcached-{os.getuid()}"):
         target = directory / f"{stem}-{digest}{suffix}"
-        if target.is_file():
-            return target, ""
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if not _trusted(directory, stat.S_IFDIR):
+            continue  # someone else's, or writable by others (a shared /tmp): never load code from it
+        if target.exists():
+            if _trusted(target, stat.S_IFREG):
+                return target, ""
+            continue
+        try:
             fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{stem}-", suffix=".c")
         except OSError:
             continue
@@ -53,7 +70,7 @@ def compile_c(source: str, stem: str, *, suffix: str = ".so", flags: tuple[str, 
             for leftover in (tmp, out):
                 if os.path.exists(leftover):
                     os.unlink(leftover)
-    return None, "no writable cache directory for the native helper"
+    return None, "no private, writable cache directory for the native helper (~/.cache/kvcached or $TMPDIR)"
 
 
 __all__ = ["cache_dir", "compile_c"]

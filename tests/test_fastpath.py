@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -213,3 +214,23 @@ def test_a_bad_free_changes_nothing_on_either_path(bad: list, deterministic: Non
     finally:
         fast.close()
         slow.close()
+
+
+def test_code_is_never_loaded_from_a_directory_others_can_write(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache directory writable by others (or a planted library in it) is skipped, not trusted."""
+    from kvcached_core import cbuild
+
+    shared = tmp_path / "cache" / "kvcached"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # gettempdir() caches $TMPDIR
+    (tmp_path / "tmp").mkdir()
+    path, why = cbuild.compile_c("int kvc_probe(void) { return 7; }\n", "probe")
+    if path is None:
+        pytest.skip(f"no compiler here: {why}")
+    assert path.parent == tmp_path / "tmp" / f"kvcached-{os.getuid()}", "built in the world-writable directory"
+    planted = path.parent / path.name
+    planted.chmod(0o666)  # now writable by others: not loaded again, rebuilt nowhere trusted
+    again, why = cbuild.compile_c("int kvc_probe(void) { return 7; }\n", "probe")
+    assert again is None and "private" in why

@@ -80,6 +80,14 @@ def _offsets(bundle_bytes: int) -> dict[str, int]:
     return offsets
 
 
+def require(mode: str) -> None:
+    """With ``KVCACHED_FASTPATH=1``, fail now (before the allocator creates anything) if it cannot be built."""
+    if mode == "on":
+        module, why = load()
+        if module is None:
+            raise ConfigError(f"{FASTPATH_ENV}=1 but the C alloc path is unavailable: {why}")
+
+
 def attach(manager: Any, policy: Any, mode: str | None = None) -> tuple[Any | None, str]:
     """A FastPath bound to ``manager`` when its policy and mode allow one, else None and why."""
     from .placement import Affinity, Policy  # noqa: PLC0415 - placement imports nothing from here
@@ -91,10 +99,9 @@ def attach(manager: Any, policy: Any, mode: str | None = None) -> tuple[Any | No
         return None, f"policy {policy.name!r} runs in Python"
     if manager.tp_world > 1:
         return None, "tensor parallelism publishes per-rank records: Python path"
+    require(mode)
     module, why = load()
     if module is None:
-        if mode == "on":
-            raise ConfigError(f"{FASTPATH_ENV}=1 but the C alloc path is unavailable: {why}")
         return None, why
     affinity = type(policy) is Affinity
     fast = module.FastPath(manager, affinity, float(getattr(policy, "slack", 0.0)),
@@ -102,4 +109,4 @@ def attach(manager: Any, policy: Any, mode: str | None = None) -> tuple[Any | No
     return fast, ""
 
 
-__all__ = ["FASTPATH_ENV", "attach", "load", "mode_from_env"]
+__all__ = ["FASTPATH_ENV", "attach", "load", "mode_from_env", "require"]

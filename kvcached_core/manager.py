@@ -99,6 +99,8 @@ class KVCacheManager:
         self.bundle_bytes = self.geometry.bundle_bytes * tp_world  # one page id on every rank
         bounds = config.reserve_bounds()
         self.min_reserved, self.max_reserved = bounds.min_pages, bounds.max_pages
+        fast_mode = fastpath.mode_from_env()
+        fastpath.require(fast_mode)  # KVCACHED_FASTPATH=1 without a build fails before any file exists
 
         self._lock = threading.RLock()
         self._refill_wanted = threading.Condition(self._lock)
@@ -143,7 +145,7 @@ class KVCacheManager:
         self._refill_polling = False  # the refill thread looks by itself: no need to wake it
         self._publish()
         try:
-            self._fast, self.fastpath_reason = fastpath.attach(self, self.policy)
+            self._fast, self.fastpath_reason = fastpath.attach(self, self.policy, fast_mode)
         except BaseException:
             self.backend.close()
             self.segment.close(unlink=True)

@@ -122,7 +122,8 @@ def test_bad_allocator_geometry(shm_dir, change, message):
     ("KVCACHED_MIN_RESERVED_PAGES", "20", "reserve bounds need 0 <= KVCACHED_MIN_RESERVED_PAGES (20)"),
     ("KVCACHED_MAX_CACHED_TOKENS", "lots", "KVCACHED_MAX_CACHED_TOKENS='lots' is not an integer"),
     ("KVCACHED_HOST_CAPACITY", "12XB", "KVCACHED_HOST_CAPACITY: '12XB': unknown unit 'XB'"),
-], ids=["page-size-odd", "page-size-word", "reserve-bounds", "cached-tokens-word", "host-capacity-unit"])
+    ("KVCACHED_FASTPATH", "maybe", "KVCACHED_FASTPATH='maybe' must be auto, 1 or 0"),
+], ids=["page-size-odd", "page-size-word", "reserve-bounds", "cached-tokens-word", "host-capacity-unit", "fastpath"])
 def test_bad_environment(shm_dir, monkeypatch, variable, value, message):
     monkeypatch.setenv(variable, value)
     kwargs = {k: v for k, v in SMALL.items() if not (variable == "KVCACHED_PAGE_SIZE_MB" and k == "page_size")}

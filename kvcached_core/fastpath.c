@@ -195,7 +195,14 @@ static int flip_bit(FastPath *f, long bit, int set) {
     return 0;
 }
 
+static int bad_bucket(FastPath *f, long free) {
+    if (free >= 0 && free <= (long)f->bpp) return 0;
+    PyErr_Format(PyExc_RuntimeError, "page table: %ld free slots on a page of %zd", free, f->bpp);
+    return 1;
+}
+
 static int unlist(FastPath *f, PyObject *page, long free) {
+    if (bad_bucket(f, free)) return -1;
     PyObject *bucket = PyList_GET_ITEM(f->partial, free);
     if (PySet_Discard(bucket, page) < 0) return -1;
     if (PySet_GET_SIZE(bucket) == 0) return flip_bit(f, free, 0);
@@ -203,13 +210,14 @@ static int unlist(FastPath *f, PyObject *page, long free) {
 }
 
 static int enlist(FastPath *f, PyObject *page, long free) {
+    if (bad_bucket(f, free)) return -1;
     PyObject *bucket = PyList_GET_ITEM(f->partial, free);
     if (PySet_Add(bucket, page) < 0) return -1;
     return flip_bit(f, free, 1);
 }
 
-/* min(bucket) for a set of page ids; -1 with an exception on error */
-static long set_min(PyObject *bucket) {
+/* min(bucket) for a set of page ids (each checked to be a page); -1 with an exception on error */
+static long set_min(FastPath *f, PyObject *bucket) {
     PyObject *it = PyObject_GetIter(bucket), *item;
     long best = LONG_MAX;
     if (!it) return -1;
@@ -219,7 +227,12 @@ static long set_min(PyObject *bucket) {
         if (v < best) best = v;
     }
     Py_DECREF(it);
-    return PyErr_Occurred() ? -1 : best;
+    if (PyErr_Occurred()) return -1;
+    if (best < 0 || best >= PyList_GET_SIZE(f->used)) {
+        PyErr_Format(PyExc_RuntimeError, "page table: bucket page %ld out of range", best);
+        return -1;
+    }
+    return best;
 }
 
 /* The lowest page id in bucket `free`, checked: a page table that disagrees with itself raises
@@ -230,7 +243,7 @@ static long bucket_min(FastPath *f, long free) {
         PyErr_Format(PyExc_RuntimeError, "page table: nonempty marks bucket %ld, which is empty or out of range", free);
         return -1;
     }
-    return set_min(bucket);
+    return set_min(f, bucket);
 }
 
 /* The page table's `nonempty` bits (bit f: some in-use page has f free slots) as a machine word,
@@ -254,7 +267,7 @@ static long best_fit(FastPath *f, long count) {
     if (PyErr_Occurred()) return -1;
     for (long fr = count; fr <= f->bpp; fr++) {
         PyObject *bucket = PyList_GET_ITEM(f->partial, fr);
-        if (PySet_GET_SIZE(bucket)) return set_min(bucket);
+        if (PySet_GET_SIZE(bucket)) return set_min(f, bucket);
     }
     return -2;
 }
@@ -266,7 +279,7 @@ static long emptiest(FastPath *f) {
     if (PyErr_Occurred()) return -1;
     for (long fr = f->bpp; fr >= 1; fr--) {
         PyObject *bucket = PyList_GET_ITEM(f->partial, fr);
-        if (PySet_GET_SIZE(bucket)) return set_min(bucket);
+        if (PySet_GET_SIZE(bucket)) return set_min(f, bucket);
     }
     return -2;
 }
@@ -277,6 +290,10 @@ static long empty_page(FastPath *f) {
     Py_ssize_t n = PyList_GET_SIZE(f->reserved);
     if (n) {
         long page = list_long(f->reserved, n - 1);
+        if (page < 0 || page >= PyList_GET_SIZE(f->used)) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "page table: pool page %ld out of range", page);
+            return -1;
+        }
         if (PyList_SetSlice(f->reserved, n - 1, n, NULL) < 0) return -1;
         return page;
     }
@@ -286,6 +303,10 @@ static long empty_page(FastPath *f) {
     long page = res == Py_None ? -2 : PyLong_AsLong(res);
     Py_DECREF(res);
     if (page == -1 && PyErr_Occurred()) return -1;
+    if (page != -2 && (page < 0 || page >= PyList_GET_SIZE(f->used))) {
+        PyErr_Format(PyExc_RuntimeError, "page table: pool page %ld out of range", page);
+        return -1;
+    }
     return load_state(f) < 0 ? -1 : page;
 }
 

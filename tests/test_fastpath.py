@@ -234,3 +234,20 @@ def test_code_is_never_loaded_from_a_directory_others_can_write(tmp_path, monkey
     planted.chmod(0o666)  # now writable by others: not loaded again, rebuilt nowhere trusted
     again, why = cbuild.compile_c("int kvc_probe(void) { return 7; }\n", "probe")
     assert again is None and "private" in why
+
+
+@needs_build
+def test_a_page_table_that_disagrees_with_itself_raises_instead_of_crashing(deterministic: None,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C path bounds-checks what it reads from the Python objects: damage them and it raises."""
+    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
+    with KVCacheManager("fp-damaged", num_blocks=BPP * 8, block_bytes=16 << 10, num_layers=1,
+                        page_size=BPP * (16 << 10)) as m:
+        m.alloc(3)
+        m.pages.reserved.append(10**6)  # a pool page that does not exist
+        with pytest.raises(RuntimeError, match="pool page 1000000 out of range"):
+            m.alloc(BPP)
+        m.pages.reserved.pop()
+        m.pages.partial[BPP - 3].add(-7)  # a bucket holding no real page
+        with pytest.raises(RuntimeError, match="bucket page -7 out of range"):
+            m.alloc(2)

@@ -111,8 +111,12 @@ def request_limit(name: str | ModelSnapshot, limit_bytes: int | None, *, wait: f
         raise ControlError("a limit cannot be negative")
     model = _target(name)
     if model.status == "legacy":
+        if limit_bytes is None:
+            # Upstream has no "no limit": its watcher resizes the KV cache to the total field, so
+            # writing 0 would shrink that engine's cache to nothing.
+            raise ControlError(f"{model.name} is an upstream kvcached segment, which has no 'no limit': give it a size")
         try:
-            write_legacy_limit(Path(model.path), limit_bytes if limit_bytes is not None else 0)
+            write_legacy_limit(Path(model.path), limit_bytes)
         except (OSError, ValueError) as exc:
             raise ControlError(f"cannot write the limit of {model.name}: {exc}") from None
         return Ack(model.name, "limit", "legacy", 0, limit_bytes)

@@ -129,8 +129,10 @@ def test_limit_on_a_legacy_segment_writes_upstreams_field(shm_dir: Path):
     assert "kvcached_vllm_4242: limit 1.0 GiB written" in done.stdout
     assert L.LEGACY.unpack(path.read_bytes()) == (1 << 30, 3 * MiB, 1 * MiB)
     assert snapshot("kvcached_vllm_4242").limit_bytes == 1 << 30
-    assert kvctl("limit", "kvcached_vllm_4242", "none").exit_code == 0
-    assert L.LEGACY.unpack(path.read_bytes())[0] == 0
+    lift = kvctl("limit", "kvcached_vllm_4242", "none")  # upstream would resize its cache to 0
+    assert lift.exit_code == 1 and lift.stderr.count("\n") == 1
+    assert "upstream kvcached segment, which has no 'no limit': give it a size" in lift.stderr
+    assert L.LEGACY.unpack(path.read_bytes())[0] == 1 << 30
 
     refused = kvctl("trim", "kvcached_vllm_4242")
     assert refused.exit_code == 1 and "cannot be trimmed" in refused.stderr

@@ -5,7 +5,7 @@
  * (the page table's lists and sets, the segment's mapping), so the Python code stays the one
  * source of truth and either path may run at any time. tests/test_fastpath.py checks that both
  * produce the same blocks and the same segment bytes. The interpreter's dispatch is what this
- * removes: on a busy VM the Python path costs ~12 us per alloc, this one a fraction.
+ * removes (benchmarks/probes/tight_alloc.py compares the two paths).
  *
  * Built at run time by kvcached_core/fastpath.py with the system compiler; without one the
  * allocator simply stays on the Python path.
@@ -532,11 +532,11 @@ fail:
 }
 
 
-static PyObject *call0(PyObject *fn) {
+/* Call a manager method for its effect: 0, or -1 with its exception. */
+static int call0(PyObject *fn) {
     PyObject *r = PyObject_CallNoArgs(fn);
-    if (!r) return NULL;
-    Py_DECREF(r);
-    Py_RETURN_NONE;
+    Py_XDECREF(r);
+    return r ? 0 : -1;
 }
 
 /* free(ids) -> True when done, False when an id is not a plain int (the caller's Python path takes
@@ -649,27 +649,13 @@ static PyObject *FastPath_free(FastPath *f, PyObject *ids) {
             if (limit_obj && limit_obj != Py_None) limit = PyLong_AsLong(limit_obj);
             Py_ssize_t pool = PyList_GET_SIZE(f->reserved);
             int over_limit = limit >= 0 && f->inuse + pool + inflight > limit;
-            PyObject *r = NULL;
-            if (over_limit || pool > max_reserved) {
-                if (!(r = call0(f->pool_overflow))) {
-                    ids_free(&order);
-                    return NULL;
-                }
-                Py_DECREF(r);
-                slow_publish = 1;
-            }
-            if (status == 2 /* LIMIT_DEFERRED */) {
-                if (!(r = call0(f->update_limit))) {
-                    ids_free(&order);
-                    return NULL;
-                }
-                Py_DECREF(r);
-                slow_publish = 1;
-            }
-            if (load_state(f) < 0) {
+            int overflow = over_limit || pool > max_reserved, deferred = status == 2 /* LIMIT_DEFERRED */;
+            if ((overflow && call0(f->pool_overflow) < 0) || (deferred && call0(f->update_limit) < 0) ||
+                ((overflow || deferred) && load_state(f) < 0)) {  /* the manager changed the page table */
                 ids_free(&order);
                 return NULL;
             }
+            slow_publish |= overflow || deferred;
         }
         ids_free(&order);
     }
@@ -678,9 +664,7 @@ static PyObject *FastPath_free(FastPath *f, PyObject *ids) {
         set_long_attr(f->mgr_d, S_free_count, count + 1) < 0 || set_long_attr(f->mgr_d, S_free_blocks, blocks + n) < 0)
         return NULL;
     if (slow_publish) {
-        PyObject *r = call0(f->publish_all);
-        if (!r) return NULL;
-        Py_DECREF(r);
+        if (call0(f->publish_all) < 0) return NULL;
     } else if (publish(f, f->o_free_count, count + 1, f->o_free_blocks, blocks + n) < 0) {
         return NULL;
     }

@@ -21,7 +21,7 @@ from .segment import Identity, SegmentError, SegmentWriter, owned_stale
 WATCH_INTERVAL_S = 0.005
 # While traffic keeps draining the pool, the refill thread looks for work every REFILL_POLL_S
 # instead of being woken: waking a thread costs the waker a futex syscall and a GIL hand-off
-# (measured as the largest share of alloc's p99 while the pool grew). After REFILL_LINGER_S
+# inside alloc (benchmarks/vmm.py: with polling, grow and nogrow p99 agree). After REFILL_LINGER_S
 # without a request it sleeps until an alloc wakes it again.
 REFILL_POLL_S = 0.0005
 REFILL_LINGER_S = 0.25

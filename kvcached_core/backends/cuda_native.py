@@ -7,8 +7,8 @@ the interpreter between calls is what costs. This module compiles a few-line C l
 headers: it receives the driver's entry points and cuda-python's own struct pointers) into a
 cache directory once, loads it with ctypes, and lets the backend back every page id of a
 ``map_pages`` call in one call that also releases the GIL for its whole duration and makes the
-backend's context current itself (a Python guard for that cost 1.5 µs per call on a busy VM,
-which the page layout's 30-60 µs page ids feel). Triton builds its launcher the same way.
+backend's context current itself (a Python guard for that is one more binding round trip per
+call, which the page layout's 30-60 µs page ids feel). Triton builds its launcher the same way.
 
 ``KVCACHED_CUDA_NATIVE``: ``auto`` (default: use it when it builds, in both layouts), ``0``
 (never), ``1`` (always; the backend fails if it cannot be built). Without a compiler the backend
@@ -58,7 +58,7 @@ struct kvc_vmm {
 };
 
 /* Make the backend's context current for one call, as CudaBackend's context guard does in
- * Python (1.5 us there, on a busy VM): 0 when it is, else the driver's code. */
+ * Python, without a round trip through the bindings: 0 when it is, else the driver's code. */
 static int enter(const struct kvc_vmm *v, int *pushed) {
     void *cur = 0;
     *pushed = 0;
@@ -98,38 +98,6 @@ static int map_only(const struct kvc_vmm *v, size_t offset, uint64_t *handles, s
     return 0;
 }
 
-/* Back one page id. handles[0..have) come from the pool, the rest are created, then handle s is
- * mapped at bases[s] + offset and made readable and writable. On failure returns the driver's
- * code with *step = 1 (create; handles[0..*count) are valid), 2 (map) or 3 (access); nothing is
- * left mapped then. */
-static int kvc_map_page_in(const struct kvc_vmm *v, size_t offset, uint64_t *handles, size_t have, size_t *count,
-                           int *step) {
-    int err = map_only(v, offset, handles, have, count, step);
-    if (err) return err;
-    for (size_t s = 0; s < v->nbases; s++) {
-        err = v->access(v->bases[s] + offset, v->size, v->desc, 1);
-        if (err) {
-            for (size_t k = 0; k < v->nbases; k++) v->unmap(v->bases[k] + offset, v->size);
-            *step = 3;
-            return err;
-        }
-    }
-    return 0;
-}
-
-/* Read/write access for [start, start + length) of every range; *failed = the range that failed. */
-static int kvc_access_in(const struct kvc_vmm *v, size_t start, size_t length, size_t *failed) {
-    size_t s;
-    for (s = 0; s < v->nbases; s++) {
-        int err = v->access(v->bases[s] + start, length, v->desc, 1);
-        if (err) {
-            *failed = s;
-            return err;
-        }
-    }
-    return 0;
-}
-
 static int kvc_unmap_in(const struct kvc_vmm *v, size_t start, size_t length, size_t *failed) {
     size_t s;
     for (s = 0; s < v->nbases; s++) {
@@ -154,24 +122,12 @@ static int kvc_release_in(const struct kvc_vmm *v, const uint64_t *handles, size
     return 0;
 }
 
-int kvc_map_page(const struct kvc_vmm *v, size_t offset, uint64_t *handles, size_t have, size_t *count,
-                 int *step) {
-    int pushed, err = enter(v, &pushed);
-    if (err) {
-        *count = have;
-        *step = 4;
-        return err;
-    }
-    err = kvc_map_page_in(v, offset, handles, have, count, step);
-    leave(v, pushed);
-    return err;
-}
-
 /* Back npages page ids (at offsets[i]) in one call, in the order a C program would: create and map
  * every handle, then one cuMemSetAccess per run of adjacent page ids and range (as the floor in
  * benchmarks/native/vmm_floor.c and the cuda-python path do). handles has npages * nbases slots,
- * the first `have` from the pool. On failure returns the driver's code and *step as kvc_map_page:
- * the first *done page ids are backed, handles[*done * nbases .. *end) are valid and unmapped. */
+ * the first `have` from the pool. On failure returns the driver's code and *step: 1 create, 2 map,
+ * 3 access, 4 making the context current. The first *done page ids are backed, and
+ * handles[*done * nbases .. *end) are valid and unmapped. */
 int kvc_map_pages(const struct kvc_vmm *v, const uint64_t *offsets, size_t npages, uint64_t *handles, size_t have,
                   size_t *done, size_t *end, int *step) {
     size_t nb = v->nbases, mapped = 0, count = 0, i, j, k, s;
@@ -207,14 +163,6 @@ int kvc_map_pages(const struct kvc_vmm *v, const uint64_t *offsets, size_t npage
         }
         *done = j;
     }
-    leave(v, pushed);
-    return err;
-}
-
-int kvc_access(const struct kvc_vmm *v, size_t start, size_t length, size_t *failed) {
-    int pushed, err = enter(v, &pushed);
-    if (err) return err;
-    err = kvc_access_in(v, start, length, failed);
     leave(v, pushed);
     return err;
 }
@@ -295,27 +243,21 @@ class NativeVmm:
         vmm_p, size, u64_p = ctypes.POINTER(_Vmm), ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)
         size_p, int_p = ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_int)
         # Declared argument types let ctypes convert plain ints itself (no c_size_t objects per call).
-        for name, args in (("kvc_map_page", [vmm_p, size, u64_p, size, size_p, int_p]),
-                           ("kvc_map_pages", [vmm_p, u64_p, size, u64_p, size, size_p, size_p, int_p]),
-                           ("kvc_access", [vmm_p, size, size, size_p]), ("kvc_unmap", [vmm_p, size, size, size_p]),
+        for name, args in (("kvc_map_pages", [vmm_p, u64_p, size, u64_p, size, size_p, size_p, int_p]),
+                           ("kvc_unmap", [vmm_p, size, size, size_p]),
                            ("kvc_release", [vmm_p, u64_p, size, size_p])):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = ctypes.c_int, args
         self._map_pages = lib.kvc_map_pages
-        self._access = lib.kvc_access
         self._unmap = lib.kvc_unmap
         self._release = lib.kvc_release
 
     def _scratch(self, pages: int = 1) -> _Scratch:
         """This thread's arguments for the C calls (the refill and unmap threads call concurrently),
         grown to hold ``pages`` page ids."""
-        try:
-            scratch = self._tls.scratch
-            if scratch.pages >= pages:
-                return scratch
-        except AttributeError:
-            pass
-        self._tls.scratch = scratch = _Scratch(max(pages, 8), self._slices)
+        scratch = getattr(self._tls, "scratch", None)
+        if scratch is None or scratch.pages < pages:
+            self._tls.scratch = scratch = _Scratch(max(pages, 8), self._slices)
         return scratch
 
     def map_pages(self, offsets: list[int], pooled: list[int]) -> tuple[int, int, int, list[int], list[int]]:
@@ -334,9 +276,6 @@ class NativeVmm:
             return 0, 0, n, handles[:n * self._slices], []
         mapped = sc.done.value * self._slices
         return err, sc.step.value, sc.done.value, handles[:mapped], handles[mapped:sc.count.value]
-
-    def access(self, start: int, length: int) -> int:
-        return self._access(self._ref, start, length, self._scratch().count_ref)
 
     def unmap(self, start: int, length: int) -> int:
         return self._unmap(self._ref, start, length, self._scratch().count_ref)

@@ -16,9 +16,18 @@
 #include <string.h>
 #include <time.h>
 
+/* Stage timestamps for benchmarks/probes/alloc_stages.py, compiled in only with -DKVC_PROFILE. */
+#ifdef KVC_PROFILE
+static unsigned long long kvc_stamps[10];
+#define STAMP(i) (kvc_stamps[i] = __builtin_ia32_rdtsc())
+#else
+#define STAMP(i) ((void)0)
+#endif
+
 static PyObject *S_nonempty, *S_pages_inuse, *S_blocks_used, *S_alloc_count, *S_alloc_blocks, *S_seq,
     *S_page_sum, *S_by_page, *S_free_count, *S_free_blocks, *S_blocks, *S_limit_pages, *S_limit_status,
-    *S_max_reserved, *S_inflight;
+    *S_max_reserved, *S_inflight, *S_closed, *S_map_error, *S_min_reserved, *S_refill_requested,
+    *S_refill_polling, *S_near;
 
 typedef struct {
     PyObject_HEAD
@@ -27,6 +36,7 @@ typedef struct {
     PyObject *used, *cap, *slots, *partial, *reserved, *block_used, *touched, *mapped;
     PyObject *empty_page, *release_blocks;             /* bound methods of the manager */
     PyObject *pool_overflow, *update_limit, *publish_all, *cache_remove;
+    PyObject *py_alloc, *alloc_missed, *lock_acquire, *lock_release, *refill_notify; /* for manager_alloc */
     Py_ssize_t bpp, nblocks;
     int affinity;
     double slack;
@@ -39,9 +49,15 @@ typedef struct {
     /* page-table integers, cached in C for the length of one call */
     long inuse, blocks_used;
     PyObject *nonempty;
+    /* nonempty as a machine word while blocks_per_page <= 64 (bits_c): placement flips bits here
+     * and store_state makes one int of them, instead of four int objects per flip */
+    unsigned long long bits, bits_loaded;
+    int bits_c;
     /* One int object per block id, made on first use and handed out again after: an alloc then
      * creates no objects but its list, so it rarely touches fresh heap (a page fault on a VM). */
     PyObject **idcache;
+    PyObject **pagecache; /* likewise one int per page id (ids past 256 are not shared by Python) */
+    Py_ssize_t npages;    /* pagecache's length */
     long *counts; /* free: blocks freed per page, zero between calls */
 } FastPath;
 
@@ -79,6 +95,17 @@ static PyObject *id_object(FastPath *f, long block) {
         o = PyLong_FromLong(block);
         if (!o) return NULL;
         f->idcache[block] = o;
+    }
+    return Py_NewRef(o);
+}
+
+static PyObject *page_object(FastPath *f, long page) {
+    if (page < 0 || page >= f->npages) return PyLong_FromLong(page);
+    PyObject *o = f->pagecache[page];
+    if (!o) {
+        o = PyLong_FromLong(page);
+        if (!o) return NULL;
+        f->pagecache[page] = o;
     }
     return Py_NewRef(o);
 }
@@ -165,17 +192,37 @@ static int load_state(FastPath *f) {
         return -1;
     }
     Py_XSETREF(f->nonempty, Py_NewRef(nonempty));
+    f->bits_c = 0;
+    if (f->bpp <= 64) { /* in-use pages have 1..bpp-1 free slots: bits 1..63 */
+        f->bits = f->bits_loaded = PyLong_AsUnsignedLongLongMask(nonempty);
+        if (f->bits == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+        f->bits_c = 1;
+    }
     return 0;
 }
 
 static int store_state(FastPath *f) {
     if (set_long_attr(f->pages_d, S_pages_inuse, f->inuse) < 0) return -1;
     if (set_long_attr(f->pages_d, S_blocks_used, f->blocks_used) < 0) return -1;
+    if (f->bits_c && f->bits != f->bits_loaded) {
+        PyObject *o = PyLong_FromUnsignedLongLong(f->bits);
+        if (!o) return -1;
+        Py_SETREF(f->nonempty, o);
+        f->bits_loaded = f->bits;
+    }
     return PyDict_SetItem(f->pages_d, S_nonempty, f->nonempty);
 }
 
 /* nonempty |= 1 << bit (set) or nonempty &= ~(1 << bit) (clear), as PageTable._list / _unlist */
 static int flip_bit(FastPath *f, long bit, int set) {
+    if (f->bits_c) {
+        if (bit < 0 || bit > 63) {
+            PyErr_Format(PyExc_RuntimeError, "page table: bucket %ld out of range", bit);
+            return -1;
+        }
+        f->bits = set ? f->bits | (1ull << bit) : f->bits & ~(1ull << bit);
+        return 0;
+    }
     PyObject *one = PyLong_FromLong(1), *shift = PyLong_FromLong(bit), *mask = NULL, *res = NULL;
     if (one && shift) mask = PyNumber_Lshift(one, shift);
     if (mask) {
@@ -250,9 +297,9 @@ static long bucket_min(FastPath *f, long free) {
  * when blocks_per_page <= 64: then best_fit and emptiest find their bucket without touching the
  * bucket objects (right after an engine's GPU wait, every object touched is a likely cache miss). */
 static int nonempty_bits(FastPath *f, unsigned long long *bits) {
-    if (f->bpp > 64) return 0; /* in-use pages have 1..bpp-1 free slots: bits 1..63 */
-    *bits = PyLong_AsUnsignedLongLongMask(f->nonempty);
-    return !(*bits == (unsigned long long)-1 && PyErr_Occurred());
+    if (!f->bits_c) return 0;
+    *bits = f->bits;
+    return 1;
 }
 
 /* PageTable.best_fit: the fullest in-use page with room for count (lowest id among equals); -2 none */
@@ -317,7 +364,7 @@ static long take_blocks(FastPath *f, long page, long count, Ids *taken) {
         return -1;
     }
     long before = list_long(f->used, page), cap = list_long(f->cap, page);
-    PyObject *pobj = PyLong_FromLong(page);
+    PyObject *pobj = page_object(f, page);
     if (!pobj) return -1;
     if (before == 0) {
         f->inuse++;
@@ -419,6 +466,7 @@ static int publish(FastPath *f, Py_ssize_t off_count, long long count_value, Py_
         Py_DECREF(by_page);
         return -1;
     }
+    STAMP(6);
     char *buf = (char *)b.buf;
     long long page_sum = page_sum0;
     uint64_t seq = (uint64_t)seq0 + 1;
@@ -454,6 +502,7 @@ static int publish(FastPath *f, Py_ssize_t off_count, long long count_value, Py_
         Py_CLEAR(it);
         if (PyErr_Occurred() || PySet_Clear(f->touched) < 0) goto fail;
     }
+    STAMP(7);
     Py_ssize_t reserved = PyList_GET_SIZE(f->reserved);
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -466,6 +515,7 @@ static int publish(FastPath *f, Py_ssize_t off_count, long long count_value, Py_
     put_u64(buf, f->o_updated, (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec);
     put_u64(buf, f->o_page_sum, (uint64_t)page_sum);
     seq += 1;
+    STAMP(8);
     uint32_t crc = crc32_of((const unsigned char *)buf + f->counters_off, f->counters_len);
     put_u64(buf, f->checksum_off, (uint64_t)(crc ^ (uint32_t)seq));
     __atomic_thread_fence(__ATOMIC_RELEASE);
@@ -491,24 +541,31 @@ static PyObject *FastPath_alloc(FastPath *f, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     PyObject *near_obj = args[1];
-    n = PyLong_AsLong(args[0]);
+    int overflow;
+    n = PyLong_AsLongAndOverflow(args[0], &overflow);
     if (n == -1 && PyErr_Occurred()) return NULL;
-    if (n <= 0) return PyList_New(0);
+    if (overflow < 0 || (!overflow && n <= 0)) return PyList_New(0);
+    if (overflow > 0 || n > (long)f->nblocks) n = (long)f->nblocks + 1; /* more than there is: a miss */
     if (near_obj != Py_None) {
         near = PyLong_AsLong(near_obj);
         if (near == -1 && PyErr_Occurred()) return NULL;
         if (near < 0) near = -1;
     }
+    STAMP(0);
     if (load_state(f) < 0) return NULL;
+    STAMP(1);
     Ids taken = {.v = NULL, .n = 0, .cap = 128};
     taken.v = taken.stack;
     PyObject *list = NULL;
     int ok = f->affinity && near_obj != Py_None ? place_affinity(f, n, near, &taken)
                                                  : place_best_fit(f, n, &taken);
+    STAMP(2);
     if (store_state(f) < 0) ok = -1;
     if (ok < 0) goto fail;
+    STAMP(3);
     list = ids_list(f, &taken);
     if (!list) goto fail;
+    STAMP(4);
     if (!ok) {
         PyObject *r = PyObject_CallOneArg(f->release_blocks, list);
         Py_DECREF(list);
@@ -522,7 +579,9 @@ static PyObject *FastPath_alloc(FastPath *f, PyObject *const *args, Py_ssize_t n
         goto fail;
     if (set_long_attr(f->mgr_d, S_alloc_count, count + 1) < 0 || set_long_attr(f->mgr_d, S_alloc_blocks, blocks + n) < 0)
         goto fail;
+    STAMP(5);
     if (publish(f, f->o_alloc_count, count + 1, f->o_alloc_blocks, blocks + n) < 0) goto fail;
+    STAMP(9);
     ids_free(&taken);
     return list;
 fail:
@@ -531,6 +590,83 @@ fail:
     return NULL;
 }
 
+/* Release the manager's lock, keeping any exception already raised. */
+static PyObject *unlock(FastPath *f, PyObject *result) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallNoArgs(f->lock_release);
+    if (!r) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        Py_XDECREF(result);
+        return NULL;
+    }
+    Py_DECREF(r);
+    PyErr_Restore(type, value, tb);
+    return result;
+}
+
+/* Ask the refill thread for pages when the pool ran low (the tail of KVCacheManager.alloc). */
+static int request_refill(FastPath *f) {
+    long inflight, min_reserved;
+    if (get_long_attr(f->pages_d, S_inflight, &inflight) < 0 || get_long_attr(f->mgr_d, S_min_reserved, &min_reserved) < 0)
+        return -1;
+    if (PyList_GET_SIZE(f->reserved) + inflight >= min_reserved) return 0;
+    if (PyDict_SetItem(f->mgr_d, S_refill_requested, Py_True) < 0) return -1;
+    PyObject *polling = PyDict_GetItemWithError(f->mgr_d, S_refill_polling);
+    if (!polling && PyErr_Occurred()) return -1;
+    if (polling == Py_True) return 0;
+    PyObject *r = PyObject_CallNoArgs(f->refill_notify);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
+/* manager_alloc(n, *, near=None): all of KVCacheManager.alloc in one call, installed as the
+ * manager's `alloc`. Right after an engine's GPU wait the Python around the C placement cost
+ * more than the placement itself (benchmarks/probes/alloc_stages.py); here it is a few C calls.
+ * Whatever the fast path does not serve (a closed manager, a deferred limit, arguments that are
+ * not plain ints) goes to the Python method, which is the reference. */
+static PyObject *FastPath_manager_alloc(FastPath *f, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *near = Py_None;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs != 1 || nkw > 1 || (nkw == 1 && PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, 0), S_near) != 0))
+        return PyObject_Vectorcall(f->py_alloc, args, nargs, kwnames);
+    if (nkw) near = args[1];
+    if (!PyLong_CheckExact(args[0]) || (near != Py_None && !PyLong_CheckExact(near)))
+        return PyObject_Vectorcall(f->py_alloc, args, nargs, kwnames);
+    int overflow;
+    long n = PyLong_AsLongAndOverflow(args[0], &overflow);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (overflow < 0 || (!overflow && n <= 0)) return PyList_New(0);
+    PyObject *r = PyObject_CallNoArgs(f->lock_acquire);
+    if (!r) return NULL;
+    Py_DECREF(r);
+    long status;
+    PyObject *closed = PyDict_GetItemWithError(f->mgr_d, S_closed);
+    if ((!closed && PyErr_Occurred()) || get_long_attr(f->mgr_d, S_limit_status, &status) < 0) return unlock(f, NULL);
+    if (closed != Py_False || status == 2 /* LIMIT_DEFERRED */) {
+        PyObject *done = unlock(f, Py_NewRef(Py_None));
+        if (!done) return NULL;
+        Py_DECREF(done);
+        return PyObject_Vectorcall(f->py_alloc, args, nargs, kwnames);
+    }
+    PyObject *error = PyDict_GetItemWithError(f->mgr_d, S_map_error);
+    if ((!error && PyErr_Occurred()) || (error != Py_None && PyDict_SetItem(f->mgr_d, S_map_error, Py_None) < 0))
+        return unlock(f, NULL);
+    PyObject *inner[2] = {args[0], near};
+    PyObject *ids = FastPath_alloc(f, inner, 2);
+    if (!ids) return unlock(f, NULL);
+    if (ids == Py_None) {
+        Py_DECREF(ids);
+        return unlock(f, PyObject_CallNoArgs(f->alloc_missed));
+    }
+    if (request_refill(f) < 0) {
+        Py_DECREF(ids);
+        return unlock(f, NULL);
+    }
+    return unlock(f, ids);
+}
 
 /* Call a manager method for its effect: 0, or -1 with its exception. */
 static int call0(PyObject *fn) {
@@ -607,7 +743,7 @@ static PyObject *FastPath_free(FastPath *f, PyObject *ids) {
         for (i = 0; i < order.n && !failed; i++) {
             long page = order.v[i], count = f->counts[page];
             long before = list_long(f->used, page), cap = list_long(f->cap, page);
-            PyObject *pobj = PyLong_FromLong(page);
+            PyObject *pobj = page_object(f, page);
             if (!pobj) {
                 failed = 1;
                 break;
@@ -631,7 +767,7 @@ static PyObject *FastPath_free(FastPath *f, PyObject *ids) {
         for (i = 0; i < order.n; i++) {
             long page = order.v[i];
             if (list_long(f->used, page) != 0) continue;
-            PyObject *pobj = PyLong_FromLong(page);
+            PyObject *pobj = page_object(f, page);
             if (!pobj || PyList_Append(f->reserved, pobj) < 0) {
                 Py_XDECREF(pobj);
                 ids_free(&order);
@@ -706,12 +842,28 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
     }
     if (!(f->empty_page = attr(mgr, "_empty_page")) || !(f->release_blocks = attr(mgr, "_release_blocks")) ||
         !(f->pool_overflow = attr(mgr, "_pool_overflow")) || !(f->update_limit = attr(mgr, "_update_limit_status")) ||
-        !(f->publish_all = attr(mgr, "_publish")) || !(f->cache_remove = attr(f->cache, "remove")))
+        !(f->publish_all = attr(mgr, "_publish")) || !(f->cache_remove = attr(f->cache, "remove")) ||
+        !(f->alloc_missed = attr(mgr, "_alloc_missed")))
         return -1;
-    if (!(f->counts = PyMem_Calloc(PyList_GET_SIZE(f->used) + 1, sizeof(long)))) {
+    PyObject *lock = attr(mgr, "_lock"), *wanted = attr(mgr, "_refill_wanted"),
+             *method = PyObject_GetAttrString((PyObject *)Py_TYPE(mgr), "alloc");
+    if (lock && wanted && method) {
+        f->lock_acquire = attr(lock, "acquire");
+        f->lock_release = attr(lock, "release");
+        f->refill_notify = attr(wanted, "notify");
+        f->py_alloc = PyMethod_New(method, mgr);
+    }
+    Py_XDECREF(lock);
+    Py_XDECREF(wanted);
+    Py_XDECREF(method);
+    if (!f->lock_acquire || !f->lock_release || !f->refill_notify || !f->py_alloc) return -1;
+    if (!(f->counts = PyMem_Calloc(PyList_GET_SIZE(f->used) + 1, sizeof(long))) ||
+        !(f->pagecache = PyMem_Calloc(PyList_GET_SIZE(f->used) + 1, sizeof(PyObject *)))) {
+        f->npages = 0;
         PyErr_NoMemory();
         return -1;
     }
+    f->npages = PyList_GET_SIZE(f->used);
     PyObject *bpp = attr(f->pages, "bpp");
     if (!bpp) return -1;
     f->bpp = PyLong_AsSsize_t(bpp);
@@ -770,6 +922,11 @@ static int FastPath_traverse(FastPath *f, visitproc visit, void *arg) {
     Py_VISIT(f->publish_all);
     Py_VISIT(f->cache_remove);
     Py_VISIT(f->nonempty);
+    Py_VISIT(f->py_alloc);
+    Py_VISIT(f->alloc_missed);
+    Py_VISIT(f->lock_acquire);
+    Py_VISIT(f->lock_release);
+    Py_VISIT(f->refill_notify);
     return 0;
 }
 
@@ -797,6 +954,11 @@ static int FastPath_clear(FastPath *f) {
     Py_CLEAR(f->publish_all);
     Py_CLEAR(f->cache_remove);
     Py_CLEAR(f->nonempty);
+    Py_CLEAR(f->py_alloc);
+    Py_CLEAR(f->alloc_missed);
+    Py_CLEAR(f->lock_acquire);
+    Py_CLEAR(f->lock_release);
+    Py_CLEAR(f->refill_notify);
     return 0;
 }
 
@@ -807,6 +969,10 @@ static void FastPath_dealloc(FastPath *f) {
         for (Py_ssize_t i = 0; i < f->nblocks; i++) Py_XDECREF(f->idcache[i]);
         PyMem_Free(f->idcache);
     }
+    if (f->pagecache) {
+        for (Py_ssize_t i = 0; i < f->npages; i++) Py_XDECREF(f->pagecache[i]);
+        PyMem_Free(f->pagecache);
+    }
     PyMem_Free(f->counts);
     Py_TYPE(f)->tp_free((PyObject *)f);
 }
@@ -814,6 +980,8 @@ static void FastPath_dealloc(FastPath *f) {
 static PyMethodDef FastPath_methods[] = {
     {"free", (PyCFunction)FastPath_free, METH_O, "free(ids) -> True when done, False when Python must do it"},
     {"alloc", (PyCFunction)(void (*)(void))FastPath_alloc, METH_FASTCALL, "alloc(n, near) -> block ids, or None when pages ran out"},
+    {"manager_alloc", (PyCFunction)(void (*)(void))FastPath_manager_alloc, METH_FASTCALL | METH_KEYWORDS,
+     "manager_alloc(n, *, near=None): KVCacheManager.alloc, lock and all"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -831,8 +999,23 @@ static PyTypeObject FastPathType = {
     .tp_methods = FastPath_methods,
 };
 
+#ifdef KVC_PROFILE
+static PyObject *stamps(PyObject *self, PyObject *unused) {
+    PyObject *t = PyTuple_New(10);
+    for (int i = 0; t && i < 10; i++) PyTuple_SET_ITEM(t, i, PyLong_FromUnsignedLongLong(kvc_stamps[i]));
+    return t;
+}
+
+static PyMethodDef module_methods[] = {
+    {"stamps", stamps, METH_NOARGS, "the last alloc's stage timestamps (TSC)"},
+    {NULL, NULL, 0, NULL},
+};
+#else
+static PyMethodDef module_methods[] = {{NULL, NULL, 0, NULL}};
+#endif
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, .m_name = "_kvc_fastpath", .m_doc = NULL, .m_size = -1, .m_methods = NULL,
+    PyModuleDef_HEAD_INIT, .m_name = "_kvc_fastpath", .m_doc = NULL, .m_size = -1, .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__kvc_fastpath(void) {
@@ -852,6 +1035,12 @@ PyMODINIT_FUNC PyInit__kvc_fastpath(void) {
     S_limit_status = PyUnicode_InternFromString("limit_status");
     S_max_reserved = PyUnicode_InternFromString("max_reserved");
     S_inflight = PyUnicode_InternFromString("inflight");
+    S_closed = PyUnicode_InternFromString("_closed");
+    S_map_error = PyUnicode_InternFromString("_map_error");
+    S_min_reserved = PyUnicode_InternFromString("min_reserved");
+    S_refill_requested = PyUnicode_InternFromString("_refill_requested");
+    S_refill_polling = PyUnicode_InternFromString("_refill_polling");
+    S_near = PyUnicode_InternFromString("near");
     if (PyType_Ready(&FastPathType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

@@ -49,13 +49,15 @@ def load() -> tuple[ModuleType | None, str]:
         return _loaded
 
 
-def _build_and_import() -> tuple[ModuleType | None, str]:
+def _build_and_import(extra_flags: tuple[str, ...] = ()) -> tuple[ModuleType | None, str]:
+    """Build (or find in the cache) and import the module; ``extra_flags`` make a variant, e.g. the
+    stage-timed one that ``benchmarks/probes/alloc_stages.py`` loads with ``-DKVC_PROFILE``."""
     include = sysconfig.get_paths().get("include") or ""
     if not os.path.isfile(os.path.join(include, "Python.h")):
         return None, f"Python's C headers are not installed (no Python.h in {include or '?'})"
     source = (Path(__file__).with_name("fastpath.c")).read_text()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    path, why = compile_c(source, MODULE, suffix=suffix, flags=(f"-I{include}",))
+    path, why = compile_c(source, MODULE, suffix=suffix, flags=(f"-I{include}", *extra_flags))
     if path is None:
         return None, why
     try:

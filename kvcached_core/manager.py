@@ -146,6 +146,11 @@ class KVCacheManager:
         self._publish()
         try:
             self._fast, self.fastpath_reason = fastpath.attach(self, self.policy, fast_mode)
+            if self._fast is not None:
+                # This instance's alloc becomes the C one, lock and all: right after an engine's GPU
+                # wait the Python around the placement cost more than the placement itself
+                # (benchmarks/probes/alloc_stages.py). It hands to the method below what it does not serve.
+                self.alloc = self._fast.manager_alloc  # type: ignore[method-assign]
         except BaseException:
             self.backend.close()
             self.segment.close(unlink=True)
@@ -192,14 +197,18 @@ class KVCacheManager:
                     self.alloc_blocks += n
                     self._publish()
             if ids is None:
-                self._raise_map_error()  # publishes first when it raises
-                self._publish()  # the roll-back may have mapped or unmapped pages
-                return None
+                return self._alloc_missed()
             if len(self.pages.reserved) + self.pages.inflight < self.min_reserved:
                 self._refill_requested = True
                 if not self._refill_polling:
                     self._refill_wanted.notify()
             return ids
+
+    def _alloc_missed(self) -> None:
+        """alloc found no pages: report a map failure if there was one, else publish; the miss is None."""
+        self._raise_map_error()  # publishes first when it raises
+        self._publish()  # the roll-back may have mapped or unmapped pages
+        return None
 
     def free(self, ids: Iterable[int]) -> None:
         """Return blocks (active or cached). Unknown or repeated ids raise ValueError and change nothing."""
@@ -350,6 +359,7 @@ class KVCacheManager:
                 return
             self._closed = True
             self._fast = None  # it holds the manager: drop the cycle
+            self.__dict__.pop("alloc", None)  # the C alloc goes with it
             self._refill_wanted.notify_all()
         for thread in self._threads:
             if thread is not threading.current_thread():

@@ -251,3 +251,74 @@ def test_a_page_table_that_disagrees_with_itself_raises_instead_of_crashing(dete
         m.pages.partial[BPP - 3].add(-7)  # a bucket holding no real page
         with pytest.raises(RuntimeError, match="bucket page -7 out of range"):
             m.alloc(2)
+
+
+@needs_build
+def test_alloc_is_the_c_entry_and_hands_the_rest_to_python(deterministic: None,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manager's alloc is the C entry (lock and all); odd arguments and a closed manager get
+    the Python method's answers."""
+    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
+    m = KVCacheManager("fp-entry", num_blocks=BPP * 8, block_bytes=16 << 10, num_layers=1,
+                       page_size=BPP * (16 << 10))
+    assert m.alloc.__name__ == "manager_alloc"
+    assert m.alloc(0) == [] and m.alloc(-3) == []
+    first = m.alloc(2)
+    assert m.alloc(1, near=first[-1]) == [first[-1] + 1]  # the hint is a keyword, as in Python
+    assert len(m.alloc(1, near=True)) == 1  # not a plain int: the Python method serves it
+    with pytest.raises(TypeError):
+        m.alloc(2.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        m.alloc(1, 2)  # type: ignore[misc]  # near is keyword-only on both paths
+    with pytest.raises(TypeError):
+        m.alloc(1, nearby=3)  # type: ignore[call-arg]
+    assert m.alloc(10**30) is None  # beyond any page table: a miss, as in Python
+    assert snapshot(m.name).alloc_count == 3
+    m.close()
+    assert "alloc" not in m.__dict__
+    with pytest.raises(RuntimeError, match="is closed"):
+        m.alloc(1)
+
+
+@needs_build
+def test_the_c_entry_holds_the_lock_and_lets_go_on_errors(deterministic: None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading  # noqa: PLC0415
+
+    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
+    with KVCacheManager("fp-lock", num_blocks=BPP * 8, block_bytes=16 << 10, num_layers=1,
+                        page_size=BPP * (16 << 10)) as m:
+        got: list = []
+        worker = threading.Thread(target=lambda: got.append(m.alloc(1)))
+        with m._lock:
+            worker.start()
+            worker.join(timeout=0.2)
+            assert worker.is_alive() and not got  # it waits for the lock
+        worker.join(timeout=5)
+        assert got and len(got[0]) == 1
+        m.pages.reserved.append(10**6)  # damage: the C placement raises inside the lock
+        with pytest.raises(RuntimeError, match="out of range"):
+            m.alloc(BPP)
+        m.pages.reserved.pop()
+        other = threading.Thread(target=lambda: got.append(m.alloc(1)))
+        other.start()
+        other.join(timeout=5)
+        assert not other.is_alive() and len(got) == 2  # the lock was released with the error
+
+
+@needs_build
+def test_the_c_entry_asks_for_a_refill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Draining the pool below its minimum wakes the refill thread, which maps pages again."""
+    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "2")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "4")
+    import time  # noqa: PLC0415
+
+    with KVCacheManager("fp-refill", num_blocks=BPP * 16, block_bytes=16 << 10, num_layers=1,
+                        page_size=BPP * (16 << 10)) as m:
+        assert not m.pages.reserved  # the pool fills once traffic comes
+        assert m.alloc(3 * BPP) is not None  # maps its pages itself, then asks for the pool
+        deadline = time.monotonic() + 5
+        while len(m.pages.reserved) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(m.pages.reserved) >= 2, "the refill thread was not asked"

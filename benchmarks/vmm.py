@@ -128,7 +128,7 @@ def compare(floor: ctypes.CDLL | None, args: argparse.Namespace, native_ok: bool
     machine's drift hits all three alike; each round covers all page ids."""
     rows = []
     variants = (("backend", "on"), ("bindings", "off")) if native_ok else (("bindings", "off"),)
-    for layout in ("layer", "page"):
+    for layout in args.layouts.split(","):
         for batch in (1, 4):
             sides = {name: BackendSide(layout, args, mode) for name, mode in variants}
             totals: dict[str, dict[str, list[float]]] = {name: {op: [] for op in NATIVE_OPS} for name in
@@ -157,6 +157,8 @@ def compare(floor: ctypes.CDLL | None, args: argparse.Namespace, native_ok: bool
                             for name, us in spent.items():
                                 if name in order or floor is not None:
                                     totals[name][NATIVE_OPS[op]].append(us / args.pages)
+                        if args.settle_ms:
+                            time.sleep(args.settle_ms / 1000)  # let the driver finish releases before the next op
                     if floor is not None and r:
                         for op in (4, 5):
                             totals["native"][NATIVE_OPS[op]].append(floor.floor_op(op))
@@ -173,18 +175,33 @@ def compare(floor: ctypes.CDLL | None, args: argparse.Namespace, native_ok: bool
                 py = totals["native_py"][op]
                 n_py = statistics.median(py) if py else None
                 row["native_py_us"] = n_py
+                floor_rounds = totals["native"][op]
+                # The driver has slow spells that last a few rounds (128 MiB creates after much churn:
+                # 50 -> 150-400 µs for every side), so a side is compared with the floor round by round:
+                # the ratio is the median of per-round ratios. slow_rounds counts the floor's rounds at
+                # over twice its best.
+                row["slow_rounds"] = sum(1 for x in floor_rounds if x > 2 * min(floor_rounds)) if floor_rounds else None
                 for side in ("backend", "bindings"):
                     xs = totals.get(side, {}).get(op, [])
                     v = statistics.median(xs) if xs else None
                     row[f"{side}_us"] = v
-                    row[f"{side}_ratio"] = round(v / n_, 3) if n_ and v else None
-                    row[f"{side}_ratio_py"] = round(v / n_py, 3) if n_py and v else None
+                    row[f"{side}_ratio"] = paired(xs, floor_rounds)
+                    row[f"{side}_ratio_py"] = paired(xs, py)
+                    row[f"{side}_ratio_of_medians"] = round(v / n_, 3) if n_ and v else None
                     row[f"{side}_samples"] = [round(x, 1) for x in xs]
                 rows.append(row)
                 print(f"{layout:5s} batch {batch} {op:15s} floor {fmt(n_)} us  backend {fmt(row['backend_us'])} us "
                       f"({row['backend_ratio']})  cuda-python only {fmt(row['bindings_us'])} us "
                       f"({row['bindings_ratio']})", flush=True)
     return rows
+
+
+def paired(xs: list[float], floor: list[float]) -> float | None:
+    """Median of per-round ratios side / floor (both timed in the same round), or None."""
+    if not xs or len(xs) != len(floor):
+        return None
+    pairs = [x / f for x, f in zip(xs, floor, strict=True) if f > 0]
+    return round(statistics.median(pairs), 3) if pairs else None
 
 
 def fmt(x: float | None) -> str:
@@ -384,8 +401,10 @@ def markdown(report: dict) -> str:
         f"{env.get('binding_call_us')} µs), Python {env['python']}. "
         f"Model shape: {cfg['layers']} layers x {cfg['buffers']} KV buffers, {cfg['page_mb']} MiB pages "
         f"(one page id = {cfg['layers'] * cfg['buffers'] * cfg['page_mb']} MiB), {cfg['pages']} page ids per trial, "
-        f"medians of {cfg['rounds']} rounds; in one process the C floor and the backend take turns on every "
-        "chunk of page ids, the floor timed inside C. "
+        f"{cfg['rounds']} rounds; in one process the C floor and the backend take turns on every "
+        "chunk of page ids, the floor timed inside C. Times are medians over the rounds; a ratio is the median of "
+        "the per-round ratios (both sides timed in the same round), which the driver's slow spells cannot skew. "
+        f"Pause after every op: {cfg.get('settle_ms', 0)} ms. "
         "`benchmarks/vmm.py` made this file.",
         "",
         "## Grow and shrink per page id: the backend vs a native C floor doing the same calls in the same order",
@@ -396,8 +415,8 @@ def markdown(report: dict) -> str:
         "is measured at, which adds the call and the timer).",
         "",
         "| layout | batch | op | C floor µs (timed in C) | same, timed around the call | backend µs | backend / floor "
-        "| backend / floor timed around the call | cuda-python only µs | cuda-python / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| backend / floor timed around the call | cuda-python only µs | cuda-python / floor | floor's slow rounds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report.get("compare", []):
         def cell(key: str, r: dict = r) -> str:
@@ -406,12 +425,13 @@ def markdown(report: dict) -> str:
 
         lines.append(f"| {r['layout']} | {r['batch']} | {r['op']} | {cell('native_us')} | {cell('native_py_us')} | "
                      f"{cell('backend_us')} | {cell('backend_ratio')} | {cell('backend_ratio_py')} | "
-                     f"{cell('bindings_us')} | {cell('bindings_ratio')} |")
+                     f"{cell('bindings_us')} | {cell('bindings_ratio')} | {cell('slow_rounds')} |")
     lines += [
         "",
         "`grow_cold`: every handle from cuMemCreate; `grow_warm`: handles from the pool (after a shrink that kept "
         "them); `shrink_keep`: unmap into the pool; `shrink_release`: unmap and cuMemRelease; `grow_naive` / "
-        "`shrink_naive` (native only): one create/map/set-access (unmap/release) call per handle.",
+        "`shrink_naive` (native only): one create/map/set-access (unmap/release) call per handle. "
+        "Floor's slow rounds: rounds in which the floor took over twice its best round.",
         "",
         "## alloc and free latency (the refill thread maps, the unmapper thread unmaps, in the background)",
         "",
@@ -466,6 +486,9 @@ def main() -> int:
     ap.add_argument("--churn-held", type=int, default=200, help="requests held during churn (FIFO)")
     ap.add_argument("--no-native", action="store_true")
     ap.add_argument("--skip-compare", action="store_true")
+    ap.add_argument("--skip-alloc", action="store_true", help="only the grow/shrink comparison")
+    ap.add_argument("--layouts", default="layer,page", help="layouts the comparison covers")
+    ap.add_argument("--settle-ms", type=float, default=0.0, help="pause after every op of the comparison")
     ap.add_argument("--repeat", type=int, default=1, help="run the alloc-latency list this many times, in turn")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -484,7 +507,7 @@ def main() -> int:
         report["alloc"] = []
         pacer = Pacer()
         report["environment"]["gpu_pacing"] = pacer.torch is not None
-        for repeat in range(1, args.repeat + 1):
+        for repeat in range(1, 0 if args.skip_alloc else args.repeat + 1):
             for label, layout, pacing, us, options in ALLOC_RUNS:
                 row = alloc_latency(label, layout, pacing, us / 1e6, args, pacer, **options)
                 row["repeat"] = repeat

@@ -981,7 +981,7 @@ static PyMethodDef FastPath_methods[] = {
     {"free", (PyCFunction)FastPath_free, METH_O, "free(ids) -> True when done, False when Python must do it"},
     {"alloc", (PyCFunction)(void (*)(void))FastPath_alloc, METH_FASTCALL, "alloc(n, near) -> block ids, or None when pages ran out"},
     {"manager_alloc", (PyCFunction)(void (*)(void))FastPath_manager_alloc, METH_FASTCALL | METH_KEYWORDS,
-     "manager_alloc(n, *, near=None): KVCacheManager.alloc, lock and all"},
+     "manager_alloc($self, n, *, near=None)\n--\n\nKVCacheManager.alloc, lock and all: ``n`` block ids, or None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -322,3 +322,14 @@ def test_the_c_entry_asks_for_a_refill(monkeypatch: pytest.MonkeyPatch) -> None:
         while len(m.pages.reserved) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(m.pages.reserved) >= 2, "the refill thread was not asked"
+
+
+@needs_build
+def test_the_c_entry_has_alloc_s_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    import inspect  # noqa: PLC0415
+
+    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
+    with KVCacheManager("fp-sig", num_blocks=BPP * 4, block_bytes=16 << 10, num_layers=1,
+                        page_size=BPP * (16 << 10)) as m:
+        assert str(inspect.signature(m.alloc)) == "(n, *, near=None)"
+        assert len(m.alloc(n=2)) == 2  # n by keyword: the Python method serves it

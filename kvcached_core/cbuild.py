@@ -1,7 +1,8 @@
 """Compile a small C source once per machine into a cache directory, for the optional native paths.
 
 Used by :mod:`kvcached_core.fastpath` (the alloc path, a CPython extension) and
-:mod:`kvcached_core.backends.cuda_native` (the CUDA map loop, loaded with ctypes). The output is
+:mod:`kvcached_core.backends.cuda_native` (the CUDA map loop, loaded with ctypes, and the CPython
+extension that calls it). The output is
 named by a hash of the source, the compiler and the flags, so an edited source rebuilds and
 concurrent builders agree on one file (written under a temporary name, then renamed).
 """
@@ -9,13 +10,17 @@ concurrent builders agree on one file (written under a temporary name, then rena
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
 import platform
 import shutil
 import stat
 import subprocess
+import sysconfig
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 
 def cache_dir() -> Path:
@@ -73,4 +78,26 @@ def compile_c(source: str, stem: str, *, suffix: str = ".so", flags: tuple[str, 
     return None, "no private, writable cache directory for the native helper (~/.cache/kvcached or $TMPDIR)"
 
 
-__all__ = ["cache_dir", "compile_c"]
+def build_extension(source: str, module: str, extra_flags: tuple[str, ...] = ()) -> tuple[ModuleType | None, str]:
+    """Build (or find in the cache) the CPython extension ``module`` from ``source`` and import it;
+    None and one line saying why not (no headers, no compiler, a failed build)."""
+    include = sysconfig.get_paths().get("include") or ""
+    if not os.path.isfile(os.path.join(include, "Python.h")):
+        return None, f"Python's C headers are not installed (no Python.h in {include or '?'})"
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    path, why = compile_c(source, module, suffix=suffix, flags=(f"-I{include}", *extra_flags))
+    if path is None:
+        return None, why
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(module, str(path))
+        spec = importlib.util.spec_from_file_location(module, str(path), loader=loader)
+        if spec is None:
+            return None, f"cannot import {path}"
+        loaded = importlib.util.module_from_spec(spec)
+        loader.exec_module(loaded)
+    except ImportError as exc:
+        return None, f"cannot import {path}: {exc}"
+    return loaded, ""
+
+
+__all__ = ["build_extension", "cache_dir", "compile_c"]

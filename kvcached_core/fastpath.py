@@ -15,18 +15,14 @@ a deferred limit, tensor parallelism, ids that are not plain ints) takes the Pyt
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-import os
 import struct
-import sysconfig
 import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from . import layout as L
-from .cbuild import compile_c
+from .cbuild import build_extension
 from .config import ConfigError, tristate_env
 
 FASTPATH_ENV = "KVCACHED_FASTPATH"
@@ -52,24 +48,8 @@ def load() -> tuple[ModuleType | None, str]:
 def _build_and_import(extra_flags: tuple[str, ...] = ()) -> tuple[ModuleType | None, str]:
     """Build (or find in the cache) and import the module; ``extra_flags`` make a variant, e.g. the
     stage-timed one that ``benchmarks/probes/alloc_stages.py`` loads with ``-DKVC_PROFILE``."""
-    include = sysconfig.get_paths().get("include") or ""
-    if not os.path.isfile(os.path.join(include, "Python.h")):
-        return None, f"Python's C headers are not installed (no Python.h in {include or '?'})"
     source = (Path(__file__).with_name("fastpath.c")).read_text()
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    path, why = compile_c(source, MODULE, suffix=suffix, flags=(f"-I{include}", *extra_flags))
-    if path is None:
-        return None, why
-    try:
-        loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
-        spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)
-        if spec is None:
-            return None, f"cannot import {path}"
-        module = importlib.util.module_from_spec(spec)
-        loader.exec_module(module)
-    except ImportError as exc:
-        return None, f"cannot import {path}: {exc}"
-    return module, ""
+    return build_extension(source, MODULE, extra_flags)
 
 
 def _offsets(bundle_bytes: int) -> dict[str, int]:

@@ -56,7 +56,23 @@ def gpu_missing() -> str | None:
 GPU_MISSING = gpu_missing()
 needs_gpu = pytest.mark.skipif(GPU_MISSING is not None, reason=f"needs an NVIDIA GPU: {GPU_MISSING}")
 LAYOUTS = pytest.mark.parametrize("layout", ["layer", "page"])
-PATHS = pytest.mark.parametrize("native", ["1", "0"], ids=["native-loop", "cuda-python"])
+# The native loop called through its CPython extension (the default), the same loop through ctypes
+# (where Python's headers are missing), and cuda-python alone.
+PATHS = pytest.mark.parametrize("native", ["1", "ctypes", "0"], ids=["native-loop", "native-via-ctypes", "cuda-python"])
+
+
+def on_path(backend: CudaBackend, native: str) -> CudaBackend:
+    """Check the backend took the path asked for; ``ctypes``: the native loop without its extension."""
+    assert (backend._native is not None) == (native != "0"), backend.native_reason
+    if backend._native is not None:
+        assert backend._native._caller is not None, backend._native.caller_reason
+        if native == "ctypes":
+            backend._native._caller = None
+    return backend
+
+
+def native_mode(native: str) -> str:
+    return "off" if native == "0" else "on"
 
 
 def child_env() -> dict[str, str]:
@@ -156,6 +172,27 @@ def test_native_helper_builds_once_and_exports_its_loop(tmp_path, monkeypatch) -
     assert path is None and "no-such-compiler" in why
 
 
+def test_the_map_caller_extension_builds_and_checks_its_arguments(tmp_path, monkeypatch) -> None:
+    """The CPython extension that calls the native loop with Python lists (the loop itself needs a GPU)."""
+    import shutil
+
+    from kvcached_core.cbuild import build_extension
+
+    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    module, why = build_extension(cuda_native.CALLER_SOURCE, "_kvc_vmmcall")
+    if module is None and "Python.h" in why:
+        pytest.skip(why)
+    assert module is not None, why
+    with pytest.raises(TypeError, match="offsets: list"):
+        module.map_pages(1, 1, (0,), [], 1)
+    with pytest.raises(ValueError, match="null function"):
+        module.map_pages(0, 1, [0], [], 1)
+    with pytest.raises(ValueError, match="more pooled handles"):
+        module.map_pages(1, 1, [0], [1, 2, 3], 2)
+
+
 @pytest.mark.skipif(GPU_MISSING is None, reason="a GPU is present: construction succeeds here")
 def test_without_a_gpu_construction_says_what_is_missing(shm_dir) -> None:
     with pytest.raises(BackendUnavailable) as info:
@@ -182,11 +219,11 @@ def cuda_manager(name: str, **kwargs) -> KVCacheManager:
 def test_write_and_read_back_every_layer_through_torch(layout, native, monkeypatch) -> None:
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("KVCACHED_CUDA_LAYOUT", layout)
-    monkeypatch.setenv("KVCACHED_CUDA_NATIVE", native)
+    monkeypatch.setenv("KVCACHED_CUDA_NATIVE", "0" if native == "0" else "1")
     monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")  # map on demand only: no background mapping races
     with cuda_manager(f"rw-{layout}") as m:
         assert m.backend.layout == layout
-        assert (m.backend._native is not None) == (native == "1"), m.backend.native_reason
+        on_path(m.backend, native)
         views = tensor_views(m, dtype=torch.int32)
         bpp = m.blocks_per_page
         blocks = m.alloc(20)
@@ -250,7 +287,8 @@ def test_views_take_a_dtype_and_block_shape(layout) -> None:
 @LAYOUTS
 @PATHS
 def test_pool_reuses_handles_and_trim_pool_releases_beyond_keep(layout, native) -> None:
-    b = CudaBackend(Geometry(2 * MiB, 8, 2, 2), layout=layout, pool_pages=4, native="on" if native == "1" else "off")
+    b = on_path(CudaBackend(Geometry(2 * MiB, 8, 2, 2), layout=layout, pool_pages=4, native=native_mode(native)),
+                native)
     try:
         per_page = b.slices
         assert b.map_pages([0, 1, 2, 3]) == [0, 1, 2, 3]
@@ -274,7 +312,8 @@ def test_pool_reuses_handles_and_trim_pool_releases_beyond_keep(layout, native) 
 @LAYOUTS
 @PATHS
 def test_deferred_unmap_hands_back_a_pending_page_without_driver_work(layout, native) -> None:
-    b = CudaBackend(Geometry(2 * MiB, 8, 4, 2), layout=layout, pool_pages=0, native="on" if native == "1" else "off")
+    b = on_path(CudaBackend(Geometry(2 * MiB, 8, 4, 2), layout=layout, pool_pages=0, native=native_mode(native)),
+                native)
     idle = threading.Thread(target=lambda: None)
     idle.start()
     idle.join()
@@ -306,8 +345,8 @@ def test_deferred_unmap_hands_back_a_pending_page_without_driver_work(layout, na
 def test_driver_errors_name_the_call_and_leave_nothing_half_mapped(native) -> None:
     from cuda.bindings import driver as d
 
-    b = CudaBackend(Geometry(2 * MiB, 4, 1, 1), layout="layer", async_unmap=False,
-                    native="on" if native == "1" else "off")
+    b = on_path(CudaBackend(Geometry(2 * MiB, 4, 1, 1), layout="layer", async_unmap=False,
+                            native=native_mode(native)), native)
     try:
         with b._context():
             err, stray = d.cuMemCreate(2 * MiB, b._prop, 0)

@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..cbuild import compile_c
+from ..cbuild import build_extension, compile_c
 from ..config import tristate_env
 
 NATIVE_ENV = "KVCACHED_CUDA_NATIVE"
@@ -185,6 +185,93 @@ int kvc_release(const struct kvc_vmm *v, const uint64_t *handles, size_t n, size
 """
 
 
+# A CPython extension that calls kvc_map_pages (by address, in the library above) with Python lists.
+# Through ctypes, the call's argument conversions, scratch arrays and result slicing were most of the
+# 8-11 µs a one-page-id map_pages call spent outside the driver on the H200 VM, which a 30-60 µs
+# page-layout page id feels (benchmarks/vmm.py, page layout, batch 1).
+CALLER_SOURCE = r"""#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+typedef int (*map_pages_t)(const void *, const uint64_t *, size_t, uint64_t *, size_t, size_t *, size_t *, int *);
+
+static int fill(PyObject *list, uint64_t *dst, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        dst[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(list, i));
+        if (dst[i] == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+static PyObject *handle_list(const uint64_t *h, size_t from, size_t to) {
+    PyObject *list = PyList_New(to > from ? (Py_ssize_t)(to - from) : 0);
+    for (size_t i = from; list && i < to; i++) {
+        PyObject *o = PyLong_FromUnsignedLongLong(h[i]);
+        if (!o) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)(i - from), o);
+    }
+    return list;
+}
+
+/* map_pages(fn, vmm, offsets, pooled, slices) -> (err, step, done, handles, spare), as
+ * NativeVmm.map_pages; the driver work runs without the GIL. */
+static PyObject *map_pages(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyList_CheckExact(args[2]) || !PyList_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "map_pages(fn, vmm, offsets: list, pooled: list, slices)");
+        return NULL;
+    }
+    map_pages_t fn = (map_pages_t)PyLong_AsVoidPtr(args[0]);
+    const void *vmm = PyLong_AsVoidPtr(args[1]);
+    size_t slices = PyLong_AsSize_t(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (!fn || !vmm || !slices) {
+        PyErr_SetString(PyExc_ValueError, "map_pages: null function, null vmm or no slices");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(args[2]), have = PyList_GET_SIZE(args[3]);
+    if ((size_t)have > (size_t)n * slices) {
+        PyErr_SetString(PyExc_ValueError, "map_pages: more pooled handles than the page ids take");
+        return NULL;
+    }
+    uint64_t stack[80], *mem = stack;
+    size_t need = (size_t)n + (size_t)n * slices;
+    if (need > sizeof stack / sizeof stack[0] && !(mem = PyMem_Malloc(need * sizeof(uint64_t)))) return PyErr_NoMemory();
+    uint64_t *offsets = mem, *handles = mem + n;
+    PyObject *result = NULL;
+    if (fill(args[2], offsets, n) == 0 && fill(args[3], handles, have) == 0) {
+        size_t done = 0, end = 0;
+        int step = 0, err;
+        Py_BEGIN_ALLOW_THREADS
+        err = fn(vmm, offsets, (size_t)n, handles, (size_t)have, &done, &end, &step);
+        Py_END_ALLOW_THREADS
+        size_t backed = err ? done * slices : (size_t)n * slices;
+        PyObject *got = handle_list(handles, 0, backed);
+        PyObject *spare = err ? handle_list(handles, backed, end) : PyList_New(0);
+        if (got && spare) {
+            result = Py_BuildValue("(iinNN)", err, err ? step : 0, err ? (Py_ssize_t)done : n, got, spare);
+        } else {
+            Py_XDECREF(got);
+            Py_XDECREF(spare);
+        }
+    }
+    if (mem != stack) PyMem_Free(mem);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"map_pages", (PyCFunction)(void (*)(void))map_pages, METH_FASTCALL, "kvc_map_pages with Python lists"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "_kvc_vmmcall", .m_size = -1, .m_methods = methods};
+
+PyMODINIT_FUNC PyInit__kvc_vmmcall(void) { return PyModule_Create(&module); }
+"""
+
+
 def native_mode_from_env() -> str:
     return tristate_env(NATIVE_ENV)
 
@@ -251,6 +338,9 @@ class NativeVmm:
         self._map_pages = lib.kvc_map_pages
         self._unmap = lib.kvc_unmap
         self._release = lib.kvc_release
+        caller, self.caller_reason = build_extension(CALLER_SOURCE, "_kvc_vmmcall")
+        self._caller = caller.map_pages if caller is not None else None  # else through ctypes, below
+        self._call_args = (ctypes.cast(lib.kvc_map_pages, ctypes.c_void_p).value, ctypes.addressof(vmm))
 
     def _scratch(self, pages: int = 1) -> _Scratch:
         """This thread's arguments for the C calls (the refill and unmap threads call concurrently),
@@ -265,6 +355,8 @@ class NativeVmm:
 
         ``step``: 1 = create, 2 = map, 3 = access, 4 = making the context current failed; the spare
         handles are valid and unmapped (the pool's again)."""
+        if self._caller is not None:
+            return self._caller(*self._call_args, offsets, pooled, self._slices)
         n, have = len(offsets), len(pooled)
         sc = self._scratch(n)
         handles = sc.handles

@@ -95,7 +95,7 @@ def build_extension(source: str, module: str, extra_flags: tuple[str, ...] = ())
             return None, f"cannot import {path}"
         loaded = importlib.util.module_from_spec(spec)
         loader.exec_module(loaded)
-    except ImportError as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever a broken build raises on import, the caller falls back
         return None, f"cannot import {path}: {exc}"
     return loaded, ""
 

@@ -19,7 +19,16 @@
 /* Stage timestamps for benchmarks/probes/alloc_stages.py, compiled in only with -DKVC_PROFILE. */
 #ifdef KVC_PROFILE
 static unsigned long long kvc_stamps[10];
+#if defined(__x86_64__) || defined(__i386__)
 #define STAMP(i) (kvc_stamps[i] = __builtin_ia32_rdtsc())
+#else
+static unsigned long long kvc_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec;
+}
+#define STAMP(i) (kvc_stamps[i] = kvc_now())
+#endif
 #else
 #define STAMP(i) ((void)0)
 #endif
@@ -547,9 +556,9 @@ static PyObject *FastPath_alloc(FastPath *f, PyObject *const *args, Py_ssize_t n
     if (overflow < 0 || (!overflow && n <= 0)) return PyList_New(0);
     if (overflow > 0 || n > (long)f->nblocks) n = (long)f->nblocks + 1; /* more than there is: a miss */
     if (near_obj != Py_None) {
-        near = PyLong_AsLong(near_obj);
+        near = PyLong_AsLongAndOverflow(near_obj, &overflow);
         if (near == -1 && PyErr_Occurred()) return NULL;
-        if (near < 0) near = -1;
+        if (overflow || near < 0) near = -1; /* no such block: a hint to ignore, as in Python */
     }
     STAMP(0);
     if (load_state(f) < 0) return NULL;
@@ -845,18 +854,17 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
         !(f->publish_all = attr(mgr, "_publish")) || !(f->cache_remove = attr(f->cache, "remove")) ||
         !(f->alloc_missed = attr(mgr, "_alloc_missed")))
         return -1;
-    PyObject *lock = attr(mgr, "_lock"), *wanted = attr(mgr, "_refill_wanted"),
-             *method = PyObject_GetAttrString((PyObject *)Py_TYPE(mgr), "alloc");
-    if (lock && wanted && method) {
-        f->lock_acquire = attr(lock, "acquire");
-        f->lock_release = attr(lock, "release");
-        f->refill_notify = attr(wanted, "notify");
-        f->py_alloc = PyMethod_New(method, mgr);
-    }
+    /* manager_alloc's lock, refill wake-up and fallback, bound once here as the callbacks above
+     * are: replacing them on the instance later does not reach the C entry. */
+    PyObject *lock = NULL, *wanted = NULL, *method = NULL;
+    int bound = (lock = attr(mgr, "_lock")) && (wanted = attr(mgr, "_refill_wanted")) &&
+                (method = PyObject_GetAttrString((PyObject *)Py_TYPE(mgr), "alloc")) &&
+                (f->lock_acquire = attr(lock, "acquire")) && (f->lock_release = attr(lock, "release")) &&
+                (f->refill_notify = attr(wanted, "notify")) && (f->py_alloc = PyMethod_New(method, mgr));
     Py_XDECREF(lock);
     Py_XDECREF(wanted);
     Py_XDECREF(method);
-    if (!f->lock_acquire || !f->lock_release || !f->refill_notify || !f->py_alloc) return -1;
+    if (!bound) return -1;
     if (!(f->counts = PyMem_Calloc(PyList_GET_SIZE(f->used) + 1, sizeof(long))) ||
         !(f->pagecache = PyMem_Calloc(PyList_GET_SIZE(f->used) + 1, sizeof(PyObject *)))) {
         f->npages = 0;
@@ -1002,7 +1010,11 @@ static PyTypeObject FastPathType = {
 #ifdef KVC_PROFILE
 static PyObject *stamps(PyObject *self, PyObject *unused) {
     PyObject *t = PyTuple_New(10);
-    for (int i = 0; t && i < 10; i++) PyTuple_SET_ITEM(t, i, PyLong_FromUnsignedLongLong(kvc_stamps[i]));
+    for (int i = 0; t && i < 10; i++) {
+        PyObject *o = PyLong_FromUnsignedLongLong(kvc_stamps[i]);
+        if (!o) Py_CLEAR(t);
+        else PyTuple_SET_ITEM(t, i, o);
+    }
     return t;
 }
 

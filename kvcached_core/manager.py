@@ -146,10 +146,11 @@ class KVCacheManager:
         self._publish()
         try:
             self._fast, self.fastpath_reason = fastpath.attach(self, self.policy, fast_mode)
-            if self._fast is not None:
+            if self._fast is not None and type(self).alloc is KVCacheManager.alloc:
                 # This instance's alloc becomes the C one, lock and all: right after an engine's GPU
                 # wait the Python around the placement cost more than the placement itself
                 # (benchmarks/probes/alloc_stages.py). It hands to the method below what it does not serve.
+                # A subclass that overrides alloc keeps its own (the C path still serves its super() calls).
                 self.alloc = self._fast.manager_alloc  # type: ignore[method-assign]
         except BaseException:
             self.backend.close()

@@ -333,3 +333,29 @@ def test_the_c_entry_has_alloc_s_signature(monkeypatch: pytest.MonkeyPatch) -> N
                         page_size=BPP * (16 << 10)) as m:
         assert str(inspect.signature(m.alloc)) == "(n, *, near=None)"
         assert len(m.alloc(n=2)) == 2  # n by keyword: the Python method serves it
+
+
+@needs_build
+def test_odd_hints_and_subclasses_behave_as_in_python(deterministic: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hint beyond any block is ignored on both paths; a subclass's own alloc is not bypassed."""
+    fast, slow = pair("affinity", monkeypatch)
+    try:
+        got = [[m.alloc(2), m.alloc(1, near=2**70), m.alloc(1, near=-2**70), m.alloc(3, near=10**6)]
+               for m in (fast, slow)]
+        assert got[0] == got[1] and all(len(ids) == n for ids, n in zip(got[0], (2, 1, 1, 3), strict=True))
+        assert state(fast) == state(slow)
+    finally:
+        fast.close()
+        slow.close()
+
+    calls = []
+
+    class Counting(KVCacheManager):
+        def alloc(self, n: int, *, near: int | None = None) -> list[int] | None:
+            calls.append(n)
+            return super().alloc(n, near=near)
+
+    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
+    with Counting("fp-sub", num_blocks=BPP * 4, block_bytes=16 << 10, num_layers=1, page_size=BPP * (16 << 10)) as m:
+        assert m._fast is not None and "alloc" not in m.__dict__
+        assert len(m.alloc(3)) == 3 and calls == [3]

@@ -224,9 +224,11 @@ static PyObject *map_pages(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     map_pages_t fn = (map_pages_t)PyLong_AsVoidPtr(args[0]);
+    if (!fn && PyErr_Occurred()) return NULL;
     const void *vmm = PyLong_AsVoidPtr(args[1]);
+    if (!vmm && PyErr_Occurred()) return NULL;
     size_t slices = PyLong_AsSize_t(args[4]);
-    if (PyErr_Occurred()) return NULL;
+    if (slices == (size_t)-1 && PyErr_Occurred()) return NULL;
     if (!fn || !vmm || !slices) {
         PyErr_SetString(PyExc_ValueError, "map_pages: null function, null vmm or no slices");
         return NULL;
@@ -248,8 +250,8 @@ static PyObject *map_pages(PyObject *self, PyObject *const *args, Py_ssize_t nar
         err = fn(vmm, offsets, (size_t)n, handles, (size_t)have, &done, &end, &step);
         Py_END_ALLOW_THREADS
         size_t backed = err ? done * slices : (size_t)n * slices;
-        PyObject *got = handle_list(handles, 0, backed);
-        PyObject *spare = err ? handle_list(handles, backed, end) : PyList_New(0);
+        PyObject *got = handle_list(handles, 0, backed), *spare = NULL;
+        if (got) spare = err ? handle_list(handles, backed, end) : PyList_New(0);
         if (got && spare) {
             result = Py_BuildValue("(iinNN)", err, err ? step : 0, err ? (Py_ssize_t)done : n, got, spare);
         } else {

@@ -90,6 +90,10 @@ class PageTable:
         self.partial[free].add(page)
         self.nonempty |= 1 << free
 
+    def take_up_to(self, page: int, n: int) -> list[int]:
+        """As many of ``n`` blocks as a mapped page has free; returns their ids."""
+        return self.take_blocks(page, min(self.free_slots(page), n))
+
     def take_blocks(self, page: int, count: int) -> list[int]:
         """Use ``count`` free slots of a mapped page; returns block ids."""
         before = self.used[page]

@@ -68,7 +68,7 @@ class Policy:
         if page is None:  # no page takes the rest whole and none is empty: split it over the holes
             page = pages.emptiest()
         while page is not None:
-            got = pages.take_blocks(page, min(pages.free_slots(page), remaining))
+            got = pages.take_up_to(page, remaining)
             taken += got
             remaining -= len(got)
             if not remaining:
@@ -149,7 +149,7 @@ class FirstFit(Policy):
                 page = empty_page()
                 if page is None:
                     return False
-            got = pages.take_blocks(page, min(pages.free_slots(page), remaining))
+            got = pages.take_up_to(page, remaining)
             taken += got
             remaining -= len(got)
         return True
@@ -171,7 +171,7 @@ class Affinity(Policy):
         if near is not None and 0 <= near < len(pages.block_used):
             page = near // pages.bpp
             if pages.used[page] and pages.used[page] < pages.cap[page]:
-                got = pages.take_blocks(page, min(pages.free_slots(page), n))
+                got = pages.take_up_to(page, n)
                 taken += got
                 n -= len(got)
                 if not n:
@@ -201,7 +201,7 @@ def place_draining(pages: PageTable, n: int, taken: list[int]) -> bool:
         page = pages.best_fit(1)
         if page is None:
             return False
-        got = pages.take_blocks(page, min(pages.free_slots(page), n))
+        got = pages.take_up_to(page, n)
         taken += got
         n -= len(got)
     return True

@@ -43,6 +43,11 @@ def pair(policy: str, monkeypatch: pytest.MonkeyPatch, pages: int = 24,
     return fast, slow
 
 
+def small(name: str, pages: int = 8, cls: type[KVCacheManager] = KVCacheManager) -> KVCacheManager:
+    """A one-layer manager of ``pages`` pages of BPP 16 KiB blocks."""
+    return cls(name, num_blocks=BPP * pages, block_bytes=16 << 10, num_layers=1, page_size=BPP * (16 << 10))
+
+
 def state(m: KVCacheManager) -> tuple:
     p = m.pages
     buf = bytes(m.segment._buf)
@@ -117,8 +122,7 @@ def test_same_blocks_and_bytes(policy: str, bpp: int, script: list, deterministi
 @needs_build
 def test_alloc_publishes_at_once(deterministic: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    with KVCacheManager("fp-live", num_blocks=BPP * 8, block_bytes=16 << 10, num_layers=1,
-                        page_size=128 << 10) as m:
+    with small("fp-live") as m:
         ids = m.alloc(BPP + 3)
         snap = snapshot(m.name)
         assert (snap.blocks_used, snap.pages_inuse, snap.alloc_count) == (BPP + 3, 2, 1)
@@ -241,8 +245,7 @@ def test_a_page_table_that_disagrees_with_itself_raises_instead_of_crashing(dete
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The C path bounds-checks what it reads from the Python objects: damage them and it raises."""
     monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    with KVCacheManager("fp-damaged", num_blocks=BPP * 8, block_bytes=16 << 10, num_layers=1,
-                        page_size=BPP * (16 << 10)) as m:
+    with small("fp-damaged") as m:
         m.alloc(3)
         m.pages.reserved.append(10**6)  # a pool page that does not exist
         with pytest.raises(RuntimeError, match="pool page 1000000 out of range"):
@@ -259,8 +262,7 @@ def test_alloc_is_the_c_entry_and_hands_the_rest_to_python(deterministic: None,
     """The manager's alloc is the C entry (lock and all); odd arguments and a closed manager get
     the Python method's answers."""
     monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    m = KVCacheManager("fp-entry", num_blocks=BPP * 8, block_bytes=16 << 10, num_layers=1,
-                       page_size=BPP * (16 << 10))
+    m = small("fp-entry")
     assert m.alloc.__name__ == "manager_alloc"
     assert m.alloc(0) == [] and m.alloc(-3) == []
     first = m.alloc(2)
@@ -286,8 +288,7 @@ def test_the_c_entry_holds_the_lock_and_lets_go_on_errors(deterministic: None,
     import threading  # noqa: PLC0415
 
     monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    with KVCacheManager("fp-lock", num_blocks=BPP * 8, block_bytes=16 << 10, num_layers=1,
-                        page_size=BPP * (16 << 10)) as m:
+    with small("fp-lock") as m:
         got: list = []
         worker = threading.Thread(target=lambda: got.append(m.alloc(1)))
         with m._lock:
@@ -314,8 +315,7 @@ def test_the_c_entry_asks_for_a_refill(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "4")
     import time  # noqa: PLC0415
 
-    with KVCacheManager("fp-refill", num_blocks=BPP * 16, block_bytes=16 << 10, num_layers=1,
-                        page_size=BPP * (16 << 10)) as m:
+    with small("fp-refill", pages=16) as m:
         assert not m.pages.reserved  # the pool fills once traffic comes
         assert m.alloc(3 * BPP) is not None  # maps its pages itself, then asks for the pool
         deadline = time.monotonic() + 5
@@ -329,8 +329,7 @@ def test_the_c_entry_has_alloc_s_signature(monkeypatch: pytest.MonkeyPatch) -> N
     import inspect  # noqa: PLC0415
 
     monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    with KVCacheManager("fp-sig", num_blocks=BPP * 4, block_bytes=16 << 10, num_layers=1,
-                        page_size=BPP * (16 << 10)) as m:
+    with small("fp-sig", pages=4) as m:
         assert str(inspect.signature(m.alloc)) == "(n, *, near=None)"
         assert len(m.alloc(n=2)) == 2  # n by keyword: the Python method serves it
 
@@ -356,6 +355,6 @@ def test_odd_hints_and_subclasses_behave_as_in_python(deterministic: None, monke
             return super().alloc(n, near=near)
 
     monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    with Counting("fp-sub", num_blocks=BPP * 4, block_bytes=16 << 10, num_layers=1, page_size=BPP * (16 << 10)) as m:
+    with small("fp-sub", pages=4, cls=Counting) as m:
         assert m._fast is not None and "alloc" not in m.__dict__
         assert len(m.alloc(3)) == 3 and calls == [3]

@@ -40,13 +40,8 @@ def wait(mode: str, pacer: vmm.Pacer) -> None:
             pass
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def report(label: str, xs: list[float]) -> None:
-    print(f"{label:48s} p50 {pct(xs, .5):6.2f} p90 {pct(xs, .9):6.2f} p99 {pct(xs, .99):6.2f} us", flush=True)
+    print(f"{label:48s} p50 {vmm.pct(xs, .5):6.2f} p90 {vmm.pct(xs, .9):6.2f} p99 {vmm.pct(xs, .99):6.2f} us", flush=True)
 
 
 def timed(fn, n: int) -> float:  # noqa: ANN001

@@ -32,11 +32,6 @@ STAGES = ("wrapper", "load_state", "placement", "store_state", "ids_list", "coun
 STAMP_PAIRS = ((0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9))
 
 
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def profiled(m: KVCacheManager):  # noqa: ANN201
     module, why = fastpath._build_and_import(("-DKVC_PROFILE",))
     if module is None:
@@ -104,12 +99,12 @@ def main() -> None:
     for which, data in rows.items():
         data.sort()
         top = data[int(0.99 * len(data)):]
-        print(f"\n{which} alloc after the wait: n={len(data)} total p50 {pct([r[0] for r in data], .5):.2f} "
-              f"p99 {pct([r[0] for r in data], .99):.2f} µs")
+        print(f"\n{which} alloc after the wait: n={len(data)} total p50 {vmm.pct([r[0] for r in data], .5):.2f} "
+              f"p99 {vmm.pct([r[0] for r in data], .99):.2f} µs")
         print("| stage | p50 µs | p99 µs | mean in the slowest 1 % |\n|---|---|---|---|")
         for i, stage in enumerate(STAGES, start=1):
             col = [r[i] for r in data]
-            print(f"| {stage} | {pct(col, .5):.2f} | {pct(col, .99):.2f} | {sum(r[i] for r in top) / len(top):.2f} |")
+            print(f"| {stage} | {vmm.pct(col, .5):.2f} | {vmm.pct(col, .99):.2f} | {sum(r[i] for r in top) / len(top):.2f} |")
 
 
 if __name__ == "__main__":

@@ -42,11 +42,6 @@ VARIANTS = {  # name: (refill poll s, watch interval s, pin the engine thread)
 }
 
 
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
-
-
 def run(pacer: vmm.Pacer, layout: str, variant: str, seed: int) -> dict:
     poll, watch, pin = VARIANTS[variant]
     saved = manager_module.REFILL_POLL_S, manager_module.WATCH_INTERVAL_S
@@ -90,11 +85,11 @@ def run(pacer: vmm.Pacer, layout: str, variant: str, seed: int) -> dict:
     top = sorted(rows)[int(0.99 * len(rows)):]
     calm = [r[0] for r in rows if not (r[1] or r[2] or r[3])]
     return {
-        "n": len(rows), "p50": pct(lat, .5), "p99": pct(lat, .99),
+        "n": len(rows), "p50": vmm.pct(lat, .5), "p99": vmm.pct(lat, .99),
         "slept": sum(1 for r in rows if r[1]) / len(rows), "slept_top": sum(1 for r in top if r[1]) / len(top),
         "preempted": sum(1 for r in rows if r[2]) / len(rows),
         "moved": sum(1 for r in rows if r[3]) / len(rows), "moved_top": sum(1 for r in top if r[3]) / len(top),
-        "calm_p99": pct(calm, .99),
+        "calm_p99": vmm.pct(calm, .99) if calm else float("nan"),
     }
 
 

@@ -14,6 +14,7 @@ from zlib import crc32 as _crc32
 from . import layout as L
 from .names import segment_path, validate
 from .procinfo import is_alive, start_time
+from .removal import inode, remove_verified
 
 _pack_counters = L.COUNTERS.pack_into
 _pack_u64 = L.U64.pack_into
@@ -63,20 +64,35 @@ class ControlRequest:
     trim_seq: int
 
 
-def owned_stale(path: Path) -> bool:
-    """True when ``path`` is one of our own segments whose process is gone (safe to replace)."""
-    try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            return False
-        with open(path, "rb") as fh:
-            raw = fh.read(L.HEADER.size)
-    except OSError:
+def _stale_fd(fd: int) -> bool:
+    """True when the open file ``fd`` is one of our own segments whose process is gone."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
         return False
+    raw = os.pread(fd, L.HEADER.size, 0)
     if len(raw) < L.HEADER.size or raw[:8] != L.MAGIC:
         return False
     fields = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack(raw), strict=False))
     return not is_alive(fields["pid"], fields["start_time"])
+
+
+def stale_inode(path: Path) -> tuple[int, int] | None:
+    """The (st_dev, st_ino) of ``path`` when it is one of our own segments whose process is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return inode(os.fstat(fd)) if _stale_fd(fd) else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def owned_stale(path: Path) -> bool:
+    """True when ``path`` is one of our own segments whose process is gone (safe to replace)."""
+    return stale_inode(path) is not None
 
 
 def _why_taken(path: Path) -> str:
@@ -129,8 +145,10 @@ def create_segment_file(name: str, size: int, initial: bytes = b"", directory: P
                 os.link(tmp, path, follow_symlinks=False)
                 return path, fd
             except FileExistsError:
-                if attempt == 0 and owned_stale(path):
-                    os.unlink(path)
+                stale = stale_inode(path) if attempt == 0 else None
+                if stale is not None:
+                    with contextlib.suppress(OSError):  # only the dead inode we checked, never a newcomer
+                        remove_verified(path, stale, _stale_fd)
                     continue
                 raise SegmentError(f"segment name {name!r} is taken: {path} {_why_taken(path)}") from None
             except OSError as exc:
@@ -170,6 +188,7 @@ class SegmentWriter:
         L.U64.pack_into(initial, L.HEARTBEAT_OFF, time.time_ns())
         self.path, fd = create_segment_file(ident.name, size, bytes(initial), directory)
         try:
+            self.inode = inode(os.fstat(fd))
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -228,6 +247,6 @@ class SegmentWriter:
         self._counters_view.release()
         self._buf.release()
         self._mm.close()
-        if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        if unlink:  # our own inode only: the name may have passed to another allocator since
+            with contextlib.suppress(OSError):
+                remove_verified(self.path, self.inode)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 
 import click
 
@@ -12,6 +13,7 @@ from kvcached_core import layout as L
 from kvcached_core.config import shm_dir
 from kvcached_core.procinfo import is_alive
 from kvcached_core.reader import parse_header
+from kvcached_core.removal import inode, remove_verified
 from kvcached_core.segment import temp_owner
 from kvtop import textfmt as T
 from kvtop.cli import ExitCode
@@ -36,6 +38,18 @@ def _still_dead(m: ModelSnapshot) -> os.stat_result | None:
     if (header["pid"], header["start_time"]) != (m.pid, m.start_time):
         return None  # replaced by a newer process since we listed it
     return None if is_alive(m.pid, m.start_time) else st
+
+
+def _dead_segment(m: ModelSnapshot) -> Callable[[int], bool]:
+    """The re-check made on the file once it is held privately: still that dead process's segment."""
+    def check(fd: int) -> bool:
+        header = parse_header(os.pread(fd, L.HEADER.size, 0))
+        return (header["pid"], header["start_time"]) == (m.pid, m.start_time) and not is_alive(m.pid, m.start_time)
+    return check
+
+
+def _dead_creator(pid: int) -> Callable[[int], bool]:
+    return lambda fd: os.fstat(fd).st_uid == os.getuid() and not is_alive(pid, 0)
 
 
 def _leftovers() -> list[tuple[str, int, os.stat_result]]:
@@ -78,7 +92,7 @@ def clean_cmd(dry_run: bool) -> None:
       kvctl clean --dry-run
       kvctl clean
     """
-    doomed: list[tuple[str, str, os.stat_result]] = []  # (path, what it is, its stat when we checked)
+    doomed: list[tuple[str, str, os.stat_result, Callable[[int], bool]]] = []  # + its re-check
     for m in read().models:
         if m.status != "stale":
             continue
@@ -94,23 +108,20 @@ def clean_cmd(dry_run: bool) -> None:
             if is_alive(m.pid, m.start_time):
                 warn(f"kept {m.path}: process {m.pid} still runs (its heartbeat is late)")
             continue
-        doomed.append((m.path, f"model {m.model}, pid {m.pid}", checked))
-    doomed += [(path, f"a segment pid {pid} never finished creating", st) for path, pid, st in _leftovers()]
+        doomed.append((m.path, f"model {m.model}, pid {m.pid}", checked, _dead_segment(m)))
+    doomed += [(path, f"a segment pid {pid} never finished creating", st, _dead_creator(pid))
+               for path, pid, st in _leftovers()]
     failed = False
     acted = 0
-    for path, detail, checked in doomed:
+    for path, detail, checked, recheck in doomed:
         what = f"{path} ({detail}, {T.fmt_bytes(checked.st_size)})"
         acted += 1
         if dry_run:
             click.echo(f"would remove {what}")
             continue
         try:
-            now = os.lstat(path)
-            if (now.st_ino, now.st_dev) != (checked.st_ino, checked.st_dev):
-                continue  # replaced meanwhile: not ours to remove any more
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
+            if not remove_verified(path, inode(checked), recheck):
+                continue  # replaced meanwhile: not ours to remove any more (left as it was)
         except OSError as exc:
             failed = True
             click.echo(f"kvctl: cannot remove {path}: {exc.strerror}", err=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,29 @@ def _int_env(name: str, default: int) -> int:
 def shm_dir() -> Path:
     """Where segments live: ``KVCACHED_SHM_DIR`` or /dev/shm."""
     return Path(os.environ.get("KVCACHED_SHM_DIR") or "/dev/shm")
+
+
+def shm_dir_problem(directory: Path | None = None, *, writable: bool = False) -> str | None:
+    """Why the segment directory cannot be used, as one line (None when it can).
+
+    A missing directory would otherwise read as an empty fleet; ``writable`` also asks that
+    allocators could create segments there.
+    """
+    path = directory or shm_dir()
+    named = f"KVCACHED_SHM_DIR={path}" if directory is None and os.environ.get("KVCACHED_SHM_DIR") else str(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return f"segment directory {named} does not exist"
+    except OSError as exc:
+        return f"segment directory {named}: {exc.strerror or exc}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"segment directory {named} is not a directory"
+    if not os.access(path, os.R_OK | os.X_OK):
+        return f"segment directory {named} cannot be read (permission denied)"
+    if writable and not os.access(path, os.W_OK | os.X_OK):
+        return f"segment directory {named} is not writable: allocators cannot create segments there"
+    return None
 
 
 def page_size_bytes() -> int:

@@ -9,11 +9,16 @@ go to the prefix cache. Memory is real (host backend), so sizes are kept small.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import random
+import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 DEMO_MODELS = (
@@ -114,29 +119,61 @@ def _phase(t: float, period: float, offset: float) -> str:
     return "burst" if x < 0.3 else "steady" if x < 0.7 else "idle"
 
 
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_parent(stop: Callable[[], None]) -> None:
+    """Tie a child to its parent, whatever ends the parent (SIGKILL too).
+
+    The kernel sends SIGTERM when the parent goes (``PR_SET_PDEATHSIG``), and a watchdog thread
+    calls ``stop`` when stdin, a pipe only the parent holds open, reaches end of file: that also
+    covers a parent gone before the prctl call, and systems without prctl.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+    def watch() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while os.read(0, 4096):
+                pass
+        stop()
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
 def run_model(name: str, engine: str, layers: int, seed: int, duration: float | None, tick: float = 0.05) -> None:
-    """Child-process body: serve simulated traffic until ``duration`` or SIGTERM/SIGINT."""
+    """Child-process body: serve simulated traffic until ``duration``, SIGTERM/SIGINT or the parent's end.
+
+    Says ``ready`` on stdout once its segment exists, or ``failed: <why>`` (one line) and exits 1.
+    """
     from .manager import KVCacheManager
 
-    stop = {"now": False}
+    stopping = threading.Event()
 
     def _stop(*_: object) -> None:
-        stop["now"] = True
+        stopping.set()
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    die_with_parent(stopping.set)
     rng = random.Random(seed)
-    with KVCacheManager(name, num_blocks=4096, block_bytes=16 * KiB, num_layers=layers,
-                        num_kv_buffers=2, page_size=256 * KiB, engine=engine, name=name) as manager:
+    try:
+        manager = KVCacheManager(name, num_blocks=4096, block_bytes=16 * KiB, num_layers=layers,
+                                 num_kv_buffers=2, page_size=256 * KiB, engine=engine, name=name)
+    except (OSError, ValueError) as exc:  # SegmentError and ConfigError are ValueErrors
+        print(f"failed: {' '.join(str(exc).split()) or type(exc).__name__}", flush=True)
+        raise SystemExit(1) from None
+    print("ready", flush=True)
+    with manager:
         demo = DemoEngine(manager, rng)
         start = time.monotonic()
         period, offset = rng.uniform(12, 24), rng.uniform(0, 10)
-        while not stop["now"]:
+        while not stopping.is_set():
             now = time.monotonic() - start
             if duration is not None and now >= duration:
                 break
             demo.step(_phase(now, period, offset))
-            time.sleep(tick)
+            stopping.wait(tick)
 
 
 class DemoFleet:
@@ -147,6 +184,7 @@ class DemoFleet:
             raise ValueError("models must be between 1 and 64")
         self.count, self.seed, self.duration, self.prefix = models, seed, duration, prefix
         self.procs: list[subprocess.Popen] = []
+        self.failure: str | None = None  # why a model did not start, as its child said it
 
     def names(self) -> list[str]:
         out = []
@@ -161,21 +199,33 @@ class DemoFleet:
             _base, engine, layers = DEMO_MODELS[i % len(DEMO_MODELS)]
             cmd = [sys.executable, "-m", "kvcached_core.demo", name, engine, str(layers),
                    str(self.seed * 1000 + i), "" if self.duration is None else str(self.duration)]
-            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+            # stdin: a pipe only this process holds, so a child sees end of file when we are gone;
+            # stdout: the child's one line, "ready" or "failed: <why>".
+            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
         return self
 
     def wait_ready(self, timeout: float = 10.0) -> bool:
-        """Wait until every model's segment exists."""
-        from .names import segment_path
-
+        """Wait until every model says it is ready; False (and ``failure`` says why) when one is not."""
+        waiting = {p.stdout: name for p, name in zip(self.procs, self.names(), strict=False) if p.stdout}
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(segment_path(n).exists() for n in self.names()):
-                return True
-            if not self.alive():
-                return False
-            time.sleep(0.05)
-        return False
+        with selectors.DefaultSelector() as selector:
+            for pipe in waiting:
+                selector.register(pipe, selectors.EVENT_READ)
+            while waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.failure = f"{', '.join(waiting.values())} did not start within {timeout:g} s"
+                    return False
+                for key, _ in selector.select(left):
+                    pipe = key.fileobj
+                    line = pipe.readline().decode(errors="replace").strip()  # type: ignore[union-attr]
+                    name = waiting.pop(pipe)  # type: ignore[arg-type]
+                    selector.unregister(pipe)
+                    if line != "ready":
+                        why = line.removeprefix("failed: ") or "its process ended before its segment existed"
+                        self.failure = f"demo model {name} did not start: {why}"
+                        return False
+        return True
 
     def alive(self) -> bool:
         return any(p.poll() is None for p in self.procs)
@@ -195,6 +245,10 @@ class DemoFleet:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(1)
+            for pipe in (proc.stdin, proc.stdout):
+                with contextlib.suppress(OSError):
+                    if pipe is not None:
+                        pipe.close()
         self._remove_leftovers()
 
     def _remove_leftovers(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 _UNITS = {
-    "": 1, "b": 1,
+    "b": 1,
     "k": 1024, "kb": 1000, "kib": 1024,
     "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
     "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
@@ -23,8 +23,9 @@ class SizeError(ValueError):
 def parse_size(text: str, *, percent_of: int | None = None, allow_none: bool = False) -> int | None:
     """Parse ``text`` into bytes.
 
-    Binary units for bare letters (``4G`` = 4 GiB), SI for ``GB``; ``30%`` needs ``percent_of``
-    and must lie in (0, 100]; ``none`` (with ``allow_none``) returns None.
+    Binary units for bare letters (``4G`` = 4 GiB), SI for ``GB``; a number needs a unit (``4B``
+    for bytes: a bare ``4`` is refused); ``30%`` needs ``percent_of`` and must lie in (0, 100];
+    ``none`` (with ``allow_none``) returns None.
     """
     if not isinstance(text, str) or not text.strip():
         raise SizeError("empty size")
@@ -47,6 +48,9 @@ def parse_size(text: str, *, percent_of: int | None = None, allow_none: bool = F
     if not match:
         raise SizeError(f"{raw!r} is not a size (try 512MiB, 4G, 1.5GiB, 30% or none)")
     number, unit = match.groups()
+    if not unit:  # a bare number is a forgotten unit far more often than a byte count
+        in_bytes = f"; {raw}B for bytes" if number.isdigit() else ""
+        raise SizeError(f"{raw} what? {raw}GiB, {raw}MiB{in_bytes}")
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise SizeError(f"{raw!r}: unknown unit {unit!r} (use B, K, M, G, T, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")

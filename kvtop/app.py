@@ -536,12 +536,17 @@ def run(*, demo: bool, demo_models: int, once: bool, interval: float, gpus: list
     with _exit_on_signals():
         try:
             if demo:
+                from kvcached_core.config import shm_dir_problem
                 from kvcached_core.demo import DemoFleet
 
+                problem = shm_dir_problem(writable=True)
+                if problem:
+                    click.echo(f"kvtop: {problem}", err=True)
+                    return 1
                 fleet = DemoFleet(models=demo_models)
                 fleet.start()
                 if not fleet.wait_ready(timeout=20):
-                    click.echo("kvtop: the demo models did not start (see the messages above)", err=True)
+                    click.echo(f"kvtop: {fleet.failure or 'the demo models did not start'}", err=True)
                     return 1
             source = LiveSource(gpus)
             if once or not interactive:

@@ -95,13 +95,17 @@ def print_once(source: Source, *, model: str | None = None, gpus: Sequence[int] 
     """Read one frame and print it; a ``model`` that matches nothing is one line on stderr and exit 1."""
     console = console or Console(soft_wrap=False)
     name = None
+    first = source.read(None)
+    if first.directory_problem:
+        print(f"kvtop: {first.directory_problem}", file=sys.stderr)
+        return 1
     if model is not None:
         try:
-            name = resolve(model, list(source.read(None).models)).name
+            name = resolve(model, list(first.models)).name
         except ModelNotFound as exc:
             print(f"kvtop: {exc}", file=sys.stderr)
             return 1
-    frame = source.read(name)
+    frame = source.read(name) if name is not None else first
     for renderable in render(frame, width=console.width, model=name, gpus=gpus):
         console.print(renderable)
     return 0

@@ -38,6 +38,7 @@ class Frame:
     host: str
     read_s: float = 0.0  # seconds the read took
 
+    directory_problem: str = ""  # why the segment directory cannot be read ("" when it can)
     def model(self, name: str | None) -> ModelSnapshot | None:
         for m in self.models:
             if m.name == name:
@@ -102,7 +103,8 @@ class LiveSource:
         if not gpus and not note:
             note = "NVML reports no GPU" if self.gpu_filter is None else f"no GPU {self.gpu_filter}"
         return Frame(found.models, found.problems, gpus, note, self._host_capacity, detail,
-                     time.time(), self.host, time.perf_counter() - started)
+                     time.time(), self.host, time.perf_counter() - started,
+                     config.shm_dir_problem(self.directory) or "")
 
     def trim(self, model: ModelSnapshot, wait: float) -> kc.Ack:
         return kc.request_trim(model, wait=wait)

@@ -10,7 +10,7 @@ KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
 
 
 @pytest.mark.parametrize(("text", "expected"), [
-    ("0", 0), ("100", 100), ("100b", 100), ("100B", 100), (" 2 k ", 2 * KiB), ("2K", 2 * KiB),
+    ("0B", 0), ("100 B", 100), ("100b", 100), ("100B", 100), (" 2 k ", 2 * KiB), ("2K", 2 * KiB),
     ("512MiB", 512 * MiB), ("512mib", 512 * MiB), ("512M", 512 * MiB), ("512MB", 512 * 1000**2),
     ("4G", 4 * GiB), ("4g", 4 * GiB), ("4GiB", 4 * GiB), ("4GB", 4 * 1000**3), ("1.5GiB", 3 * GiB // 2),
     (".5G", GiB // 2), ("2T", 2 * TiB), ("2TB", 2 * 1000**4), ("3KB", 3000), ("3KiB", 3 * KiB),
@@ -35,6 +35,8 @@ def test_parse_size_none_words(word):
 
 @pytest.mark.parametrize(("text", "kwargs", "message"), [
     ("", {}, "empty size"), ("   ", {}, "empty size"), ("-1", {}, "cannot be negative"),
+    ("4", {}, r"^4 what\? 4GiB, 4MiB; 4B for bytes$"), ("0", {}, "0 what"), ("1.5", {}, r"^1.5 what\? 1.5GiB, 1.5MiB$"),
+    (" 64 ", {"percent_of": 100}, "64 what"),
     ("-4G", {}, "cannot be negative"), ("abc", {}, "is not a size"), ("1.5.3G", {}, "is not a size"),
     ("5XB", {}, "unknown unit"), ("4 gigs", {}, "unknown unit 'gigs'"), ("1e9", {}, "is not a size"),
     ("30%", {}, "needs a known total"), ("0%", {"percent_of": 100}, "above 0 and at most 100"),

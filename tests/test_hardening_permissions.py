@@ -59,7 +59,11 @@ def test_segments_and_the_capacity_lock_are_owner_only_even_with_umask_0(shm_dir
         with kc.KVCacheManager("open", name="open", **SMALL) as m:
             m.alloc(2)
             assert stat.S_IMODE(os.stat(shm_dir / "kvc.open").st_mode) == 0o600
-            assert stat.S_IMODE(os.stat(shm_dir / LOCK_NAME).st_mode) == 0o600
+            fd = m.backend.ledger._lock()  # the capacity lock exists only while a claim is made
+            try:
+                assert stat.S_IMODE(os.stat(shm_dir / LOCK_NAME).st_mode) == 0o600
+            finally:
+                m.backend.ledger._unlock(fd)
     finally:
         os.umask(old)
 

@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvcached_core import layout as L
+from kvcached_core.backends.host import LOCK_NAME
 from kvtop.cli import ExitCode, main
 
 OK, FAILURE, USAGE = ExitCode.OK, ExitCode.FAILURE, ExitCode.USAGE
@@ -47,6 +48,9 @@ CASES = [
     Case("percent-150", ("limit", "m1", "150%"), USAGE, "at most 100"),
     Case("percent-0", ("limit", "m1", "0%"), USAGE, "above 0"),
     Case("missing-size", ("limit", "m1"), USAGE, "missing SIZE"),
+    Case("bare-number", ("limit", "m1", "4"), USAGE, "4 what? 4GiB, 4MiB; 4B for bytes"),
+    Case("bare-zero", ("limit", "m1", "0"), USAGE, "0 what? 0GiB, 0MiB; 0B for bytes"),
+    Case("bare-fraction", ("limit", "m1", "1.5"), USAGE, "1.5 what? 1.5GiB, 1.5MiB"),
     Case("all-with-model", ("limit", "--all", "m1", "1G"), USAGE, "with --all give only SIZE"),
     Case("negative-wait", ("limit", "m1", "1G", "--wait", "-1"), USAGE, "--wait"),
     Case("trim-nothing", ("trim",), USAGE, "give MODEL or --all"),
@@ -121,8 +125,13 @@ def make(need: str, spawn_allocator, shm_dir: Path) -> str | None:
 def state(directory: Path, live: set[str]) -> dict[str, tuple]:
     out = {}
     for path in sorted(directory.iterdir()):
-        st = path.lstat()
-        data = path.read_bytes()
+        if path.name == LOCK_NAME:
+            continue  # exists only while an allocator claims capacity
+        try:
+            st = path.lstat()
+            data = path.read_bytes()
+        except FileNotFoundError:
+            continue
         out[path.name] = (st.st_mode, st.st_uid, data[:L.LIVENESS_OFF] if path.name in live else data)
     return out
 

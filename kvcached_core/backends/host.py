@@ -45,9 +45,11 @@ class HostCapacityLedger:
     """Shares ``KVCACHED_HOST_CAPACITY`` between processes.
 
     Each allocator records the bytes it holds in its own segment (CLAIMED); a process that wants
-    more takes a flock on one lock file, sums the claims of live segments and claims its share
-    before committing memory. Only growth takes the lock, and only in the background thread or
-    on a pool miss, never on the alloc hot path.
+    more records the larger claim first, then sums the claims of live segments and backs off if
+    they exceed the capacity. A flock on one owner-only lock file, taken without waiting, keeps
+    claimers from backing off each other needlessly; a held lock (a stopped holder) or one that
+    is not ours is skipped, never waited on. Only growth claims, and only in the background
+    thread or on a pool miss, never on the alloc hot path.
     """
 
     def __init__(self, capacity: int, directory: Path | None = None) -> None:
@@ -93,29 +95,66 @@ class HostCapacityLedger:
         available = available_ram_bytes()
         if available and available < nbytes + RAM_MARGIN:
             return False
-        lock_path = self.directory / LOCK_NAME
+        fd = self._lock()
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError:
-            fd = -1  # a lock owned by someone else: fall back to an unlocked estimate
-        try:
-            if fd >= 0:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+            # Announce first, then count the others: two claimers that could not both take the lock
+            # (held by a stopped process, or not ours to use) still see each other, and both back off.
+            self._announce(self.claimed + nbytes)
             if self._others() + self.claimed + nbytes > self.capacity:
+                self._announce(self.claimed)
                 return False
             self.claimed += nbytes
-            if self._set_claimed:
-                self._set_claimed(self.claimed)
             return True
         finally:
             if fd >= 0:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                os.close(fd)
+                self._unlock(fd)
+
+    def _lock(self) -> int:
+        """The lock file, created and flocked; -1 (an unlocked estimate) when it is not ours to use.
+
+        The file lives only while a claim is made: its holder unlinks it before unlocking, so a
+        process that was waiting on that inode sees the name gone or pointing elsewhere, and retries.
+        """
+        path = self.directory / LOCK_NAME
+        for _ in range(64):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError:
+                return -1  # e.g. another user's file by that name
+            try:
+                mine = os.fstat(fd)
+                if mine.st_uid != os.getuid() or mine.st_mode & 0o077:
+                    os.close(fd)
+                    return -1  # never use a lock another user owns or may open
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    return -1  # held, perhaps by a stopped process: never wait (claim stays safe unlocked)
+                now = os.lstat(path)
+                if (now.st_ino, now.st_dev) == (mine.st_ino, mine.st_dev):
+                    return fd
+            except OSError:
+                pass  # unlinked by its last holder while we waited
+            os.close(fd)
+        return -1
+
+    def _unlock(self, fd: int) -> None:
+        """Unlink the lock file (still the inode we locked: nobody else can replace it meanwhile), then unlock."""
+        try:
+            with contextlib.suppress(OSError):
+                os.unlink(self.directory / LOCK_NAME)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _announce(self, nbytes: int) -> None:
+        if self._set_claimed:
+            self._set_claimed(nbytes)
 
     def release(self, nbytes: int) -> None:
         self.claimed = max(0, self.claimed - nbytes)
-        if self._set_claimed:
-            self._set_claimed(self.claimed)
+        self._announce(self.claimed)
 
     def free_bytes(self) -> int:
         return max(0, self.capacity - self._others() - self.claimed)

@@ -27,7 +27,15 @@ def problem_line(problem: Problem) -> str:
 
 def read(*, with_pages: bool = False, include_stale: bool = True, warn_problems: bool = False,
          gpu: int | None = None) -> Scan:
-    """Scan the segment directory; optionally hide stale rows, filter one GPU, and warn about problem files."""
+    """Scan the segment directory; optionally hide stale rows, filter one GPU, and warn about problem files.
+
+    A directory that is missing or unreadable is a Failure (exit 1), not an empty fleet.
+    """
+    from kvcached_core.config import shm_dir_problem
+
+    problem = shm_dir_problem()
+    if problem:
+        raise Failure(problem)
     found = scan(with_pages=with_pages)
     if warn_problems:
         for problem in found.problems:

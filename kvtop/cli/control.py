@@ -9,7 +9,7 @@ import click
 from kvcached_core import Ack, AckTimeout, ControlError, ModelSnapshot, request_limit, request_trim
 from kvtop import textfmt as T
 from kvtop.cli import SIZE, ExitCode, Failure, SizeSpec, check_model_name, model_argument
-from kvtop.cli.common import emit_json, pick, read
+from kvtop.cli.common import emit_json, pick, read, warn
 
 WAIT_HELP = "Seconds to wait for each model's acknowledgement (0: do not wait)."
 REFUSED = (ControlError, AckTimeout, OSError, ValueError)
@@ -145,6 +145,9 @@ def limit_cmd(ctx: click.Context, model: str | None, size: str | None, all_model
 @click.option("--wait", type=click.FloatRange(min=0), default=2.0, show_default=True, metavar="SEC", help=WAIT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the acknowledgements as a JSON array.")
 @click.pass_context
+        if limit and m.status != "legacy" and limit < m.bundle_bytes:
+            warn(f"{m.name}: {T.fmt_bytes(limit)} is less than one page bundle ({T.fmt_bytes(m.bundle_bytes)}): "
+                 "the limit rounds down to 0 and the model can take no pages")
 def trim_cmd(ctx: click.Context, model: str | None, all_models: bool, wait: float, as_json: bool) -> None:
     """Unmap a model's reserved pages now and print the bytes it returned.
 

@@ -36,8 +36,12 @@ def demo_cmd(models: int, duration: float | None, seed: int) -> None:
       kvctl demo
       kvctl demo --models 6 --duration 60 --seed 7
     """
+    from kvcached_core.config import shm_dir_problem
     from kvcached_core.demo import DemoFleet
 
+    problem = shm_dir_problem(writable=True)
+    if problem:
+        raise Failure(problem)
     fleet = DemoFleet(models, seed, duration)
     existing = {m.name: m for m in read().models}
     for name in fleet.names():
@@ -48,7 +52,7 @@ def demo_cmd(models: int, duration: float | None, seed: int) -> None:
     try:
         fleet.start()
         if not fleet.wait_ready(timeout=30):
-            raise Failure("the demo models did not start (see the messages above)")
+            raise Failure(fleet.failure or "the demo models did not start")
         click.echo(f"demo: {models} simulated model{'s' if models > 1 else ''} running: {', '.join(fleet.names())}")
         until = "for " + (f"{duration:g} s" if duration else "ever")
         click.echo(f"look at them with 'kvtop' or 'kvctl watch'; running {until}, Ctrl-C stops them")

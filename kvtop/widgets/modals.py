@@ -136,6 +136,9 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
         if m.status != "legacy" and m.bundle_bytes:
             pages = value // m.bundle_bytes
             text.append(f" ({pages} page bundle{'s' if pages != 1 else ''})")
+            if pages == 0 and value > 0:
+                text.append(f"\nless than one page bundle ({format_bytes(m.bundle_bytes)}): "
+                            "rounds down to 0, the model can take no pages", style="yellow")
             if pages * m.bundle_bytes < m.pinned_bytes:
                 text.append(f"\nbelow the {format_bytes(m.pinned_bytes)} in use: deferred until pages empty",
                             style="yellow")

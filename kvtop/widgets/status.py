@@ -27,8 +27,11 @@ class StatusLine(Widget):
         if frame is not None:
             text.append(f" {frame.host} ", style="bold")
             text.append(time.strftime("%H:%M:%S", time.localtime(frame.taken_at)))
-            live = sum(1 for m in frame.models if m.status == "live")
-            text.append(f" · {len(frame.models)} models, {live} live")
+            if frame.directory_problem:  # first: it is why the fleet looks empty
+                text.append(f" · {frame.directory_problem}", style="bold red")
+            else:
+                live = sum(1 for m in frame.models if m.status == "live")
+                text.append(f" · {len(frame.models)} models, {live} live")
         text.append(f" · every {interval:g} s")
         text.append(f" · sort {sort_key}")
         if filter_text:

@@ -1,0 +1,234 @@
+"""What a new operator meets in the first hour: sizes without units, a mistyped segment directory,
+a demo that cannot start or whose parent is killed, and files left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import child_env, kvctl, wait_for
+from textual.pilot import Pilot
+
+import kvcached_core as kc
+from kvcached_core.backends.host import LOCK_NAME
+from kvcached_core.procinfo import is_alive
+from kvtop.app import KvtopApp
+from kvtop.source import LiveSource
+from kvtop.widgets import LimitScreen
+
+MiB = 1024 * 1024
+SMALL = dict(num_blocks=64, block_bytes=1 << 16, num_layers=1, page_size=1 << 18)
+KVTOP = [sys.executable, "-m", "kvtop.app"]
+KVCTL = [sys.executable, "-m", "kvtop.cli"]
+PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 24, 1, 2
+
+
+def drive(app: KvtopApp, script: Callable[[Pilot], object], size: tuple[int, int] = (140, 44)) -> None:
+    async def main() -> None:
+        async with app.run_test(size=size) as pilot:
+            await script(pilot)  # type: ignore[misc]
+
+    asyncio.run(main())
+
+
+async def until(pilot: Pilot, condition: Callable[[], object], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def without_root_override() -> None:
+    """preexec_fn: as root, drop the capabilities that ignore file modes, so 0555 means read-only."""
+    if os.getuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for cap in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
+            if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+# -- sizes ---------------------------------------------------------------------------------
+
+def test_a_bare_number_in_kvtops_limit_dialog_is_refused_with_a_hint(spawn_allocator) -> None:
+    spawn_allocator("m1")
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: app.frame and app.frame.model("m1"), "m1 on screen")
+        await pilot.press("l")
+        await until(pilot, lambda: isinstance(app.screen, LimitScreen), "the limit dialog")
+        await pilot.press("4", "enter")
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, LimitScreen), "a bare 4 was accepted"
+        assert "4 what? 4GiB, 4MiB; 4B for bytes" in str(app.screen.query_one("#error").render())
+        await pilot.press("backspace", *"100KiB")
+        await pilot.pause(0.1)
+        preview = str(app.screen.query_one("#preview").render())
+        assert "0 page bundles" in preview and "rounds down to 0" in preview
+        await pilot.press("escape")
+
+    drive(app, script)
+    assert kc.snapshot("m1").limit_revision == 0  # nothing was written
+
+
+def test_a_limit_below_one_page_bundle_warns_that_it_rounds_down_to_zero(spawn_allocator) -> None:
+    spawn_allocator("m1")  # 1 MiB page bundles, 2 GiB host capacity: 0.01% is about 210 KiB
+    result = kvctl("limit", "m1", "0.01%", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == ("kvctl: warning: m1: 209.7 KiB is less than one page bundle (1.0 MiB): "
+                             "the limit rounds down to 0 and the model can take no pages\n")
+    assert json.loads(result.stdout)[0]["effective_limit"] == 0
+    quiet = kvctl("limit", "m1", "1MiB")  # one whole bundle: no warning
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+
+
+# -- the segment directory -----------------------------------------------------------------
+
+COMMANDS = [("list",), ("list", "--json"), ("list", "--all"), ("show", "llama"), ("frag",), ("frag", "llama"),
+            ("limit", "llama", "4GiB"), ("limit", "--all", "none"), ("trim", "llama"), ("trim", "--all"),
+            ("watch", "--count", "1"), ("watch", "--format", "json", "--count", "1"), ("clean",),
+            ("clean", "--dry-run"), ("demo", "--duration", "1"), ("export", "--port", "0")]
+
+
+@pytest.mark.parametrize("args", COMMANDS, ids=[" ".join(a) for a in COMMANDS])
+@pytest.mark.parametrize("what", ["missing", "a-file"])
+def test_every_command_says_the_segment_directory_is_unusable(args, what, monkeypatch, tmp_path) -> None:
+    where = tmp_path / "shm-typo"
+    if what == "a-file":
+        where.write_text("not a directory\n")
+    monkeypatch.setenv("KVCACHED_SHM_DIR", str(where))
+    result = kvctl(*args)
+    said = "does not exist" if what == "missing" else "is not a directory"
+    assert result.exit_code == 1, (result.stdout, result.stderr)
+    assert result.stderr == f"kvctl: segment directory KVCACHED_SHM_DIR={where} {said}\n"
+    assert result.stdout == ""
+
+
+def test_kvtop_says_the_segment_directory_is_missing(monkeypatch, tmp_path) -> None:
+    where = tmp_path / "nowhere"
+    env = {**child_env(), "KVCACHED_SHM_DIR": str(where)}
+    once = subprocess.run([*KVTOP, "--once"], capture_output=True, text=True, env=env, timeout=60)
+    assert (once.returncode, once.stdout) == (1, "")
+    assert once.stderr == f"kvtop: segment directory KVCACHED_SHM_DIR={where} does not exist\n"
+
+    monkeypatch.setenv("KVCACHED_SHM_DIR", str(where))
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: app.frame is not None, "a first frame")
+        await pilot.pause(0.1)
+        line = str(app.status_line.render())
+        assert f"segment directory KVCACHED_SHM_DIR={where} does not exist" in line
+        assert "0 models" not in line
+        where.mkdir()  # created later: the line says what is true again
+        await until(pilot, lambda: "0 models, 0 live" in str(app.status_line.render()), "the directory to appear")
+
+    drive(app, script)
+
+
+@pytest.mark.parametrize("what", ["missing", "a-file", "read-only", "proc"])
+@pytest.mark.parametrize("tool", ["kvctl demo", "kvtop --demo"])
+def test_a_demo_on_an_unusable_directory_is_one_line(tool, what, tmp_path) -> None:
+    where = {"missing": tmp_path / "nowhere", "a-file": tmp_path / "file", "read-only": tmp_path / "ro",
+             "proc": Path("/proc")}[what]
+    if what == "a-file":
+        where.write_text("x")
+    if what == "read-only":
+        where.mkdir(mode=0o555)
+    command = [*KVCTL, "demo", "--duration", "5"] if tool == "kvctl demo" else [*KVTOP, "--demo", "--once"]
+    env = {**child_env(), "KVCACHED_SHM_DIR": str(where)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60,
+                          preexec_fn=without_root_override if what == "read-only" else None)
+    prog = tool.split()[0]
+    says = {"missing": f"segment directory KVCACHED_SHM_DIR={where} does not exist",
+            "a-file": f"segment directory KVCACHED_SHM_DIR={where} is not a directory",
+            "read-only": f"segment directory KVCACHED_SHM_DIR={where} is not writable",
+            "proc": "did not start: cannot create segment /proc/kvc.demo-" if os.getuid() == 0  # passes access()
+            else f"segment directory KVCACHED_SHM_DIR={where} is not writable"}[what]
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: ") and says in lines[0], done.stderr
+    assert done.stdout == ""
+    if what == "read-only":
+        assert os.listdir(where) == []
+
+
+# -- the demo's children -------------------------------------------------------------------
+
+def demo_models(shm_dir: Path, count: int) -> list[tuple[int, int]]:
+    def found() -> list[kc.ModelSnapshot] | None:
+        models = [m for m in kc.list_models() if m.status == "live"]
+        return models if len(models) == count else None
+
+    return [(m.pid, m.start_time) for m in wait_for(found, 60, f"{count} demo models")]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT])
+def test_demo_models_end_with_kvctl_demo_whatever_the_signal(sig, shm_dir: Path) -> None:
+    proc = subprocess.Popen([*KVCTL, "demo", "--models", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=child_env(), text=True)
+    try:
+        assert proc.stdout.readline().startswith("demo: 2 simulated models running")
+        children = demo_models(shm_dir, 2)
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    wait_for(lambda: not any(is_alive(pid, started) for pid, started in children), 15, "the demo models to end")
+    wait_for(lambda: not [f for f in os.listdir(shm_dir) if f.startswith("kvc.")], 5, "their segments to go")
+    assert "Traceback" not in proc.stderr.read()
+
+
+def test_a_demo_model_whose_parent_is_gone_before_it_starts_ends_at_once(shm_dir: Path) -> None:
+    """The stdin watchdog covers what PR_SET_PDEATHSIG cannot: a parent gone before the child's prctl."""
+    child = subprocess.Popen([sys.executable, "-m", "kvcached_core.demo", "orphan", "vllm", "1", "0", ""],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(), text=True)
+    assert child.stdout.readline() == "ready\n"
+    assert (shm_dir / "kvc.orphan").exists()
+    child.stdin.close()  # what the kernel does to the pipe when the parent dies
+    assert child.wait(timeout=15) == 0
+    assert not (shm_dir / "kvc.orphan").exists()
+
+
+# -- files left behind ---------------------------------------------------------------------
+
+def test_the_capacity_lock_is_not_left_in_the_segment_directory(shm_dir: Path, spawn_allocator) -> None:
+    with kc.KVCacheManager("a", name="a", **SMALL) as a:
+        assert a.alloc(8) is not None
+        spawn_allocator("b", script="blocks = m.alloc(8)")  # another process claims capacity too
+        assert LOCK_NAME not in os.listdir(shm_dir)
+    assert sorted(os.listdir(shm_dir)) == ["kvc.b"]
+
+
+def test_the_capacity_lock_still_excludes_while_it_comes_and_goes(shm_dir: Path) -> None:
+    """Holders unlink the lock before unlocking; a waiter on the old inode retries, so two never overlap."""
+    ledger = kc.KVCacheManager("a", name="a", **SMALL)
+    try:
+        fd = ledger.backend.ledger._lock()
+        code = ("import time, kvcached_core as kc\n"
+                "m = kc.KVCacheManager('b', name='b', num_blocks=64, block_bytes=1<<16, num_layers=1, page_size=1<<18)\n"
+                "l = m.backend.ledger\n"
+                "fd = l._lock(); print('locked', time.monotonic(), flush=True); l._unlock(fd); m.close()\n")
+        other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=child_env(), text=True)
+        time.sleep(1.0)  # the other process is now waiting on the inode we hold
+        released = time.monotonic()
+        ledger.backend.ledger._unlock(fd)
+        line = other.stdout.readline().split()
+        assert other.wait(timeout=30) == 0
+        assert line[0] == "locked" and float(line[1]) >= released
+    finally:
+        ledger.close()
+    assert LOCK_NAME not in os.listdir(shm_dir)

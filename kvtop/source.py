@@ -37,8 +37,8 @@ class Frame:
     taken_at: float  # wall-clock seconds
     host: str
     read_s: float = 0.0  # seconds the read took
-
     directory_problem: str = ""  # why the segment directory cannot be read ("" when it can)
+
     def model(self, name: str | None) -> ModelSnapshot | None:
         for m in self.models:
             if m.name == name:

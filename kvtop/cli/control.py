@@ -134,6 +134,9 @@ def limit_cmd(ctx: click.Context, model: str | None, size: str | None, all_model
 
     def act(m: ModelSnapshot) -> tuple[Ack, int | None]:
         limit = spec.resolve(capacity_of(m) if spec.percent else None)
+        if limit and m.status != "legacy" and limit < m.bundle_bytes:
+            warn(f"{m.name}: {T.fmt_bytes(limit)} is less than one page bundle ({T.fmt_bytes(m.bundle_bytes)}): "
+                 "the limit rounds down to 0 and the model can take no pages")
         return request_limit(m, limit, wait=wait), limit
 
     run_all(targets(model, all_models, legacy=True), act, as_json, limit_text)
@@ -145,9 +148,6 @@ def limit_cmd(ctx: click.Context, model: str | None, size: str | None, all_model
 @click.option("--wait", type=click.FloatRange(min=0), default=2.0, show_default=True, metavar="SEC", help=WAIT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the acknowledgements as a JSON array.")
 @click.pass_context
-        if limit and m.status != "legacy" and limit < m.bundle_bytes:
-            warn(f"{m.name}: {T.fmt_bytes(limit)} is less than one page bundle ({T.fmt_bytes(m.bundle_bytes)}): "
-                 "the limit rounds down to 0 and the model can take no pages")
 def trim_cmd(ctx: click.Context, model: str | None, all_models: bool, wait: float, as_json: bool) -> None:
     """Unmap a model's reserved pages now and print the bytes it returned.
 

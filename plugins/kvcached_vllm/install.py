@@ -1,0 +1,189 @@
+"""Install the integration into vLLM's classes in this process (idempotent).
+
+vLLM loads the plugin in every process it starts, before the objects patched here exist:
+the main process, EngineCore (scheduler and block pool) and each worker (KV tensors). Each
+patch is a thin wrapper around vLLM's own function, so the same process can still build a
+plain vLLM object where the plugin does not apply (another pool, a profiling run).
+
+- ``Scheduler.__init__``: remembers the engine's config while the scheduler builds its
+  KV cache coordinator, whose ``BlockPool`` is then a :class:`KvcachedBlockPool`.
+- ``KVCacheManager.allocate_slots``: a :class:`NoRoom` from the pool becomes ``None``, vLLM's
+  "cannot allocate" (the scheduler queues or preempts), with nothing half-allocated.
+- ``GPUModelRunner.initialize_kv_cache_tensors`` / ``allocate_kv_cache``: the worker's KV
+  tensors lie over a :class:`kvcached_core.tp.TPWorker`'s memory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import threading
+from typing import Any
+
+from .settings import check_version
+
+log = logging.getLogger("kvcached_vllm")
+
+_installed = False
+_context = threading.local()  # the config of the engine whose scheduler or worker is being built
+_MANAGERS: list[Any] = []
+
+
+def install() -> None:
+    """Patch vLLM in this process; raises a clear error for an unsupported vLLM version."""
+    global _installed
+    if _installed:
+        return
+    import vllm
+
+    check_version(vllm.__version__)
+    _patch_scheduler()
+    _patch_worker()
+    atexit.register(_close_all)
+    _installed = True
+    log.info("kvcached: vLLM's KV cache goes through kvcached (pid %d)", os.getpid())
+
+
+# -- scheduler side (EngineCore) --------------------------------------------------------------
+def _patch_scheduler() -> None:
+    from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.sched import scheduler
+
+    original_init = scheduler.Scheduler.__init__
+
+    @functools.wraps(original_init)
+    def scheduler_init(self: Any, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        _context.scheduler = (vllm_config, kv_cache_config)
+        try:
+            original_init(self, vllm_config, kv_cache_config, *args, **kwargs)
+        finally:
+            _context.scheduler = None
+
+    def block_pool(num_gpu_blocks: int, enable_caching: bool, hash_block_size: int, **kwargs: Any) -> BlockPool:
+        pending = getattr(_context, "scheduler", None)
+        if pending is None or num_gpu_blocks != pending[1].num_blocks:
+            return BlockPool(num_gpu_blocks, enable_caching, hash_block_size, **kwargs)
+        _context.scheduler = None  # one pool per scheduler
+        from .block_pool import KvcachedBlockPool
+
+        manager = _build_manager(*pending)
+        try:
+            return KvcachedBlockPool(manager, num_gpu_blocks, enable_caching, hash_block_size, **kwargs)
+        except BaseException:
+            manager.close()
+            raise
+
+    original_allocate = kv_cache_manager.KVCacheManager.allocate_slots
+
+    @functools.wraps(original_allocate)
+    def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        from .block_pool import NoRoom
+
+        held = any(self.coordinator.get_blocks(request.request_id))
+        try:
+            return original_allocate(self, request, *args, **kwargs)
+        except NoRoom as exc:
+            log.debug("kvcached: %s; request %s waits", exc, request.request_id)
+            if not held:  # blocks taken for this call only (prefix hits): give them back
+                self.coordinator.free(request.request_id)
+            return None
+
+    scheduler.Scheduler.__init__ = scheduler_init
+    kv_cache_coordinator.BlockPool = block_pool
+    kv_cache_manager.KVCacheManager.allocate_slots = allocate_slots
+
+
+def _build_manager(vllm_config: Any, kv_cache_config: Any) -> Any:
+    from vllm.platforms import current_platform
+
+    from kvcached_core import KVCacheManager
+
+    from .geometry import kv_layout
+    from .rendezvous import socket_paths
+
+    layout = kv_layout(kv_cache_config)
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
+        raise RuntimeError("kvcached serves tensor parallelism, not pipeline parallelism: "
+                           "use --pipeline-parallel-size 1 or run without ENABLE_KVCACHED")
+    world = parallel.world_size
+    paths = socket_paths(vllm_config.instance_id, world)
+    manager = KVCacheManager(
+        model_name(vllm_config), num_blocks=layout.num_blocks, block_bytes=layout.block_bytes,
+        num_layers=layout.num_layers, num_kv_buffers=1, page_size=layout.page_size,
+        backend="host" if current_platform.is_cpu() else "cuda", engine="vllm", block_tokens=layout.block_tokens,
+        tp_world=world, tp_workers=paths,
+    )
+    _MANAGERS.append(manager)
+    log.info("kvcached: segment %r (%d blocks of %d tokens, %d per %d MiB page, %d layers)", manager.name,
+             layout.num_blocks, layout.block_tokens, layout.blocks_per_page, layout.page_size >> 20,
+             layout.num_layers)
+    return manager
+
+
+def model_name(vllm_config: Any) -> str:
+    """The served model name (``--served-model-name``), the last part of a local path."""
+    model_config = vllm_config.model_config
+    served = model_config.served_model_name or model_config.model
+    if isinstance(served, (list, tuple)):
+        served = served[0]
+    served = str(served)
+    if os.path.isabs(served):
+        served = os.path.basename(served.rstrip(os.sep)) or served
+    return served
+
+
+# -- worker side ------------------------------------------------------------------------------
+def _patch_worker() -> None:
+    from vllm.v1.worker import gpu_model_runner
+
+    original_tensors = gpu_model_runner.GPUModelRunner.initialize_kv_cache_tensors
+    original_allocate = gpu_model_runner.allocate_kv_cache
+
+    @functools.wraps(original_tensors)
+    def initialize_kv_cache_tensors(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _context.worker = self.vllm_config
+        try:
+            return original_tensors(self, *args, **kwargs)
+        finally:
+            _context.worker = None
+
+    @functools.wraps(original_allocate)
+    def allocate_kv_cache(kv_cache_config: Any, device: Any, layout: Any,
+                          kernel_block_sizes: list[int] | None = None) -> Any:
+        vllm_config = getattr(_context, "worker", None)
+        if vllm_config is None or not kv_cache_config.kv_cache_tensors:
+            return original_allocate(kv_cache_config, device, layout, kernel_block_sizes)
+        from .geometry import kv_layout
+        from .rendezvous import socket_paths
+        from .worker_side import kv_cache_views, start_worker
+
+        kv = kv_layout(kv_cache_config)
+        rank = _tp_rank()
+        path = socket_paths(vllm_config.instance_id, vllm_config.parallel_config.world_size)[rank]
+        worker = start_worker(path, rank, kv, device)
+        return kv_cache_views(worker, kv, kv_cache_config, layout, kernel_block_sizes)
+
+    gpu_model_runner.GPUModelRunner.initialize_kv_cache_tensors = initialize_kv_cache_tensors
+    gpu_model_runner.allocate_kv_cache = allocate_kv_cache
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import parallel_state
+
+    try:
+        return parallel_state.get_tensor_model_parallel_rank()
+    except (AssertionError, AttributeError):  # no distributed group: a single worker
+        return 0
+
+
+def _close_all() -> None:
+    for manager in _MANAGERS:
+        manager.close()
+    _MANAGERS.clear()
+    from .worker_side import close_workers
+
+    close_workers()

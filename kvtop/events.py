@@ -85,5 +85,5 @@ def diff(prev: Sequence[ModelSnapshot] | None, cur: Sequence[ModelSnapshot], at:
     seen = {p.path for p in prev_problems}
     for p in problems:
         if p.path not in seen:
-            events.append(Event(at, "problem", p.path, f"{p.path}: {p.status}: {p.reason}", WARN))
+            events.append(Event(at, "problem", p.path, f"{p.status}: {p.reason}", WARN))  # the log shows the path once
     return events

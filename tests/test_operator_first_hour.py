@@ -232,3 +232,27 @@ def test_the_capacity_lock_still_excludes_while_it_comes_and_goes(shm_dir: Path)
     finally:
         ledger.close()
     assert LOCK_NAME not in os.listdir(shm_dir)
+
+
+# -- messages and pipes --------------------------------------------------------------------
+
+def test_the_event_log_names_a_problem_file_once() -> None:
+    from kvtop.events import diff
+
+    [event] = diff((), (), 1.0, (), (kc.Problem("/dev/shm/kvc.bad", "corrupt", "bad magic"),))
+    assert (event.model, event.text) == ("/dev/shm/kvc.bad", "corrupt: bad magic")
+
+
+def test_watch_into_a_closed_pipe_ends_at_once_not_an_interval_later(spawn_allocator) -> None:
+    spawn_allocator("m1")
+    proc = subprocess.Popen([*KVCTL, "watch", "--format", "json", "--interval", "600"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env())
+    try:
+        assert json.loads(proc.stdout.readline())["models"][0]["name"] == "m1"  # the first record at once
+        proc.stdout.close()  # as `head -1` does after its line
+        assert proc.wait(timeout=30) == 0  # it would sleep the 600 s interval before the next write
+        assert proc.stderr.read() == b""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

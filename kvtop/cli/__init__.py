@@ -104,10 +104,16 @@ SIZE = SizeParamType()
 # -- model names ---------------------------------------------------------------------------
 
 def check_model_name(name: str) -> str:
-    """Refuse names that look like paths; they are never used to build a file path anyway."""
-    if not name or "/" in name or "\0" in name or name in (".", ".."):
-        raise click.BadParameter(
-            f"{name!r} is not a model name: names never contain '/'")
+    """Refuse what no model can be called (a path, blanks, an empty string), saying why; a usage error."""
+    if not name.strip():
+        raise click.BadParameter(f"{name!r} is {'blank' if name else 'empty'}: give a model name or a unique "
+                                 "prefix (kvctl list shows them)")
+    if "/" in name:
+        raise click.BadParameter(f"{name!r} is not a model name: names never contain '/'")
+    if name in (".", ".."):
+        raise click.BadParameter(f"{name!r} is not a model name: it is a directory")
+    if any(ch.isspace() or not ch.isprintable() for ch in name):
+        raise click.BadParameter(f"{name!r} is not a model name: names have no blanks or control characters")
     return name
 
 

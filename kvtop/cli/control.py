@@ -97,6 +97,16 @@ def run_all(models: list[ModelSnapshot], act: Callable[[ModelSnapshot], tuple[Ac
         raise click.exceptions.Exit(ExitCode.FAILURE)
 
 
+def _looks_like_size(text: str) -> bool:
+    from kvcached_core import SizeError, parse_size
+
+    try:
+        parse_size(text, percent_of=100, allow_none=True)
+    except SizeError:
+        return text.strip()[:1].isdigit()  # 4, 1.5: a size with its unit forgotten too
+    return True
+
+
 @click.command("limit", context_settings={"ignore_unknown_options": True})  # so -5G reaches SIZE
 @model_argument(required=False)
 @click.argument("size", required=False, metavar="SIZE")
@@ -126,6 +136,9 @@ def limit_cmd(ctx: click.Context, model: str | None, size: str | None, all_model
     if model is None and not all_models:
         raise click.UsageError("give MODEL and SIZE, or --all SIZE", ctx)
     if size is None:
+        if model is not None and _looks_like_size(model):
+            raise click.UsageError(f"{model!r} is a SIZE: give the MODEL first (kvctl limit MODEL {model}), "
+                                   f"or --all {model}", ctx)
         raise click.UsageError("missing SIZE (e.g. 4GiB, 30% or none)", ctx)
     size_param = next(p for p in ctx.command.params if p.name == "size")
     spec: SizeSpec = SIZE.convert(size, size_param, ctx)

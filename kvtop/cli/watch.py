@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import select
 import sys
 import time
+from typing import TextIO
 
 import click
 
@@ -59,6 +61,21 @@ class Printer:
         self.out.flush()
 
 
+def reader_gone(out: TextIO, seconds: float) -> bool:
+    """Sleep ``seconds``, waking at once when the reader of ``out`` (a pipe) goes away: True then.
+
+    ``kvctl watch | head -n 1`` ends when head does, not an interval later at the next write.
+    """
+    try:
+        fd = out.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (CliRunner): just sleep
+        time.sleep(seconds)
+        return False
+    poller = select.poll()
+    poller.register(fd, 0)  # POLLERR and POLLHUP are always reported: on a pipe, the reader closed it
+    return bool(poller.poll(seconds * 1000))
+
+
 @click.command("watch")
 @model_argument("models", nargs=-1, metavar="[MODEL]...")
 @click.option("--interval", "-i", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
@@ -101,4 +118,5 @@ def watch_cmd(models: tuple[str, ...], interval: float, count: int | None, fmt: 
         if delay < 0:  # we fell behind (a suspended terminal): keep the cadence, skip the missed ticks
             start -= delay
             delay = 0
-        time.sleep(delay)
+        if reader_gone(sys.stdout, delay):
+            raise BrokenPipeError  # ends quietly with exit 0, as a failed write would

@@ -16,11 +16,13 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
 
 import kvcached_core
@@ -224,6 +226,45 @@ class RefreshingCollector(Collector):
         self._thread.join(timeout=5)
 
 
+INDEX = (b"<!doctype html><title>kvcached exporter</title><h1>kvcached exporter</h1>"
+         b'<p>Prometheus metrics of every kvcached model on this host: <a href="/metrics">/metrics</a></p>\n')
+WSGIApp = Callable[[dict, Callable[..., Any]], Iterable[bytes]]
+
+
+def route(metrics: WSGIApp) -> WSGIApp:
+    """``/metrics`` serves the metrics, ``/`` a small index that links there, anything else 404."""
+
+    def app(environ: dict, start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO") or "/"
+        if path == "/metrics":
+            return metrics(environ, start_response)
+        if path == "/":
+            start_response("200 OK", [("Content-Type", "text/html; charset=utf-8")])
+            return [INDEX]
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"not found: the metrics are at /metrics\n"]
+
+    return app
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        """Scrapes are not logged."""
+
+
+def serve(host: str, port: int, registry: CollectorRegistry) -> tuple[WSGIServer, threading.Thread]:
+    """Serve ``registry`` (see :func:`route`) on ``host:port`` from a daemon thread."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    server = make_server(sockaddr[0], port, route(make_wsgi_app(registry)), Server, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="kvcached-exporter-http", daemon=True)
+    thread.start()
+    return server, thread
+
+
 class Exporter:
     """A running HTTP endpoint; ``port`` is the bound port (useful with port 0)."""
 
@@ -234,7 +275,7 @@ class Exporter:
         self._refresher = RefreshingCollector(source, interval) if interval else None
         self.registry.register(self._refresher or source)
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            self._server, self._thread = serve(host, port, self.registry)
         except BaseException:
             if self._refresher:
                 self._refresher.stop()

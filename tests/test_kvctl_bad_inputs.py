@@ -53,6 +53,7 @@ CASES = [
     Case("bare-fraction", ("limit", "m1", "1.5"), USAGE, "1.5 what? 1.5GiB, 1.5MiB"),
     Case("all-with-model", ("limit", "--all", "m1", "1G"), USAGE, "with --all give only SIZE"),
     Case("negative-wait", ("limit", "m1", "1G", "--wait", "-1"), USAGE, "--wait"),
+    Case("wait-applied-0", ("limit", "m1", "1G", "--wait-applied", "0"), USAGE, "--wait-applied"),
     Case("trim-nothing", ("trim",), USAGE, "give MODEL or --all"),
     Case("trim-both", ("trim", "m1", "--all"), USAGE, "give MODEL or --all"),
     Case("interval-0", ("watch", "--interval", "0"), USAGE, "--interval"),

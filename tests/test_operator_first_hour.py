@@ -4,6 +4,7 @@ a demo that cannot start or whose parent is killed, and files left behind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import os
@@ -11,11 +12,13 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import child_env, kvctl, wait_for
+from conftest import child_env, kvctl, send, wait_for
 from textual.pilot import Pilot
 
 import kvcached_core as kc
@@ -256,3 +259,91 @@ def test_watch_into_a_closed_pipe_ends_at_once_not_an_interval_later(spawn_alloc
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- waiting until a limit is applied ------------------------------------------------------
+
+def test_limit_wait_applied_waits_for_the_memory_then_exits_0(spawn_allocator) -> None:
+    proc = spawn_allocator("m1", script="b = m.alloc(20)")  # 5 pages (bundles of 1 MiB) in use
+    quick = kvctl("limit", "m1", "2MiB", "--wait-applied", "0.3")  # nothing frees a page: it runs out
+    assert quick.exit_code == 3, quick.stderr
+    assert quick.stdout.startswith("m1: limit 2.0 MiB deferred")
+    assert quick.stderr == "kvctl: m1: limit 2.0 MiB not applied within 0.3 s: 5.0 MiB of pages still in use\n"
+
+    waiter = subprocess.Popen([*KVCTL, "limit", "m1", "2MiB", "--wait-applied", "60", "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(), text=True)
+    wait_for(lambda: kc.snapshot("m1").limit_revision == 2, 30, "the second request")
+    assert waiter.poll() is None  # still waiting: the pages are still in use
+    send(proc, "m.free(b[8:])")  # 2 pages left in use: now the limit holds
+    out, err = waiter.communicate(timeout=60)
+    assert waiter.returncode == 0, err
+    [ack] = json.loads(out)
+    assert (ack["status"], ack["revision"], ack["effective_limit"]) == ("applied", 2, 2 * MiB)
+    assert err == ""  # a pipe gets no progress line
+    assert kc.snapshot("m1").mapped_bytes <= 2 * MiB
+
+
+def test_limit_wait_applied_shows_a_live_line_on_a_terminal(spawn_allocator) -> None:
+    spawn_allocator("m1", script="b = m.alloc(20)")
+    primary, secondary = os.openpty()
+    try:
+        done = subprocess.run([*KVCTL, "limit", "m1", "2MiB", "--wait-applied", "0.5"], stdout=subprocess.PIPE,
+                              stderr=secondary, env=child_env(), text=True, timeout=60)
+        os.close(secondary)
+        seen = b""
+        with contextlib.suppress(OSError):  # EIO once the terminal has no writer left
+            while chunk := os.read(primary, 4096):
+                seen += chunk
+    finally:
+        os.close(primary)
+    assert done.returncode == 3
+    text = seen.decode()
+    assert "\rm1: 5.0 MiB in use, 5.0 MiB mapped, limit 2.0 MiB: waiting for pages to empty" in text
+    assert text.endswith("\r\x1b[Kkvctl: m1: limit 2.0 MiB not applied within 0.5 s: 5.0 MiB of pages still in use\r\n")
+
+
+def test_limit_wait_applied_is_documented_with_its_exit_code() -> None:
+    shown = kvctl("limit", "--help").stdout
+    assert "--wait-applied SEC" in shown and "  3  acknowledged, but not applied within --wait-applied\n" in shown
+    assert "3 kvctl limit --wait-applied: acknowledged, not applied in time." in kvctl("--help").stdout
+
+
+# -- the exporter --------------------------------------------------------------------------
+
+def http_get(url: str) -> tuple[int, str, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.headers.get("Content-Type", ""), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Content-Type", ""), exc.read()
+
+
+def test_the_exporter_serves_metrics_at_metrics_an_index_at_root_and_404_elsewhere(spawn_allocator) -> None:
+    from kvtop.exporter import Exporter
+
+    spawn_allocator("m1")
+    with Exporter(port=0, with_nvml=False) as exporter:
+        base = f"http://127.0.0.1:{exporter.port}"
+        status, kind, body = http_get(base + "/metrics")
+        assert status == 200 and kind.startswith("text/plain") and b'kvcached_mapped_bytes{' in body
+        status, kind, body = http_get(base + "/")
+        assert status == 200 and kind.startswith("text/html") and b'href="/metrics"' in body
+        assert b"kvcached_mapped_bytes" not in body
+        for path in ("/foo", "/metrics/", "/favicon.ico", "/index.html"):
+            status, _, body = http_get(base + path)
+            assert (status, body) == (404, b"not found: the metrics are at /metrics\n"), path
+
+
+def test_kvctl_export_ctrl_c_exits_130_as_the_readme_says() -> None:
+    proc = subprocess.Popen([*KVCTL, "export", "--port", "0"], stderr=subprocess.PIPE, env=child_env(), text=True)
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("kvctl export: serving http://127.0.0.1:"), line
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "It stops on Ctrl-C (exit 130" in " ".join(readme.split())

@@ -42,6 +42,7 @@ class ExitCode(enum.IntEnum):
     OK = 0
     FAILURE = 1  # unknown model, not acknowledged in time, refused, nothing to act on
     USAGE = 2  # bad arguments
+    NOT_APPLIED = 3  # kvctl limit --wait-applied: acknowledged, but not applied in time
     INTERRUPTED = 130  # Ctrl-C (SIGINT), as shells report it
 
 
@@ -233,7 +234,9 @@ def main() -> None:
       kvctl watch --format json    one JSON object per tick, for scripts
       kvctl demo                   simulated models to look at (Ctrl-C ends it)
 
-    Exit codes: 0 ok, 1 failure, 2 usage error, 130 interrupted (Ctrl-C).
+    \b
+    Exit codes: 0 ok, 1 failure, 2 usage error, 130 interrupted (Ctrl-C);
+                3 kvctl limit --wait-applied: acknowledged, not applied in time.
     """
 
 

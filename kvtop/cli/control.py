@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import click
 
@@ -69,14 +72,29 @@ def targets(model: str | None, all_models: bool, *, legacy: bool) -> list[ModelS
     return found
 
 
+class StillDeferred(Exception):
+    """``--wait-applied`` ran out: the limit was acknowledged but is not applied yet."""
+
+    def __init__(self, message: str, ack: Ack, requested: int | None):
+        super().__init__(message)
+        self.ack, self.requested = ack, requested
+
+
 def run_all(models: list[ModelSnapshot], act: Callable[[ModelSnapshot], tuple[Ack, int | None]],
             as_json: bool, text: Callable[[Ack], str]) -> None:
-    """Act on each model; report every answer; one stderr line per refusal, then exit 1."""
+    """Act on each model; report every answer; one stderr line per refusal or wait that ran out.
+
+    Exit 1 when a model refused; else exit 3 (NOT_APPLIED) when a limit did not apply in time.
+    """
     answers: list[dict] = []
-    failed = 0
+    failed = late = 0
     for m in models:
         try:
             ack, requested = act(m)
+        except StillDeferred as exc:
+            late += 1
+            click.echo(f"kvctl: {' '.join(str(exc).split())}", err=True)
+            ack, requested = exc.ack, exc.requested
         except REFUSED as exc:
             failed += 1
             message = str(exc) or type(exc).__name__
@@ -95,6 +113,35 @@ def run_all(models: list[ModelSnapshot], act: Callable[[ModelSnapshot], tuple[Ac
         emit_json(answers)
     if failed:
         raise click.exceptions.Exit(ExitCode.FAILURE)
+    if late:
+        raise click.exceptions.Exit(ExitCode.NOT_APPLIED)
+
+
+def wait_until_applied(ack: Ack, requested: int | None, timeout: float) -> Ack:
+    """Wait for a deferred limit to apply (a live line on a terminal's stderr, nothing in a pipe)."""
+    from kvcached_core.applied import NotApplied, wait_applied
+
+    started = time.monotonic()
+    live = sys.stderr.isatty()
+
+    def progress(m: ModelSnapshot, left: float) -> None:
+        sys.stderr.write(f"\r{m.name}: {T.fmt_bytes(m.pinned_bytes)} in use, {T.fmt_bytes(m.mapped_bytes)} mapped, "
+                         f"limit {T.fmt_bytes(ack.effective_limit)}: waiting for pages to empty, "
+                         f"{left:.0f} s left\x1b[K")
+        sys.stderr.flush()
+
+    try:
+        m = wait_applied(ack, timeout, progress=progress if live else None)
+    except NotApplied as exc:
+        m = exc.model
+        raise StillDeferred(f"{m.name}: limit {T.fmt_bytes(ack.effective_limit)} not applied within {timeout:g} s: "
+                            f"{T.fmt_bytes(m.pinned_bytes)} of pages still in use", ack, requested) from None
+    finally:
+        if live:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+    return replace(ack, status=m.limit_status, effective_limit=m.limit_bytes,
+                   latency_s=ack.latency_s + time.monotonic() - started)
 
 
 def _looks_like_size(text: str) -> bool:
@@ -112,10 +159,13 @@ def _looks_like_size(text: str) -> bool:
 @click.argument("size", required=False, metavar="SIZE")
 @click.option("--all", "all_models", is_flag=True, help="Every live and legacy model; then give only SIZE.")
 @click.option("--wait", type=click.FloatRange(min=0), default=2.0, show_default=True, metavar="SEC", help=WAIT_HELP)
+@click.option("--wait-applied", type=click.FloatRange(min=0, min_open=True), metavar="SEC",
+              help="Also wait up to SEC seconds until the limit is applied (the memory is back under it), "
+                   "not only acknowledged; exit 3 if it is not.")
 @click.option("--json", "as_json", is_flag=True, help="Print the acknowledgements as a JSON array.")
 @click.pass_context
 def limit_cmd(ctx: click.Context, model: str | None, size: str | None, all_models: bool, wait: float,
-              as_json: bool) -> None:
+              wait_applied: float | None, as_json: bool) -> None:
     """Cap a model's mapped memory, live; SIZE none lifts the cap.
 
     SIZE is 512MiB, 4G (binary), 4GB (decimal), 1.5GiB, 30% (of the model's device memory;
@@ -123,11 +173,23 @@ def limit_cmd(ctx: click.Context, model: str | None, size: str | None, all_model
     page bundles. Below what it has in use, the limit is "deferred": the model takes no new
     pages and the limit applies as pages empty. Works on upstream kvcached (legacy) segments too.
 
+    --wait-applied SEC waits past the acknowledgement until the limit is applied, with a live
+    line on a terminal (nothing extra in a pipe); the answer then says "applied". If SEC runs
+    out first it prints the deferred answer and one stderr line, and exits 3.
+
     \b
     Examples:
       kvctl limit llama-3-8b 4GiB
       kvctl limit llama 30% --wait 5
+      kvctl limit llama 2GiB --wait-applied 60 && echo "memory is back"
       kvctl limit --all none
+
+    \b
+    Exit codes:
+      0  acknowledged (with --wait-applied: applied)
+      1  refused, or not acknowledged within --wait
+      2  usage error
+      3  acknowledged, but not applied within --wait-applied
     """
     if all_models:
         if size is not None:
@@ -150,7 +212,10 @@ def limit_cmd(ctx: click.Context, model: str | None, size: str | None, all_model
         if limit and m.status != "legacy" and limit < m.bundle_bytes:
             warn(f"{m.name}: {T.fmt_bytes(limit)} is less than one page bundle ({T.fmt_bytes(m.bundle_bytes)}): "
                  "the limit rounds down to 0 and the model can take no pages")
-        return request_limit(m, limit, wait=wait), limit
+        ack = request_limit(m, limit, wait=wait)
+        if wait_applied is not None and ack.status in ("deferred", "pending", "legacy"):
+            ack = wait_until_applied(ack, limit, wait_applied)
+        return ack, limit
 
     run_all(targets(model, all_models, legacy=True), act, as_json, limit_text)
 

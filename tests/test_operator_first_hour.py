@@ -224,7 +224,10 @@ def test_the_capacity_lock_still_excludes_while_it_comes_and_goes(shm_dir: Path)
         code = ("import time, kvcached_core as kc\n"
                 "m = kc.KVCacheManager('b', name='b', num_blocks=64, block_bytes=1<<16, num_layers=1, page_size=1<<18)\n"
                 "l = m.backend.ledger\n"
-                "fd = l._lock(); print('locked', time.monotonic(), flush=True); l._unlock(fd); m.close()\n")
+                "fd = -1\n"
+                "while fd < 0:\n"  # _lock gives up (-1) rather than wait long on a holder: ask again
+                "    fd = l._lock()\n"
+                "print('locked', time.monotonic(), flush=True); l._unlock(fd); m.close()\n")
         other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=child_env(), text=True)
         time.sleep(1.0)  # the other process is now waiting on the inode we hold
         released = time.monotonic()

@@ -47,6 +47,7 @@ class Ack:
     effective_limit: int | None = None
     bytes_returned: int = 0
     latency_s: float = 0.0
+    in_use: int | None = None  # upstream segments: bytes in use when the limit was written (it applies once within)
 
 
 def _open_for_control(path: Path) -> tuple[int, mmap.mmap]:
@@ -111,15 +112,18 @@ def request_limit(name: str | ModelSnapshot, limit_bytes: int | None, *, wait: f
         raise ControlError("a limit cannot be negative")
     model = _target(name)
     if model.status == "legacy":
+        # Upstream has no "no limit": its watcher resizes the KV cache to the total field, so
+        # writing 0 would shrink that engine's cache to nothing (and hide it from the public kvctl).
         if limit_bytes is None:
-            # Upstream has no "no limit": its watcher resizes the KV cache to the total field, so
-            # writing 0 would shrink that engine's cache to nothing.
             raise ControlError(f"{model.name} is an upstream kvcached segment, which has no 'no limit': give it a size")
+        if limit_bytes == 0:
+            raise ControlError(f"{model.name} is an upstream kvcached segment: a limit of 0 would empty its KV cache "
+                               "(and hide it from the public kvctl, which skips totals <= 0); give a positive size")
         try:
-            write_legacy_limit(Path(model.path), limit_bytes)
+            _, used, _ = write_legacy_limit(Path(model.path), limit_bytes)
         except (OSError, ValueError) as exc:
             raise ControlError(f"cannot write the limit of {model.name}: {exc}") from None
-        return Ack(model.name, "limit", "legacy", 0, limit_bytes)
+        return Ack(model.name, "limit", "legacy", 0, limit_bytes, in_use=used)
     if model.status != "live":
         raise ControlError(f"{model.name} is {model.status}: its process is gone, nothing would apply the limit")
     started = time.monotonic()
@@ -153,7 +157,7 @@ def request_limit(name: str | ModelSnapshot, limit_bytes: int | None, *, wait: f
 def request_trim(name: str | ModelSnapshot, *, wait: float = DEFAULT_WAIT_S) -> Ack:
     """Ask a live model to unmap its reserved pages now; return the bytes it returned."""
     model = _target(name)
-    if model.status == "legacy":
+    if model.legacy:
         raise ControlError(f"{model.name} is an upstream kvcached segment: it cannot be trimmed from outside")
     if model.status != "live":
         raise ControlError(f"{model.name} is {model.status}: its process is gone, nothing to trim")

@@ -1,24 +1,37 @@
 """Upstream kvcached segments: 24 bytes (total/limit, used, prealloc as little-endian int64), flock-guarded.
 
-We read them as ``legacy`` rows and write a limit into the total field, under flock, the way
+We read them as legacy rows and write a limit into the total field, under flock, the way
 upstream's watcher reads it, so kvcached users can switch tools without switching engines.
+A file is taken for one by its struct, as the public tools do: exactly 24 bytes whose three
+fields are byte counts. Its name, when upstream chose it (``kvcached_<engine>_<pgid>``, then
+an optional ``_<n>`` and ``_g<group>``), carries the process group that liveness is judged by;
+a name set with ``KVCACHED_IPC_NAME`` carries none, and then liveness is unknown.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import re
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from . import layout as L
 from .config import ipc_name_override
 from .names import LEGACY_PREFIX
+from .pgroups import GroupJudge
 from .snapshot import ModelSnapshot
 
 READ_LOCK_TIMEOUT_S = 0.1  # upstream holds its flock for microseconds; longer means a hung holder
 WRITE_LOCK_TIMEOUT_S = 1.0
+MAX_FIELD_BYTES = 1 << 50  # 1 PiB, past any device: a larger field is not one of upstream's byte counts
+_UPSTREAM_NAME = re.compile(r"kvcached_(?P<engine>[A-Za-z0-9-]+)_(?P<pgid>[0-9]{1,10})(?:_[0-9]+)?(?:_g[0-9]+)?")
+
+
+class NotLegacy(ValueError):
+    """A file that does not parse as an upstream kvcached segment."""
 
 
 def flock_within(fd: int, operation: int, timeout: float) -> None:
@@ -35,47 +48,84 @@ def flock_within(fd: int, operation: int, timeout: float) -> None:
 
 
 def is_legacy_name(filename: str) -> bool:
+    """A name upstream gives its segments: ``kvcached_...`` or this process's ``KVCACHED_IPC_NAME``."""
     return filename.startswith(LEGACY_PREFIX) or filename == ipc_name_override()
 
 
-def _engine_and_pid(filename: str) -> tuple[str, int]:
-    if filename.startswith(LEGACY_PREFIX):
-        engine, _, pgid = filename[len(LEGACY_PREFIX):].rpartition("_")
-        if pgid.isdigit():
-            return engine or "kvcached", int(pgid)
-    return "kvcached", 0
+def parse_name(filename: str) -> tuple[str, int]:
+    """(engine, process group id) from ``kvcached_<engine>_<pgid>[_<n>][_g<group>]``; ("kvcached", 0) otherwise."""
+    match = _UPSTREAM_NAME.fullmatch(filename)
+    if match is None:
+        return "kvcached", 0
+    return match["engine"], int(match["pgid"])
 
 
-def read_legacy(path: Path) -> ModelSnapshot:
+def doubt(fields: tuple[int, int, int], *, named: bool) -> str | None:
+    """Why three int64 are not an upstream segment's (total, used, prealloc); None when they are.
+
+    A file without one of upstream's names must also have a positive total, as the public
+    tools ask before they list a file.
+    """
+    for label, value in zip(("total", "used", "prealloc"), fields, strict=True):
+        if not 0 <= value <= MAX_FIELD_BYTES:
+            return f"its {label} field {value} is not a byte count"
+    if not named and fields[0] == 0:
+        return "its total field is 0 (the public kvctl skips such files too)"
+    return None
+
+
+def limit_status(total: int, used: int) -> str:
+    """``pending`` while more is in use than the limit (the engine applies it only as pages free), else ``written``.
+
+    Upstream never acknowledges a limit, so neither is ever ``applied``.
+    """
+    return "pending" if used > total else "written"
+
+
+def read_legacy(path: Path, *, named: bool = True, judge: GroupJudge | None = None) -> ModelSnapshot:
+    """One upstream segment as a row; NotLegacy when the file is no such segment (see :func:`doubt`)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
+            raise NotLegacy("not a regular file")
         if st.st_size != L.LEGACY_SIZE:
-            raise ValueError(f"{st.st_size} bytes, not an upstream kvcached segment ({L.LEGACY_SIZE} bytes)")
+            raise NotLegacy(f"{st.st_size} bytes, not an upstream kvcached segment ({L.LEGACY_SIZE} bytes)")
         flock_within(fd, fcntl.LOCK_SH, READ_LOCK_TIMEOUT_S)
         try:
             raw = os.pread(fd, L.LEGACY_SIZE, 0)
+            st = os.fstat(fd)  # its last write, now that no upstream writer is in the middle of one
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
-    total, used, prealloc = L.LEGACY.unpack(raw)
-    engine, pgid = _engine_and_pid(path.name)
+    if len(raw) != L.LEGACY_SIZE:
+        raise NotLegacy("shrank while reading")
+    total, used, prealloc = fields = L.LEGACY.unpack(raw)
+    reason = doubt(fields, named=named)
+    if reason is not None:
+        raise NotLegacy(f"{L.LEGACY_SIZE} bytes like an upstream kvcached segment, but {reason}: not taken for one")
+    engine, pgid = parse_name(path.name)
+    verdict = (judge or GroupJudge()).verdict(pgid, st.st_mtime_ns) if pgid else "unknown"
+    dead = verdict in ("gone", "reused")
     return ModelSnapshot(
         name=path.name, path=str(path), model=path.name, engine=engine, backend="kvcached",
-        pid=pgid, uid=st.st_uid, device=0, status="legacy", page_size=0, block_bytes=0,
+        pid=pgid, uid=st.st_uid, device=0, status="stale" if dead else "legacy", page_size=0, block_bytes=0,
         num_layers=0, num_kv_buffers=0, blocks_per_page=0, num_blocks=0, pages_total=0,
         pages_inuse=0, pages_reserved=0, blocks_used=0, blocks_cached=0,
-        mapped_bytes=max(0, used) + max(0, prealloc),
-        limit_bytes=total if total > 0 else None, limit_status="applied" if total > 0 else "none",
-        legacy_reserved=max(0, prealloc),
+        mapped_bytes=used + prealloc, limit_bytes=total,
+        limit_status="stale" if dead else limit_status(total, used),
+        updated_ns=st.st_mtime_ns, legacy_reserved=prealloc, legacy=True,
     )
 
 
-def write_legacy_limit(path: Path, limit_bytes: int) -> None:
-    """Write the total field as upstream's watcher reads it. Refuses files we do not own."""
+def write_legacy_limit(path: Path, limit_bytes: int) -> tuple[int, int, int]:
+    """Write the total field as upstream's watcher reads it; return the fields as written.
+
+    Refuses files we do not own and files that no longer parse as an upstream segment.
+    """
+    if not 0 < limit_bytes <= MAX_FIELD_BYTES:
+        raise ValueError(f"a limit of {limit_bytes} bytes is not one upstream can take")
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
@@ -85,8 +135,53 @@ def write_legacy_limit(path: Path, limit_bytes: int) -> None:
             raise ValueError(f"{path} is not an upstream kvcached segment")
         flock_within(fd, fcntl.LOCK_EX, WRITE_LOCK_TIMEOUT_S)
         try:
+            raw = os.pread(fd, L.LEGACY_SIZE, 0)
+            fields = L.LEGACY.unpack(raw) if len(raw) == L.LEGACY_SIZE else (-1, -1, -1)
+            reason = doubt(fields, named=True)
+            if reason is not None:
+                raise ValueError(f"{path} no longer parses as an upstream kvcached segment ({reason})")
             os.pwrite(fd, L.I64.pack(limit_bytes), 0)
+            return limit_bytes, fields[1], fields[2]
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _dead_fd(fd: int, pgid: int) -> bool:
+    """Whether ``fd`` is our own upstream segment whose writer's process group ``pgid`` is gone or reused."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != L.LEGACY_SIZE:
+        return False
+    try:
+        flock_within(fd, fcntl.LOCK_SH, READ_LOCK_TIMEOUT_S)  # someone holds it: someone still uses it
+    except BlockingIOError:
+        return False
+    try:
+        raw = os.pread(fd, L.LEGACY_SIZE, 0)
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    if len(raw) != L.LEGACY_SIZE or doubt(L.LEGACY.unpack(raw), named=True) is not None:
+        return False
+    return GroupJudge().verdict(pgid, st.st_mtime_ns) in ("gone", "reused")
+
+
+def dead_segment(path: Path) -> tuple[os.stat_result, Callable[[int], bool]] | None:
+    """For ``kvctl clean``: the stat of ``path`` and the re-check to make on it once held privately,
+    while it is our own upstream segment whose process group is gone; None otherwise.
+
+    Only a file that parses as the struct and whose name carries a process group qualifies.
+    """
+    _, pgid = parse_name(path.name)
+    if not pgid:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return (os.fstat(fd), lambda held: _dead_fd(held, pgid)) if _dead_fd(fd, pgid) else None
+    except OSError:
+        return None
     finally:
         os.close(fd)

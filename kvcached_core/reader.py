@@ -11,8 +11,9 @@ from pathlib import Path
 
 from . import layout as L
 from .config import shm_dir
-from .legacy import is_legacy_name, read_legacy
+from .legacy import NotLegacy, is_legacy_name, read_legacy
 from .names import SEGMENT_PREFIX, InvalidName, segment_path
+from .pgroups import GroupJudge
 from .procinfo import is_alive
 from .snapshot import ModelSnapshot, Problem, RankInfo, Scan
 
@@ -39,11 +40,34 @@ class PublishUnfinished(SegmentCorrupt):
     """The sequence stayed odd: the writer stopped (or died) in the middle of a publish."""
 
 
+class HeaderOverwritten(SegmentCorrupt):
+    """Our segment with its first 8 bytes replaced (the public kvctl limit writes its total there)."""
+
+    def __init__(self, message: str, writer_alive: bool):
+        super().__init__(message)
+        self.writer_alive = writer_alive
+
+
+def _overwritten(raw: bytes) -> HeaderOverwritten | None:
+    """Our header but for the magic: what the public ``kvctl limit <our file>`` leaves behind."""
+    if len(raw) < L.HEADER.size:
+        return None
+    fields = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0), strict=False))
+    if (fields["layout_version"], fields["header_bytes"]) != (L.LAYOUT_VERSION, L.HEADER_SIZE) \
+            or fields["total_bytes"] != L.total_size(fields["pages_total"], fields["ranks_max"]):
+        return None
+    alive = is_alive(fields["pid"], fields["start_time"])
+    return HeaderOverwritten(
+        f"header overwritten: its first 8 bytes hold {L.I64.unpack_from(raw, 0)[0]} where the magic belongs "
+        f"(the public kvctl limit writes its total there); writer pid {fields['pid']} "
+        + ("still runs and restores it" if alive else "is gone"), alive)
+
+
 def parse_header(raw: bytes) -> dict:
     if not raw.strip(b"\0"):
         raise SegmentCorrupt("empty header (being created, or never written)")
     if raw[:8] != L.MAGIC:
-        raise SegmentCorrupt("bad magic: not a kvcached_core segment")
+        raise _overwritten(raw) or SegmentCorrupt("bad magic: not a kvcached_core segment")
     if len(raw) < L.HEADER.size:
         raise SegmentCorrupt(f"truncated header ({len(raw)} bytes)")
     fields = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0), strict=False))
@@ -226,11 +250,14 @@ def scan(*, with_pages: bool = False, directory: Path | None = None) -> Scan:
     except OSError as exc:
         return Scan((), (Problem(str(base), "unreadable", exc.strerror or str(exc)),))
     now_ns = time.time_ns()
+    judge = GroupJudge()
     for filename in entries:
         path = base / filename
         if filename.startswith(SEGMENT_PREFIX):
             try:
                 models.append(read_segment(path, with_pages=with_pages, now_ns=now_ns))
+            except HeaderOverwritten as exc:
+                problems.append(Problem(str(path), "corrupt", str(exc), exc.writer_alive))
             except SegmentCorrupt as exc:
                 kind = "foreign" if "magic" in str(exc) or "regular file" in str(exc) else "corrupt"
                 problems.append(Problem(str(path), kind, str(exc)))
@@ -240,17 +267,28 @@ def scan(*, with_pages: bool = False, directory: Path | None = None) -> Scan:
                 continue  # removed while we listed
             except (OSError, ValueError, OverflowError, MemoryError) as exc:
                 problems.append(Problem(str(path), "unreadable", str(exc)))
-        elif is_legacy_name(filename):
+        elif not filename.startswith(".") and ((named := is_legacy_name(filename)) or _legacy_sized(path)):
             try:
-                models.append(read_legacy(path))
+                models.append(read_legacy(path, named=named, judge=judge))
             except FileNotFoundError:
                 continue
             except BlockingIOError as exc:
                 problems.append(Problem(str(path), "busy", str(exc)))
-            except (OSError, ValueError) as exc:
+            except NotLegacy as exc:
                 problems.append(Problem(str(path), "foreign", str(exc)))
+            except (OSError, ValueError) as exc:
+                problems.append(Problem(str(path), "unreadable" if isinstance(exc, OSError) else "foreign", str(exc)))
     models.sort(key=lambda m: m.name)
     return Scan(tuple(models), tuple(problems))
+
+
+def _legacy_sized(path: Path) -> bool:
+    """A regular file of exactly upstream's struct size: a candidate whatever its name (upstream's test)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == L.LEGACY_SIZE
 
 
 def list_models(*, with_pages: bool = False, directory: Path | None = None) -> list[ModelSnapshot]:
@@ -280,6 +318,6 @@ def snapshot(name: str, *, with_pages: bool = True, directory: Path | None = Non
     except (InvalidName, SegmentCorrupt, OSError, ValueError):
         pass  # a prefix, a damaged file or a busy writer: the full scan below decides and explains
     model = resolve(name, list_models(directory=directory))
-    if model.status == "legacy" or not with_pages:
+    if model.legacy or not with_pages:
         return model
     return read_segment(Path(model.path), with_pages=True)

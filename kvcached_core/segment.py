@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import stat
@@ -193,6 +194,7 @@ class SegmentWriter:
         finally:
             os.close(fd)
         self._buf = memoryview(self._mm)
+        self._header = header
         self._counters_view = self._buf[L.COUNTERS_OFF:L.CHECKSUM_OFF]
         self._pages = self._buf[L.PAGE_MAP_OFF:L.PAGE_MAP_OFF + 4 * ident.pages_total].cast("I")
         self._ranks_off = L.ranks_offset(ident.pages_total)
@@ -228,6 +230,18 @@ class SegmentWriter:
     # -- liveness and capacity ---------------------------------------------------------------
     def heartbeat(self) -> None:
         L.U64.pack_into(self._buf, L.HEARTBEAT_OFF, time.time_ns())
+        if self._buf[:8] != L.MAGIC:
+            self._restore_header()
+
+    def _restore_header(self) -> None:
+        """Someone wrote over the header (the public ``kvctl limit`` writes its total at offset 0): put it back, say so once."""
+        found = L.I64.unpack_from(self._buf, 0)[0]
+        self._buf[8:len(self._header)] = self._header[8:]
+        self._buf[:8] = self._header[:8]  # the magic last: readers take the file back only once all of it is right
+        logging.getLogger(__name__).warning(
+            "segment %s: its first 8 bytes were overwritten with %d (the public kvctl limit writes its total "
+            "there; it does not steer this allocator): header restored; set limits with this project's kvctl limit",
+            self.path, found)
 
     def set_claimed(self, nbytes: int) -> None:
         L.U64.pack_into(self._buf, L.CLAIMED_OFF, max(0, nbytes))

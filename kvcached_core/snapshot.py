@@ -63,6 +63,7 @@ class ModelSnapshot:
     ranks: tuple[RankInfo, ...] = ()
     device_capacity: int = 0
     legacy_reserved: int = 0  # upstream rows carry their prealloc bytes here
+    legacy: bool = False  # an upstream kvcached segment: bytes only, no page map (status legacy or stale)
     pages: array | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -88,20 +89,20 @@ class ModelSnapshot:
     @property
     def held_bytes(self) -> int:
         """Bytes of blocks in use (active + cached), across layers and KV buffers."""
-        if self.status == "legacy":
+        if self.legacy:
             return self.mapped_bytes - self.reserved_bytes
         return self.blocks_used * self.block_bundle_bytes
 
     @property
     def pinned_bytes(self) -> int:
         """Bytes of pages that hold at least one used block."""
-        if self.status == "legacy":
+        if self.legacy:
             return self.held_bytes
         return self.pages_inuse * self.bundle_bytes
 
     @property
     def reserved_bytes(self) -> int:
-        return self.pages_reserved * self.bundle_bytes if self.status != "legacy" else self.legacy_reserved
+        return self.legacy_reserved if self.legacy else self.pages_reserved * self.bundle_bytes
 
     @property
     def cached_bytes(self) -> int:
@@ -109,9 +110,9 @@ class ModelSnapshot:
 
     @property
     def waste_ratio(self) -> float | None:
-        """pinned / held; 1.0 is ideal, None when nothing is held."""
+        """pinned / held; 1.0 is ideal, None when nothing is held or (upstream segments) unknown."""
         held = self.held_bytes
-        return self.pinned_bytes / held if held > 0 else None
+        return self.pinned_bytes / held if held > 0 and not self.legacy else None
 
     @property
     def virtual_bytes(self) -> int:
@@ -134,7 +135,7 @@ class ModelSnapshot:
         """The JSON shape that ``kvctl list --json`` documents."""
         return {
             "name": self.name, "model": self.model, "engine": self.engine, "backend": self.backend,
-            "pid": self.pid, "device": self.device, "status": self.status,
+            "pid": self.pid, "device": self.device, "status": self.status, "legacy": self.legacy,
             "page_size": self.page_size, "bundle_bytes": self.bundle_bytes,
             "pages_total": self.pages_total, "pages_inuse": self.pages_inuse,
             "pages_reserved": self.pages_reserved, "blocks_per_page": self.blocks_per_page,
@@ -162,6 +163,7 @@ class Problem:
     path: str
     status: str  # corrupt, foreign, unreadable, busy
     reason: str
+    writer_alive: bool = False  # a live model's segment that cannot be read (its header was overwritten)
 
 
 @dataclass(frozen=True)

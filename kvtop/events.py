@@ -37,7 +37,7 @@ def limit_text(m: ModelSnapshot) -> str:
 
 
 def _limit_event(prev: ModelSnapshot, cur: ModelSnapshot, at: float) -> Event | None:
-    if cur.status == "legacy":
+    if cur.legacy:
         if prev.limit_bytes != cur.limit_bytes:
             return Event(at, "limit", cur.name, f"limit (total) now {limit_text(cur)}", INFO)
         return None

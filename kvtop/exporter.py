@@ -31,7 +31,7 @@ from kvcached_core.snapshot import ModelSnapshot
 
 PREFIX = "kvcached"
 MODEL_LABELS = ("model", "engine", "device", "pid", "host")
-LIMIT_STATUSES = ("none", "applied", "deferred", "conflict", "stale", "unknown")
+LIMIT_STATUSES = ("none", "applied", "deferred", "conflict", "stale", "written", "pending", "unknown")
 PAGE_STATES = ("inuse", "reserved", "free")
 
 
@@ -123,7 +123,7 @@ class KVCachedCollector(Collector):
 
         for m in models:
             labels = [m.name, m.engine, str(m.device), str(m.pid), self.host]
-            legacy = m.status == "legacy"
+            legacy = m.legacy
             info.add_metric([*labels, m.model, m.backend, m.display_status], 1)
             mapped.add_metric(labels, m.mapped_bytes)
             held.add_metric(labels, m.held_bytes)
@@ -140,6 +140,7 @@ class KVCachedCollector(Collector):
             if m.waste_ratio is not None:
                 waste.add_metric(labels, m.waste_ratio)
             if legacy:  # upstream segments carry bytes only: no pages, counters or heartbeat
+                stale.add_metric(labels, 1 if m.status == "stale" else 0)
                 continue
             capacity.add_metric(labels, m.virtual_bytes)
             free_pages = max(0, m.pages_total - m.pages_inuse - m.pages_reserved)

@@ -35,7 +35,7 @@ class History:
             if track.read_ns and m.read_ns > track.read_ns:
                 dt = (m.read_ns - track.read_ns) / 1e9
                 grown = max(0, m.alloc_blocks - track.alloc_blocks)
-                track.rate = grown * m.block_bundle_bytes / dt if m.status != "legacy" else None
+                track.rate = grown * m.block_bundle_bytes / dt if not m.legacy else None
             track.read_ns, track.alloc_blocks = m.read_ns, m.alloc_blocks
             track.mapped.append(m.mapped_bytes)
         for gone in self._tracks.keys() - live:

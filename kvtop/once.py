@@ -56,7 +56,7 @@ def models_table(models: Sequence, history: History | None = None, width: int = 
 
 def page_map(m, width: int, rows: int = MAP_ROWS) -> RenderableType:
     """The whole page map folded into ``rows`` lines of ``width`` cells."""
-    if m.status == "legacy" or m.pages is None:
+    if m.legacy or m.pages is None:
         return Text("upstream kvcached segment: no page map", style="cyan")
     per = fit_per_cell(len(m.pages), width * rows)
     cells = fold(m.pages, m.blocks_per_page, width * rows, pages_per_cell=per)

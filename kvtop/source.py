@@ -19,6 +19,7 @@ from typing import Protocol
 import kvcached_core as kc
 from kvcached_core import config, nvml
 from kvcached_core import layout as L
+from kvcached_core.legacy import limit_status as legacy_limit_status
 from kvcached_core.nvml import GpuInfo
 from kvcached_core.reader import read_segment
 from kvcached_core.snapshot import ModelSnapshot, Problem
@@ -92,7 +93,7 @@ class LiveSource:
         for m in found.models:
             if m.name == selected:
                 detail = m
-                if m.status != "legacy":
+                if not m.legacy:
                     try:
                         detail = read_segment(Path(m.path), with_pages=True)
                     except (OSError, ValueError):
@@ -154,8 +155,8 @@ def fake_model(name: str, *, pages: array | None = None, pages_total: int = 512,
             uid=1000, device=device, status="legacy", page_size=0, block_bytes=0, num_layers=0,
             num_kv_buffers=0, blocks_per_page=0, num_blocks=0, pages_total=0, pages_inuse=0,
             pages_reserved=0, blocks_used=0, blocks_cached=0, mapped_bytes=used + prealloc,
-            limit_bytes=total or None, limit_status="applied" if total else "none",
-            legacy_reserved=prealloc, read_ns=read_ns)
+            limit_bytes=total, limit_status=legacy_limit_status(total, used),
+            legacy_reserved=prealloc, read_ns=read_ns, legacy=True)
     bpp = page_size // block_bytes
     if pages is None:
         pages = array("I", bytes(4 * pages_total))

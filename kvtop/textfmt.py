@@ -111,7 +111,7 @@ def fmt_device(m: ModelSnapshot) -> str:
 
 
 def fmt_pages(m: ModelSnapshot) -> str:
-    return "-" if m.status == "legacy" else f"{m.pages_inuse}/{m.pages_total}"
+    return "-" if m.legacy else f"{m.pages_inuse}/{m.pages_total}"
 
 
 LIST_COLUMNS = (
@@ -126,7 +126,7 @@ def list_row(m: ModelSnapshot) -> list[str]:
     return [
         m.name, m.engine, str(m.pid), fmt_device(m), m.display_status,
         fmt_bytes(m.mapped_bytes), fmt_bytes(m.held_bytes), fmt_bytes(m.reserved_bytes),
-        "-" if m.status == "legacy" else fmt_bytes(m.cached_bytes),
+        "-" if m.legacy else fmt_bytes(m.cached_bytes),
         fmt_limit(m), fmt_ratio(m.waste_ratio), fmt_pages(m),
     ]
 
@@ -141,7 +141,7 @@ def show_lines(m: ModelSnapshot, frag: Fragmentation) -> list[str]:
         lines.append(f"  {label:<12} {text}")
 
     field("status", m.display_status)
-    if m.status != "legacy":
+    if not m.legacy:
         free = m.pages_total - m.pages_inuse - m.pages_reserved
         field("pages", f"{m.pages_inuse} in use, {m.pages_reserved} reserved, {free} free, {m.pages_total} total "
                        f"(page {fmt_bytes(m.page_size)}, bundle {fmt_bytes(m.bundle_bytes)} "
@@ -151,16 +151,18 @@ def show_lines(m: ModelSnapshot, frag: Fragmentation) -> list[str]:
                         f"{m.blocks_per_page} per page, {fmt_bytes(m.block_bytes)} each per layer and buffer")
     field("memory", f"mapped {fmt_bytes(m.mapped_bytes)}, held {fmt_bytes(m.held_bytes)}, "
                     f"pinned {fmt_bytes(m.pinned_bytes)}, reserved {fmt_bytes(m.reserved_bytes)}"
-                    + ("" if m.status == "legacy" else f", cached {fmt_bytes(m.cached_bytes)}"))
+                    + ("" if m.legacy else f", cached {fmt_bytes(m.cached_bytes)}"))
     limit = fmt_limit(m)
     if m.limit_revision:
         limit += f" (revision {m.limit_revision}, applied {m.applied_revision})"
+    if m.legacy and m.limit_status == "pending":
+        limit += f"; {fmt_bytes(m.held_bytes)} in use: the engine applies it only as pages free"
     if m.requested_limit is not None and m.limit_status == "deferred":
         limit += f"; waiting for {m.pages_inuse - (m.limit_bytes or 0) // max(1, m.bundle_bytes)} pages to empty"
     field("limit", limit)
     if m.device_capacity:
         field("capacity", f"{fmt_bytes(m.device_capacity)} on the device" + ("s" if len(m.devices) > 1 else ""))
-    if m.status != "legacy":
+    if not m.legacy:
         field("waste", f"{fmt_ratio(frag.waste_ratio)} pinned/held; packed floor {frag.packed_floor_pages} pages "
                        f"({fmt_bytes(frag.packed_floor_bytes)}), pinned {fmt_ratio(frag.pinned_over_floor)} of it")
         field("reclaimable", f"{fmt_bytes(frag.reclaimable_trim_bytes)} now by trim, "
@@ -218,7 +220,7 @@ def page_map_lines(m: ModelSnapshot, width: int = 64, max_rows: int = 16) -> lis
     entries = m.page_entries()
     if not len(entries):
         return ["page map: none (upstream kvcached segments publish no page map)"
-                if m.status == "legacy" else "page map: not read"]
+                if m.legacy else "page map: not read"]
     width = max(8, width)
     cells = fold(entries, m.blocks_per_page, width * max(1, max_rows))
     per = cells[0].pages if cells else 1

@@ -94,6 +94,8 @@ def sparkline(values: Sequence[int], width: int = SPARK_WIDTH) -> str:
 def limit_cell(m: ModelSnapshot) -> Text:
     if m.display_status == "shrinking" and m.requested_limit is not None:
         return Text(f"↓{format_bytes(m.requested_limit)}", style="bold yellow")
+    if m.legacy and m.limit_status == "pending":  # written below what is in use: applies as pages free
+        return Text(f"↓{format_bytes(m.limit_bytes)}", style="bold yellow")
     if m.limit_bytes is None:
         return Text("-", style="grey50")
     style = "bold red" if m.limit_status == "conflict" else ""
@@ -110,7 +112,7 @@ def mapped_cell(m: ModelSnapshot) -> Text:
 
 def model_cells(m: ModelSnapshot, history: History | None = None, names: Sequence[str] = ()) -> dict[str, Text]:
     """One table row, keyed like :data:`COLUMNS`; ``names`` (every model) picks the colour swatch."""
-    legacy = m.status == "legacy"
+    legacy = m.legacy
     rate = history.rate(m.name) if history else None
     status = m.display_status
     return {
@@ -298,11 +300,13 @@ def frag_table(m: ModelSnapshot | None) -> Table | Text:
     grid = Table.grid(padding=(0, 1))
     grid.add_column(style="grey70", no_wrap=True)
     grid.add_column(justify="right", no_wrap=True)
-    if m.status == "legacy":
+    if m.legacy:
         grid.add_row("mapped", format_bytes(m.mapped_bytes))
         grid.add_row("reserved", format_bytes(m.reserved_bytes))
         grid.add_row("held", format_bytes(m.held_bytes))
         grid.add_row("limit", size(m.limit_bytes))
+        if m.limit_status == "pending":
+            grid.add_row("limit is", Text("pending (in use above it)", style="bold yellow"))
         grid.add_row(Text("upstream segment:", style="cyan"), "")
         grid.add_row(Text("no page map", style="cyan"), "")
         return grid

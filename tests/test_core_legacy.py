@@ -14,6 +14,7 @@ import kvcached_core as kc
 from kvcached_core import layout as L
 
 GiB = 1024**3
+LIVE = os.getpgrp()  # a process group that exists and is older than any file a test writes
 
 
 def legacy_file(directory, name: str, total: int, used: int, prealloc: int):
@@ -28,39 +29,41 @@ def fields(path) -> tuple[int, int, int]:
 
 
 def test_upstream_segments_are_listed_as_legacy(shm_dir, monkeypatch):
-    legacy_file(shm_dir, "kvcached_vllm_4242", 8 * GiB, 3 * GiB, 1 * GiB)
-    legacy_file(shm_dir, "kvcached_sglang_77", 0, GiB, 0)
+    legacy_file(shm_dir, f"kvcached_vllm_{LIVE}", 8 * GiB, 3 * GiB, 1 * GiB)
+    legacy_file(shm_dir, f"kvcached_sglang_{LIVE}_1", 0, GiB, 0)
     monkeypatch.setenv("KVCACHED_IPC_NAME", "custom_ipc")
     legacy_file(shm_dir, "custom_ipc", 2 * GiB, 0, 0)
     rows = {m.name: m for m in kc.list_models()}
-    assert set(rows) == {"kvcached_vllm_4242", "kvcached_sglang_77", "custom_ipc"}
-    vllm = rows["kvcached_vllm_4242"]
-    assert (vllm.status, vllm.display_status, vllm.engine, vllm.pid) == ("legacy", "legacy", "vllm", 4242)
-    assert (vllm.limit_bytes, vllm.limit_status, vllm.mapped_bytes) == (8 * GiB, "applied", 4 * GiB)
-    assert (vllm.reserved_bytes, vllm.held_bytes) == (GiB, 3 * GiB)
-    sglang = rows["kvcached_sglang_77"]
-    assert (sglang.engine, sglang.pid, sglang.limit_bytes, sglang.limit_status) == ("sglang", 77, None, "none")
-    assert (rows["custom_ipc"].engine, rows["custom_ipc"].limit_bytes) == ("kvcached", 2 * GiB)
+    assert set(rows) == {f"kvcached_vllm_{LIVE}", f"kvcached_sglang_{LIVE}_1", "custom_ipc"}
+    vllm = rows[f"kvcached_vllm_{LIVE}"]
+    assert (vllm.status, vllm.display_status, vllm.engine, vllm.pid, vllm.legacy) == ("legacy", "legacy", "vllm", LIVE, True)
+    assert (vllm.limit_bytes, vllm.limit_status, vllm.mapped_bytes) == (8 * GiB, "written", 4 * GiB)
+    assert (vllm.reserved_bytes, vllm.held_bytes, vllm.waste_ratio) == (GiB, 3 * GiB, None)
+    sglang = rows[f"kvcached_sglang_{LIVE}_1"]  # total 0: upstream sized its cache to nothing
+    assert (sglang.engine, sglang.pid, sglang.limit_bytes, sglang.limit_status) == ("sglang", LIVE, 0, "pending")
+    assert (rows["custom_ipc"].engine, rows["custom_ipc"].pid, rows["custom_ipc"].limit_bytes) == ("kvcached", 0, 2 * GiB)
     json.dumps([m.to_dict() for m in rows.values()])  # the JSON shape holds for legacy rows too
 
 
 def test_request_limit_writes_the_total_field_and_nothing_else(shm_dir):
-    path = legacy_file(shm_dir, "kvcached_vllm_1", 8 * GiB, 3 * GiB, GiB)
-    ack = kc.request_limit("kvcached_vllm_1", 5 * GiB)
-    assert (ack.kind, ack.status, ack.effective_limit) == ("limit", "legacy", 5 * GiB)
+    name = f"kvcached_vllm_{LIVE}"
+    path = legacy_file(shm_dir, name, 8 * GiB, 3 * GiB, GiB)
+    ack = kc.request_limit(name, 5 * GiB)
+    assert (ack.kind, ack.status, ack.effective_limit, ack.in_use) == ("limit", "legacy", 5 * GiB, 3 * GiB)
     assert fields(path) == (5 * GiB, 3 * GiB, GiB)
-    assert kc.snapshot("kvcached_vllm_1").limit_bytes == 5 * GiB
+    assert kc.snapshot(name).limit_bytes == 5 * GiB
     with pytest.raises(kc.ControlError, match="cannot be trimmed from outside"):
-        kc.request_trim("kvcached_vllm_1")
+        kc.request_trim(name)
     assert fields(path) == (5 * GiB, 3 * GiB, GiB)
 
 
 def test_request_limit_waits_for_upstreams_flock(shm_dir):
-    path = legacy_file(shm_dir, "kvcached_vllm_2", 8 * GiB, 0, 0)
+    name = f"kvcached_vllm_{LIVE}_2"
+    path = legacy_file(shm_dir, name, 8 * GiB, 0, 0)
     holder = os.open(path, os.O_RDONLY)  # upstream's reader holding its lock
     fcntl.flock(holder, fcntl.LOCK_SH)
     result: list[object] = []
-    writer = threading.Thread(target=lambda: result.append(kc.request_limit("kvcached_vllm_2", 3 * GiB)))
+    writer = threading.Thread(target=lambda: result.append(kc.request_limit(name, 3 * GiB)))
     try:
         writer.start()
         time.sleep(0.3)
@@ -75,15 +78,16 @@ def test_request_limit_waits_for_upstreams_flock(shm_dir):
 
 
 def test_a_lock_that_is_never_released_fails_clearly_and_writes_nothing(shm_dir):
-    path = legacy_file(shm_dir, "kvcached_vllm_3", 8 * GiB, 0, 0)
-    row = kc.snapshot("kvcached_vllm_3")
+    name = f"kvcached_vllm_{LIVE}_3"
+    path = legacy_file(shm_dir, name, 8 * GiB, 0, 0)
+    row = kc.snapshot(name)
     holder = os.open(path, os.O_RDONLY)  # a hung upstream writer
     fcntl.flock(holder, fcntl.LOCK_EX)
     try:
-        with pytest.raises(kc.ControlError, match="kvcached_vllm_3"):
+        with pytest.raises(kc.ControlError, match=name):
             kc.request_limit(row, GiB)
         (problem,) = kc.scan().problems  # readers do not hang on it either
-        assert (os.path.basename(problem.path), problem.status) == ("kvcached_vllm_3", "busy")
+        assert (os.path.basename(problem.path), problem.status) == (name, "busy")
     finally:
         os.close(holder)
     assert fields(path)[0] == 8 * GiB
@@ -94,7 +98,7 @@ def header_bytes(**changes) -> bytes:
                   total_bytes=L.total_size(4, 1), pages_total=4, name=b"hdr", model=b"m", engine=b"e",
                   backend=b"host", pid=os.getpid(), start_time=0, uid=os.getuid(), device=0, tp_rank=0,
                   tp_world=1, page_size=65536, block_bytes=8192, num_layers=1, num_kv_buffers=2,
-                  blocks_per_page=8, num_blocks=32, created_ns=0, ranks_max=1, device_capacity=0)
+                  blocks_per_page=8, num_blocks=32, created_ns=0, ranks_max=1, device_capacity=0, pid_ns=0)
     values.update(changes)
     return L.HEADER.pack(*(values[f] for f in L.HEADER_FIELDS))
 

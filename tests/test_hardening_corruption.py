@@ -249,7 +249,8 @@ def test_foreign_files_of_every_kind(good, shm_dir, tmp_path):
 def test_a_hung_lock_on_an_upstream_segment_does_not_hang_a_scan(good, shm_dir):
     import fcntl
 
-    path = write(shm_dir / "kvcached_vllm_4242", struct.pack("<qqq", 8 << 30, 1 << 30, 1 << 20))
+    name = f"kvcached_vllm_{os.getpgrp()}"  # a process group that exists: not stale
+    path = write(shm_dir / name, struct.pack("<qqq", 8 << 30, 1 << 30, 1 << 20))
     legacy = kc.resolve("kvcached_vllm", kc.list_models())
     holder = os.open(path, os.O_RDWR)
     try:
@@ -257,12 +258,12 @@ def test_a_hung_lock_on_an_upstream_segment_does_not_hang_a_scan(good, shm_dir):
         with bounded(SCAN_BOUND_S):
             found = kc.scan()
         assert [m.name for m in found.models] == ["good"]
-        assert [(p.status, Path(p.path).name) for p in found.problems] == [("busy", "kvcached_vllm_4242")]
+        assert [(p.status, Path(p.path).name) for p in found.problems] == [("busy", name)]
         with pytest.raises(kc.ControlError, match="locked by another process"):
             kc.request_limit(legacy, 1 << 30)
     finally:
         os.close(holder)
-    assert [m.name for m in kc.list_models()] == ["good", "kvcached_vllm_4242"]
+    assert [m.name for m in kc.list_models()] == ["good", name]
 
 
 def test_kvctl_and_kvtop_keep_working_beside_damaged_files(good, shm_dir):

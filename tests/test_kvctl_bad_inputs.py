@@ -20,6 +20,7 @@ from kvtop.cli import ExitCode, main
 
 OK, FAILURE, USAGE = ExitCode.OK, ExitCode.FAILURE, ExitCode.USAGE
 OTHER_UID = 4321
+LEGACY = f"kvcached_vllm_{os.getpgrp()}"  # an upstream segment of a process group that exists: not stale
 
 
 @dataclass(frozen=True)
@@ -87,11 +88,11 @@ CASES = [
     Case("stale-trim", ("trim", "m2"), FAILURE, "stale", ("stale",)),
     Case("nothing-to-limit", ("limit", "--all", "1G"), FAILURE, "no live models", ("stale",)),
     Case("nothing-to-trim", ("trim", "--all"), FAILURE, "no live models", ("legacy",)),
-    Case("legacy-trim", ("trim", "kvcached_vllm_77"), FAILURE, "cannot be trimmed", ("legacy",)),
+    Case("legacy-trim", ("trim", LEGACY), FAILURE, "cannot be trimmed", ("legacy",)),
     Case("legacy-frag", ("frag", "kvcached"), FAILURE, "publishes no page map", ("legacy",)),
     Case("theirs-limit", ("limit", "theirs", "1G"), FAILURE, f"uid {OTHER_UID}", ("live", "theirs")),
     Case("theirs-trim", ("trim", "theirs"), FAILURE, f"uid {OTHER_UID}", ("theirs",)),
-    Case("theirs-legacy-limit", ("limit", "kvcached_vllm_77", "1G"), FAILURE, f"uid {OTHER_UID}",
+    Case("theirs-legacy-limit", ("limit", LEGACY, "1G"), FAILURE, f"uid {OTHER_UID}",
          ("theirs-legacy",)),
     Case("theirs-clean", ("clean",), OK, f"belongs to uid {OTHER_UID}", ("live", "theirs-stale")),
 ]
@@ -114,7 +115,7 @@ def make(need: str, spawn_allocator, shm_dir: Path) -> str | None:
         os.chown(shm_dir / "kvc.theirs", OTHER_UID, OTHER_UID)
         return "kvc.theirs"
     if need in ("legacy", "theirs-legacy"):
-        path = shm_dir / "kvcached_vllm_77"
+        path = shm_dir / LEGACY
         path.write_bytes(L.LEGACY.pack(0, 1 << 20, 1 << 19))
         if need == "theirs-legacy":
             os.chown(path, OTHER_UID, OTHER_UID)

@@ -122,19 +122,20 @@ def test_no_acknowledgement_in_time_exits_1(spawn_allocator):
 
 
 def test_limit_on_a_legacy_segment_writes_upstreams_field(shm_dir: Path):
-    path = shm_dir / "kvcached_vllm_4242"
+    name = f"kvcached_vllm_{os.getpgrp()}"  # a process group that exists: the row is not stale
+    path = shm_dir / name
     path.write_bytes(L.LEGACY.pack(0, 3 * MiB, 1 * MiB))
     done = kvctl("limit", "kvcached_vllm", "1GiB")
     assert done.exit_code == 0, done.stderr
-    assert "kvcached_vllm_4242: limit 1.0 GiB written" in done.stdout
+    assert f"{name}: limit 1.0 GiB written" in done.stdout
     assert L.LEGACY.unpack(path.read_bytes()) == (1 << 30, 3 * MiB, 1 * MiB)
-    assert snapshot("kvcached_vllm_4242").limit_bytes == 1 << 30
-    lift = kvctl("limit", "kvcached_vllm_4242", "none")  # upstream would resize its cache to 0
+    assert snapshot(name).limit_bytes == 1 << 30
+    lift = kvctl("limit", name, "none")  # upstream would resize its cache to 0
     assert lift.exit_code == 1 and lift.stderr.count("\n") == 1
     assert "upstream kvcached segment, which has no 'no limit': give it a size" in lift.stderr
     assert L.LEGACY.unpack(path.read_bytes())[0] == 1 << 30
 
-    refused = kvctl("trim", "kvcached_vllm_4242")
+    refused = kvctl("trim", name)
     assert refused.exit_code == 1 and "cannot be trimmed" in refused.stderr
     assert refused.stderr.count("\n") == 1
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 
 from kvcached_core import ModelSnapshot
 from kvcached_core import layout as L
 from kvcached_core.config import shm_dir
+from kvcached_core.legacy import dead_segment
 from kvcached_core.procinfo import is_alive
 from kvcached_core.reader import parse_header
 from kvcached_core.removal import inode, remove_verified
@@ -82,9 +84,13 @@ def clean_cmd(dry_run: bool) -> None:
     Also removes your half-created segments: the hidden ``.kvc-new.<name>.<pid>`` file an
     allocator builds before naming it, left behind when that process was killed mid-creation.
 
+    Also removes your upstream kvcached segments (``kvcached_<engine>_<pgid>``) whose process
+    group is gone or was reused after the file was last written.
+
     Never touches a live segment, a segment whose process still runs (even with a late
-    heartbeat), another user's segment (one warning line each), an upstream kvcached
-    (legacy) segment, or any file that is not a valid segment. Exit 0 also when there is
+    heartbeat), another user's segment (one warning line each), an upstream segment whose
+    name carries no process group (``KVCACHED_IPC_NAME``) or whose group may live in another
+    pid namespace, or any file that is not a valid segment. Exit 0 also when there is
     nothing to clean.
 
     \b
@@ -102,6 +108,11 @@ def clean_cmd(dry_run: bool) -> None:
             continue  # went away on its own
         if owner != os.getuid():
             warn(f"kept {m.path}: it belongs to uid {owner}, not you")
+            continue
+        if m.legacy:
+            dead = dead_segment(Path(m.path))
+            if dead is not None:
+                doomed.append((m.path, f"upstream kvcached segment, process group {m.pid} gone", *dead))
             continue
         checked = _still_dead(m)
         if checked is None:

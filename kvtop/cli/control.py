@@ -32,13 +32,21 @@ def capacity_of(m: ModelSnapshot) -> int | None:
     from kvcached_core import nvml
 
     gpus = nvml.probe([m.device])
-    return gpus[0].total_bytes if gpus else None
+    total = gpus[0].total_bytes if gpus else None
+    if m.legacy:  # upstream segments do not say their device: device 0, as upstream's own kvctl assumes
+        if total is None:
+            why = nvml.unavailable_reason() or f"NVML reports no memory total for device {m.device}"
+            raise ControlError(f"{m.name}: a percentage needs the device's memory total, and NVML cannot "
+                               f"tell it ({why}): give bytes instead")
+        warn(f"{m.name}: percentage of device {m.device}'s {T.fmt_bytes(total)} (NVML): "
+             "an upstream kvcached segment does not say its device, so device 0 is assumed")
+    return total
 
 
 def ack_dict(ack: Ack, requested: int | None = None) -> dict:
     return {"name": ack.name, "kind": ack.kind, "status": ack.status, "revision": ack.revision,
             "requested_bytes": requested, "effective_limit": ack.effective_limit,
-            "bytes_returned": ack.bytes_returned, "latency_s": round(ack.latency_s, 6)}
+            "bytes_returned": ack.bytes_returned, "latency_s": round(ack.latency_s, 6), "in_use_bytes": ack.in_use}
 
 
 def limit_text(ack: Ack) -> str:
@@ -52,8 +60,11 @@ def limit_text(ack: Ack) -> str:
     if ack.status == "none":
         return f"{ack.name}: limit lifted (revision {ack.revision}, {took})"
     if ack.status == "legacy":
-        what = "lifted" if ack.effective_limit is None else f"{effective} written"
-        return f"{ack.name}: limit {what} (upstream kvcached segment: its watcher applies it, without acknowledging)"
+        text = f"{ack.name}: limit {effective} written (upstream kvcached segment: its watcher applies it, without acknowledging)"
+        if ack.in_use is not None and ack.effective_limit is not None and ack.in_use > ack.effective_limit:
+            text += (f"; pending: {T.fmt_bytes(ack.in_use)} is in use, so it applies only as pages free "
+                     "(kvctl list shows it pending until then)")
+        return text
     if ack.status == "pending":
         what = "lift" if ack.effective_limit is None else f"{effective}"
         return f"{ack.name}: limit {what} requested (revision {ack.revision}), not waiting for the acknowledgement"

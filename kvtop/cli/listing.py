@@ -7,7 +7,7 @@ import click
 from kvcached_core import fragmentation
 from kvcached_core import layout as L
 from kvtop.cli import Failure, model_argument
-from kvtop.cli.common import emit_json, pick, read
+from kvtop.cli.common import emit_json, pick, problem_line, read, warn
 
 JSON_HELP = "Print JSON (the schema is documented in the README) instead of text."
 
@@ -30,6 +30,10 @@ def list_cmd(as_json: bool, gpu: int | None, show_all: bool) -> None:
       kvctl list --all --gpu 1
     """
     found = read(include_stale=show_all, warn_problems=show_all, gpu=gpu)
+    if not show_all:  # a live model that cannot be read is never left out silently
+        for problem in found.problems:
+            if problem.writer_alive:
+                warn(problem_line(problem))
     if as_json:
         emit_json([m.to_dict() for m in found.models])
         return
@@ -63,7 +67,7 @@ def show_cmd(model: str, as_json: bool, width: int, rows: int) -> None:
     frag = fragmentation(snap)
     if as_json:
         out = snap.to_dict()
-        out["fragmentation"] = frag.to_dict()
+        out["fragmentation"] = None if snap.legacy else frag.to_dict()  # upstream publishes no page map
         out["pages"] = [[int(mapped), used, cached] for mapped, used, cached in map(L.decode_page, snap.page_entries())]
         emit_json(out)
         return
@@ -92,7 +96,7 @@ def frag_cmd(model: str | None, as_json: bool, worst: int) -> None:
     """
     if model is not None:
         snap = pick(model, read(with_pages=True))
-        if snap.status == "legacy":
+        if snap.legacy:
             raise Failure(f"{snap.name} is an upstream kvcached segment: it publishes no page map, "
                           "so its fragmentation is unknown")
         frag = fragmentation(snap, worst)
@@ -104,7 +108,7 @@ def frag_cmd(model: str | None, as_json: bool, worst: int) -> None:
         click.echo("\n".join(T.frag_lines(snap, frag)))
         return
     found = read(with_pages=True, include_stale=False)
-    reports = [(m, fragmentation(m, worst)) for m in found.models if m.status != "legacy"]
+    reports = [(m, fragmentation(m, worst)) for m in found.models if not m.legacy]
     if as_json:
         emit_json([{"name": m.name, "status": m.status, **f.to_dict()} for m, f in reports])
         return

@@ -102,7 +102,7 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
         text.append(f"current {current} · mapped {format_bytes(m.mapped_bytes)} · in use {format_bytes(m.pinned_bytes)}")
         if m.device_capacity:
             text.append(f"\n30% = {format_bytes(m.device_capacity * 0.3)} of {format_bytes(m.device_capacity)}")
-        if m.status != "legacy":
+        if not m.legacy:
             text.append(f"\nrounded down to whole page bundles of {format_bytes(m.bundle_bytes)}")
         else:
             text.append("\nupstream segment: written to its total field")
@@ -133,7 +133,7 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
         if value is None:
             return Text("= no limit", style="green")
         text = Text(f"= {format_bytes(value)}")
-        if m.status != "legacy" and m.bundle_bytes:
+        if not m.legacy and m.bundle_bytes:
             pages = value // m.bundle_bytes
             text.append(f" ({pages} page bundle{'s' if pages != 1 else ''})")
             if pages == 0 and value > 0:
@@ -258,7 +258,7 @@ class DetailsScreen(_InfoScreen):
             ("pid", str(m.pid)), ("device", fmt_device(m)), ("status", m.display_status),
             ("tensor parallel", f"{m.tp_world} ranks" if m.tp_world > 1 else "no"),
         ]
-        if m.status != "legacy":
+        if not m.legacy:
             rows += [
                 ("geometry", f"{m.num_layers} layers × {m.num_kv_buffers} KV buffers, page {format_bytes(m.page_size)}, "
                              f"block {format_bytes(m.block_bytes)}, {m.blocks_per_page} blocks/page"),
@@ -282,7 +282,7 @@ class DetailsScreen(_InfoScreen):
             yield Static(info)
             yield Label("fragmentation", classes="section")
             yield Static(frag_table(m))
-            if m.pages is not None and m.status != "legacy":
+            if m.pages is not None and not m.legacy:
                 worst = fragmentation(m).worst_pages
                 if worst:
                     yield Label("emptiest in-use pages (what pins memory)", classes="section")

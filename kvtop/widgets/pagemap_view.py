@@ -201,6 +201,6 @@ class PageMapView(ScrollView, can_focus=False):
         m = self.detail
         if m is None:
             return Text("no model selected", style="grey50")
-        if m.status == "legacy":
+        if m.legacy:
             return Text("upstream kvcached segment: no page map", style="cyan")
         return Text("reading page map…", style="grey50")

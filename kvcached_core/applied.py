@@ -26,8 +26,8 @@ class NotApplied(TimeoutError):
 
 
 def _done(m: ModelSnapshot, ack: Ack) -> bool:
-    if ack.status == "legacy":  # upstream segments carry no revision: their status says it
-        return m.limit_status == "applied"
+    if ack.status == "legacy":  # upstream segments carry no revision and never acknowledge: their figures say it
+        return m.limit_bytes is not None and m.mapped_bytes <= m.limit_bytes
     if m.limit_revision > ack.revision or m.applied_revision > ack.revision:
         raise ControlError(f"{m.name}: revision {max(m.limit_revision, m.applied_revision)} replaced "
                            f"revision {ack.revision} while waiting for it to apply")

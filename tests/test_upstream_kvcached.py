@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -191,6 +192,23 @@ def test_a_limit_below_what_is_in_use_is_pending_never_applied(shm_dir):
     upstream_rewrite(path, used=GiB // 2, prealloc=0)  # the engine freed pages and shrank
     assert kc.snapshot(name).limit_status == "written"
     assert "applied" not in kvctl("list").stdout
+
+
+def test_wait_applied_on_an_upstream_segment_waits_until_its_memory_is_under_the_limit(shm_dir):
+    name = f"kvcached_vLLM_{LIVE}"
+    path = upstream_segment(shm_dir, name, 8 * GiB, 3 * GiB, GiB)
+    quick = kvctl("limit", name, "2GiB", "--wait-applied", "0.2")  # nothing frees a page: it runs out
+    assert quick.exit_code == 3 and "not applied within 0.2 s" in quick.stderr
+    engine = threading.Timer(0.3, upstream_rewrite, (path,), {"used": GiB, "prealloc": GiB // 2})
+    engine.start()  # the engine frees pages and drops its pool under the limit
+    try:
+        done = kvctl("limit", name, "2GiB", "--wait-applied", "30")
+    finally:
+        engine.join()
+    assert done.exit_code == 0, done.stderr
+    assert fields(path) == (2 * GiB, GiB, GiB // 2)
+    assert "applied" not in done.stdout and "pending" not in done.stdout
+    assert f"{name}: limit 2.0 GiB written" in done.stdout
 
 
 @pytest.mark.parametrize("size", ["0B", "0GiB", "0%"])

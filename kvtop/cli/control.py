@@ -151,6 +151,8 @@ def wait_until_applied(ack: Ack, requested: int | None, timeout: float) -> Ack:
         if live:
             sys.stderr.write("\r\x1b[K")
             sys.stderr.flush()
+    if m.legacy:  # upstream never acknowledges: the answer stays "written", with what is in use now
+        return replace(ack, in_use=m.held_bytes, latency_s=ack.latency_s + time.monotonic() - started)
     return replace(ack, status=m.limit_status, effective_limit=m.limit_bytes,
                    latency_s=ack.latency_s + time.monotonic() - started)
 

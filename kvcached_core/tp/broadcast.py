@@ -335,9 +335,9 @@ class BroadcastBackend(Backend):
             free = min(free, self.ledger.free_bytes())
         return free
 
-    def bind_claims(self, set_claimed: Callable[[int], None]) -> None:
+    def bind_claims(self, set_claimed: Callable[[int], None], own_segment: tuple[int, int] | None = None) -> None:
         if self.ledger is not None:
-            self.ledger.bind(set_claimed)
+            self.ledger.bind(set_claimed, own_segment)
 
     def buffer(self, layer: int, kv: int) -> None:
         raise RuntimeError("a tensor-parallel model's buffers live in its rank workers: use TPWorker.buffer()")

@@ -40,6 +40,7 @@ def install() -> None:
 
     check_version(vllm.__version__)
     _patch_scheduler()
+    _patch_engine_shutdown()
     _patch_worker()
     atexit.register(_close_all)
     _installed = True
@@ -94,6 +95,25 @@ def _patch_scheduler() -> None:
     scheduler.Scheduler.__init__ = scheduler_init
     kv_cache_coordinator.BlockPool = block_pool
     kv_cache_manager.KVCacheManager.allocate_slots = allocate_slots
+
+
+def _patch_engine_shutdown() -> None:
+    """Close the allocator before vLLM stops its workers, so the ranks are told, not found gone."""
+    from vllm.v1.engine import core
+
+    original_shutdown = core.EngineCore.shutdown
+
+    @functools.wraps(original_shutdown)
+    def shutdown(self: Any) -> None:
+        from .block_pool import KvcachedBlockPool
+
+        kv_manager = getattr(getattr(self, "scheduler", None), "kv_cache_manager", None)
+        pool = getattr(kv_manager, "block_pool", None)
+        if isinstance(pool, KvcachedBlockPool):
+            pool.close()
+        original_shutdown(self)
+
+    core.EngineCore.shutdown = shutdown
 
 
 def _build_manager(vllm_config: Any, kv_cache_config: Any) -> Any:

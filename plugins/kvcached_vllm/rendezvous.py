@@ -7,6 +7,7 @@ Sockets live in an owner-only directory of this user's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -21,10 +22,8 @@ def socket_dir() -> Path:
     """``$XDG_RUNTIME_DIR/kvcached`` (or ``<tmp>/kvcached-<uid>``), created 0700; refused if not ours."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     base = Path(runtime) / "kvcached" if runtime else Path(tempfile.gettempdir()) / f"kvcached-{os.getuid()}"
-    try:
+    with contextlib.suppress(FileExistsError):
         base.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
     st = os.lstat(base)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise RuntimeError(f"{base} is not a private directory of this user's (mode {stat.filemode(st.st_mode)}, "

@@ -14,7 +14,6 @@ import logging
 from typing import Any
 
 import torch
-from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
 
 from kvcached_core.tp import TPWorker
 
@@ -53,6 +52,8 @@ def layer_bytes(worker: TPWorker, layer: int) -> torch.Tensor:
 def kv_cache_views(worker: TPWorker, layout: KVLayout, kv_cache_config: Any, kv_layout_order: Any,
                    kernel_block_sizes: list[int] | None) -> dict[str, torch.Tensor]:
     """vLLM's per-layer KV views (its own ``create_kv_cache_views``) over the worker's ranges."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+
     group = kv_cache_config.kv_cache_groups[0]
     kernel_block_size = kernel_block_sizes[0] if kernel_block_sizes else None
     views: dict[str, torch.Tensor] = {}

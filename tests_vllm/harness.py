@@ -1,0 +1,138 @@
+"""Real vLLM engines for the plugin tests: a ``vllm serve`` server and one-shot offline scripts.
+
+Everything runs on the CPU with the tiny random Llama the tests build (no downloads). Engines
+are slow to start on two cores, so the tests share one server wherever they can.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+START_TIMEOUT_S = 420.0
+MAX_MODEL_LEN = 2048
+
+
+def base_env(shm_dir: Path, *, enabled: bool, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("ENABLE_KVCACHED", None)
+    env.update({
+        "KVCACHED_SHM_DIR": str(shm_dir),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CACHE_ROOT": str(shm_dir.parent / "vllm-cache"),
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    if enabled:
+        env["ENABLE_KVCACHED"] = "true"
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A running ``vllm serve`` (its log in ``log``)."""
+
+    proc: subprocess.Popen
+    port: int
+    log: Path
+    name: str
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def complete(self, prompt: list[int], max_tokens: int, timeout: float = 300.0) -> list[int]:
+        """Greedy completion of a token-id prompt; the generated token ids."""
+        body = {"model": self.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "return_token_ids": True, "ignore_eos": True}
+        req = urllib.request.Request(self.url("/v1/completions"), data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            answer = json.load(resp)
+        return list(answer["choices"][0]["token_ids"])
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url("/metrics"), timeout=30) as resp:
+            return resp.read().decode()
+
+    def worker(self) -> psutil.Process:
+        """The worker process: the descendant that holds the KV tensors (the largest RSS)."""
+        children = psutil.Process(self.proc.pid).children(recursive=True)
+        workers = [c for c in children if "Worker" in " ".join(c.cmdline()) or c.name().startswith("VLLM")]
+        pool = workers or children
+        return max(pool, key=lambda c: c.memory_info().rss)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_server(model_dir: Path, env: dict[str, str], log: Path, *, name: str = "tiny-llama",
+                 args: tuple[str, ...] = ()) -> Server:
+    port = free_port()
+    # vllm-cpu 0.32.0's `vllm` console script looks up the metadata of a distribution named "vllm"
+    # (this one is "vllm-cpu") and exits; its module entry point is the same OpenAI server.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--port", str(port), "--host", "127.0.0.1",
+           "--served-model-name", name, "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
+           "--dtype", "bfloat16", "--seed", "0", "--enable-prefix-caching", *args]
+    out = open(log, "w")  # noqa: SIM115 - the server writes to it for its whole life
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(proc, port, log, name)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(server.url("/v1/models"), timeout=5):
+                return server
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(1)
+    server.stop()
+    raise RuntimeError(f"vllm serve did not answer in {START_TIMEOUT_S:.0f} s:\n{log.read_text()[-4000:]}")
+
+
+def run_offline(model_dir: Path, env: dict[str, str], prompts: list[list[int]], max_tokens: int,
+                out: Path) -> dict:
+    """Greedy tokens for ``prompts`` from ``vllm.LLM`` in a fresh process (``offline_job.py``)."""
+    job = {"model": str(model_dir), "prompts": prompts, "max_tokens": max_tokens, "max_model_len": MAX_MODEL_LEN,
+           "out": str(out)}
+    spec = out.with_suffix(".job.json")
+    spec.write_text(json.dumps(job))
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("offline_job.py")), str(spec)],
+                          env=env, capture_output=True, text=True, timeout=START_TIMEOUT_S + 300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"offline job failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def kvctl(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(BIN / "kvctl"), *args], env=env, capture_output=True, text=True, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kvctl {' '.join(args)} exited {proc.returncode}: {proc.stderr}")
+    return proc

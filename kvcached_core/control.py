@@ -99,7 +99,8 @@ def _wait(model: ModelSnapshot, done, wait: float, kind: str, pending: Ack, star
         if snap is not None and snap.status != "live":
             raise ControlError(f"{model.name} stopped answering (status {snap.status}) before acknowledging the {kind}")
         if time.monotonic() >= deadline:
-            raise AckTimeout(f"{model.name} did not acknowledge the {kind} within {wait:g} s", pending)
+            late = "; its process runs but its heartbeat is late (stopped or overloaded)" if snap and snap.late else ""
+            raise AckTimeout(f"{model.name} did not acknowledge the {kind} within {wait:g} s{late}", pending)
         time.sleep(POLL_S)
 
 
@@ -108,8 +109,9 @@ def request_limit(name: str | ModelSnapshot, limit_bytes: int | None, *, wait: f
 
     ``wait=0`` returns at once with status ``pending``. Raises ControlError, AckTimeout, ModelNotFound.
     """
-    if limit_bytes is not None and limit_bytes < 0:
-        raise ControlError("a limit cannot be negative")
+    problem = L.limit_problem(limit_bytes)
+    if problem is not None:
+        raise ControlError(problem)
     model = _target(name)
     if model.status == "legacy":
         # Upstream has no "no limit": its watcher resizes the KV cache to the total field, so

@@ -26,13 +26,14 @@ import zlib
 MAGIC = b"KVCSEG\x00\x01"
 LAYOUT_VERSION = 1
 
-HEADER = struct.Struct("<8sIIQQ64s128s32s16sqQIiiiQQIIIQQIQ")
+HEADER = struct.Struct("<8sIIQQ64s128s32s16sqQIiiiQQIIIQQIQQ")
 HEADER_FIELDS = (
     "magic", "layout_version", "header_bytes", "total_bytes", "pages_total",
     "name", "model", "engine", "backend",
     "pid", "start_time", "uid", "device", "tp_rank", "tp_world",
     "page_size", "block_bytes", "num_layers", "num_kv_buffers", "blocks_per_page",
     "num_blocks", "created_ns", "ranks_max", "device_capacity",
+    "pid_ns",  # the writer's pid namespace (inode of /proc/self/ns/pid); 0 in segments written before it
 )
 HEADER_OFF = 0
 HEADER_SIZE = 512
@@ -68,6 +69,22 @@ assert CHECKSUM_OFF + 8 <= PAGE_MAP_OFF
 RANK = struct.Struct("<iiqQQQQQQ")  # rank, device, pid, start_time, mapped_bytes, acked_seq, flags, 2 spare
 RANK_FIELDS = ("rank", "device", "pid", "start_time", "mapped_bytes", "acked_seq", "flags")
 RANK_LOST = 1  # flags: the scheduler lost this rank (it hung up, erred or missed its timeout)
+
+MAX_LIMIT_BYTES = 2**63 - 1  # the CONTROL block's limit is an int64: no larger limit (or size) can be stored
+
+
+def limit_problem(limit_bytes: object) -> str | None:
+    """Why ``limit_bytes`` cannot be a limit (an int in 0..MAX_LIMIT_BYTES, or None); None when it can."""
+    if limit_bytes is None:
+        return None
+    if not isinstance(limit_bytes, int) or isinstance(limit_bytes, bool):
+        return f"a limit is a whole number of bytes, not {limit_bytes!r}"
+    if limit_bytes < 0:
+        return "a limit cannot be negative"
+    if limit_bytes > MAX_LIMIT_BYTES:
+        return f"a limit of {limit_bytes} bytes is beyond the largest a segment holds (2^63-1, 8 EiB); use none for no limit"
+    return None
+
 
 # limit_status values, as written by the allocator.
 LIMIT_NONE, LIMIT_APPLIED, LIMIT_DEFERRED, LIMIT_CONFLICT = 0, 1, 2, 3

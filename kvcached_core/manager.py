@@ -128,7 +128,7 @@ class KVCacheManager:
             self.backend.close()
             raise
         self.name = self.segment.ident.name
-        self.backend.bind_claims(self.segment.set_claimed)
+        self.backend.bind_claims(self.segment.set_claimed, self.segment.inode)
 
         # Counters published with every state change.
         self.alloc_count = self.free_count = self.alloc_blocks = self.free_blocks = 0
@@ -279,8 +279,9 @@ class KVCacheManager:
 
     def set_limit(self, limit_bytes: int | None) -> str:
         """Cap mapped bytes (rounded down to whole page bundles); returns applied, deferred or none."""
-        if limit_bytes is not None and limit_bytes < 0:
-            raise ValueError("a limit cannot be negative")
+        problem = L.limit_problem(limit_bytes)
+        if problem is not None:
+            raise ValueError(problem)
         with self._lock:
             self._check_open()
             self._apply_limit(limit_bytes)

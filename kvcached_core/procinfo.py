@@ -27,8 +27,24 @@ def start_time(pid: int) -> int:
         return 0
 
 
-def is_alive(pid: int, started: int) -> bool:
-    """True when ``pid`` runs and is the same process that started at ``started``."""
+def _uids(pid: int) -> tuple[int, ...]:
+    """The real, effective, saved and file-system uids of ``pid`` (/proc/PID/status); () if unknown."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"Uid:"):
+                    return tuple(int(x) for x in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return ()
+
+
+def is_alive(pid: int, started: int, uid: int | None = None) -> bool:
+    """True when ``pid`` runs and is the same process that started at ``started`` (0: any start time).
+
+    With ``uid``, the process must also run as that user (real or effective uid): a file that
+    names someone else's process (pid 1, say) does not borrow its life.
+    """
     if not 0 < pid <= MAX_PID:
         return False
     try:
@@ -40,6 +56,8 @@ def is_alive(pid: int, started: int) -> bool:
     rest = _stat_fields(pid)
     if rest[:1] in ([b"Z"], [b"X"]):
         return False  # exited, not yet reaped by its parent: a crash looks like this until then
+    if uid is not None and uid not in _uids(pid)[:2]:
+        return False
     if started == 0:
         return True
     try:

@@ -10,14 +10,16 @@ from array import array
 from pathlib import Path
 
 from . import layout as L
+from . import liveness
 from .config import shm_dir
 from .legacy import NotLegacy, is_legacy_name, read_legacy
+from .liveness import judge, writer_alive
 from .names import SEGMENT_PREFIX, InvalidName, segment_path
 from .pgroups import GroupJudge
 from .procinfo import is_alive
 from .snapshot import ModelSnapshot, Problem, RankInfo, Scan
 
-HEARTBEAT_STALE_S = 3.0
+HEARTBEAT_STALE_S = liveness.HEARTBEAT_STALE_S
 READ_RETRIES = 32
 DEAD_WRITER_CHECK = 12  # odd-sequence attempts (~8 ms) before asking whether the writer still lives
 QUIET_FAILURES = 3  # failed checks of an unchanging copy before the file is called corrupt
@@ -56,7 +58,7 @@ def _overwritten(raw: bytes) -> HeaderOverwritten | None:
     if (fields["layout_version"], fields["header_bytes"]) != (L.LAYOUT_VERSION, L.HEADER_SIZE) \
             or fields["total_bytes"] != L.total_size(fields["pages_total"], fields["ranks_max"]):
         return None
-    alive = is_alive(fields["pid"], fields["start_time"])
+    alive = writer_alive(fields, raw)
     return HeaderOverwritten(
         f"header overwritten: its first 8 bytes hold {L.I64.unpack_from(raw, 0)[0]} where the magic belongs "
         f"(the public kvctl limit writes its total there); writer pid {fields['pid']} "
@@ -107,7 +109,7 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool) -> tuple[dict, arr
         seq = L.U64.unpack_from(raw, L.SEQ_OFF)[0]
         seqs_seen.add(seq)
         if seq & 1:
-            if attempt == DEAD_WRITER_CHECK and seqs_seen == {seq} and not is_alive(header["pid"], header["start_time"]):
+            if attempt == DEAD_WRITER_CHECK and seqs_seen == {seq} and not writer_alive(header, raw):
                 raise PublishUnfinished(f"a publish never finished (sequence {seq} stayed odd)")
             _backoff(attempt)
             continue
@@ -183,7 +185,7 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
         try:
             counters, pages, body = _consistent_copy(fd, header, with_pages)
         except PublishUnfinished as exc:
-            if is_alive(header["pid"], header["start_time"]):
+            if writer_alive(header, os.pread(fd, L.PAGE_MAP_OFF, 0)):
                 raise BlockingIOError(f"{exc}: its writer (pid {header['pid']}) is alive but stuck") from None
             # The writer died mid-publish: whatever it counted is no longer held. Show it stale and empty.
             counters = _unpublished_counters()
@@ -196,9 +198,8 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
     control = dict(zip(("limit", "revision", "check", "trim_seq"), L.CONTROL.unpack_from(body, L.CONTROL_OFF), strict=False))
     heartbeat = L.U64.unpack_from(body, L.HEARTBEAT_OFF)[0]
     now_ns = now_ns or time.time_ns()
-    alive = is_alive(header["pid"], header["start_time"])
-    fresh = (now_ns - heartbeat) < HEARTBEAT_STALE_S * 1e9
-    status = "live" if alive and fresh and not counters["closing"] else "stale"
+    verdict = judge(header["pid"], header["start_time"], header["pid_ns"], heartbeat, now_ns)
+    status = "live" if verdict.alive and not counters["closing"] else "stale"
     ranks: tuple[RankInfo, ...] = ()
     if rank_raw:
         found = []
@@ -235,6 +236,7 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
         alloc_blocks=counters["alloc_blocks"], free_blocks=counters["free_blocks"],
         evicted_blocks=counters["evicted_blocks"], updated_ns=counters["updated_ns"],
         heartbeat_ns=heartbeat, read_ns=now_ns, start_time=header["start_time"],
+        late=status == "live" and verdict.late, pid_ns=header["pid_ns"],
         tp_world=header["tp_world"], ranks=ranks, pages=pages,
         device_capacity=header["device_capacity"],
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -13,8 +14,9 @@ from pathlib import Path
 from zlib import crc32 as _crc32
 
 from . import layout as L
+from .liveness import own_pid_ns, writer_alive
 from .names import segment_path, validate
-from .procinfo import is_alive, start_time
+from .procinfo import start_time
 from .removal import inode, remove_verified
 
 _pack_counters = L.COUNTERS.pack_into
@@ -70,11 +72,11 @@ def _stale_fd(fd: int) -> bool:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
         return False
-    raw = os.pread(fd, L.HEADER.size, 0)
-    if len(raw) < L.HEADER.size or raw[:8] != L.MAGIC:
+    raw = os.pread(fd, L.PAGE_MAP_OFF, 0)
+    if len(raw) < L.PAGE_MAP_OFF or raw[:8] != L.MAGIC:
         return False
-    fields = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack(raw), strict=False))
-    return not is_alive(fields["pid"], fields["start_time"])
+    fields = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0), strict=False))
+    return not writer_alive(fields, raw)
 
 
 def stale_inode(path: Path) -> tuple[int, int] | None:
@@ -116,6 +118,31 @@ def _why_taken(path: Path) -> str:
     return f"is in use by a live allocator (pid {pid}); pick another name"
 
 
+def _reserve_blocks(fd: int, size: int, path: Path) -> None:
+    """Give the file all its blocks now: a sparse segment on a full tmpfs (Docker's /dev/shm is
+    64 MB by default) would kill the allocator with SIGBUS at its first write into a missing page."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            free = _free_bytes(path.parent)
+            raise SegmentError(
+                f"no room for segment {path}: it needs {size} bytes, {path.parent} has {free} free "
+                "(a container's /dev/shm is 64 MB unless raised with --shm-size; or set KVCACHED_SHM_DIR)") from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        for off in range(0, size, 1 << 20):  # no fallocate here: writing zeros allocates as well
+            os.pwrite(fd, bytes(min(1 << 20, size - off)), off)
+
+
+def _free_bytes(directory: Path) -> int:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
 def create_segment_file(name: str, size: int, initial: bytes = b"", directory: Path | None = None) -> tuple[Path, int]:
     """Create ``kvc.<name>`` owner-only, complete from its first appearance; returns (path, fd).
 
@@ -137,8 +164,11 @@ def create_segment_file(name: str, size: int, initial: bytes = b"", directory: P
         try:
             os.fchmod(fd, 0o600)  # umask never widens, but be explicit
             os.ftruncate(fd, size)
+            _reserve_blocks(fd, size, path)
             if initial:
                 os.pwrite(fd, initial, 0)
+        except SegmentError:
+            raise
         except OSError as exc:
             raise SegmentError(f"cannot size segment {path}: {exc.strerror}") from None
         for attempt in range(2):
@@ -181,7 +211,7 @@ class SegmentWriter:
             ident.backend.encode()[:16], self.pid, start_time(self.pid), os.getuid(), ident.device,
             ident.tp_rank, ident.tp_world, ident.page_size, ident.block_bytes, ident.num_layers,
             ident.num_kv_buffers, ident.blocks_per_page, ident.num_blocks, time.time_ns(), ident.ranks_max,
-            ident.device_capacity,
+            ident.device_capacity, own_pid_ns(),
         )
         initial = bytearray(L.PAGE_MAP_OFF)
         initial[:len(header)] = header

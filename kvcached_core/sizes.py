@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
+
+from .layout import MAX_LIMIT_BYTES
 
 _UNITS = {
     "b": 1,
@@ -54,7 +57,10 @@ def parse_size(text: str, *, percent_of: int | None = None, allow_none: bool = F
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise SizeError(f"{raw!r}: unknown unit {unit!r} (use B, K, M, G, T, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
-    return int(float(number) * factor)
+    value = int(Decimal(number) * factor)  # exact: a float would turn 2^63-1 bytes into 2^63
+    if value > MAX_LIMIT_BYTES:
+        raise SizeError(f"{raw!r} is beyond the largest size a segment holds (2^63-1 bytes, 8 EiB)")
+    return value
 
 
 def format_bytes(n: int | float | None, *, precision: int = 1) -> str:

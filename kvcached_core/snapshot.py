@@ -64,6 +64,8 @@ class ModelSnapshot:
     device_capacity: int = 0
     legacy_reserved: int = 0  # upstream rows carry their prealloc bytes here
     legacy: bool = False  # an upstream kvcached segment: bytes only, no page map (status legacy or stale)
+    late: bool = False  # live, but its heartbeat is late: the process exists and is stopped or overloaded
+    pid_ns: int = 0  # the writer's pid namespace (0: not recorded); pid means nothing outside it
     pages: array | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -124,7 +126,9 @@ class ModelSnapshot:
 
     @property
     def display_status(self) -> str:
-        """live/stale/legacy, or shrinking while a lowered limit waits for pages to empty."""
+        """live/stale/legacy, late while a live process does not beat, shrinking while a lowered limit waits for pages."""
+        if self.status == "live" and self.late:
+            return "late"
         return "shrinking" if self.status == "live" and self.shrinking else self.status
 
     def page_entries(self) -> array:
@@ -136,6 +140,7 @@ class ModelSnapshot:
         return {
             "name": self.name, "model": self.model, "engine": self.engine, "backend": self.backend,
             "pid": self.pid, "device": self.device, "status": self.status, "legacy": self.legacy,
+            "late": self.late,
             "page_size": self.page_size, "bundle_bytes": self.bundle_bytes,
             "pages_total": self.pages_total, "pages_inuse": self.pages_inuse,
             "pages_reserved": self.pages_reserved, "blocks_per_page": self.blocks_per_page,

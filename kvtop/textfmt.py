@@ -73,7 +73,7 @@ def print_table(columns: Sequence[Column], rows: Sequence[Sequence[str]], *, ric
     console.print(table)
 
 
-STATUS_STYLES = {"live": "green", "shrinking": "magenta", "stale": "red", "legacy": "yellow"}
+STATUS_STYLES = {"live": "green", "shrinking": "magenta", "late": "yellow", "stale": "red", "legacy": "yellow"}
 
 
 def cell_style(header: str, cell: str) -> str:

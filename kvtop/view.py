@@ -24,7 +24,8 @@ from kvtop.textfmt import fmt_device
 SORT_KEYS = ("name", "mapped", "waste", "alloc/s", "held")
 MODEL_COLOURS = ("dodger_blue1", "dark_orange", "medium_purple1", "spring_green2", "gold1", "hot_pink",
                  "turquoise2", "salmon1", "chartreuse2", "orchid1", "sky_blue1", "light_goldenrod2")
-STATUS_STYLES = {"live": "green", "stale": "bold red", "legacy": "cyan", "shrinking": "bold yellow"}
+STATUS_STYLES = {"live": "green", "stale": "bold red", "legacy": "cyan", "shrinking": "bold yellow",
+                 "late": "bold yellow"}
 STATE_STYLES = {"free": "grey35", "reserved": "steel_blue1", "cached": "magenta", "low": "yellow",
                 "mid": "chartreuse3", "high": "green3", "full": "bold green1"}
 RESERVED_STYLE, OTHERS_STYLE, FREE_STYLE = "steel_blue1", "grey50", "grey27"

@@ -4,13 +4,20 @@ other pid namespaces, forged segments. Real processes and real files throughout.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
-from conftest import kvctl
+from conftest import child_env, kvctl, wait_for
 
 import kvcached_core as kc
+from kvcached_core import layout as L
+from kvcached_core import liveness, procinfo
+from kvcached_core.backends.host import LOCK_NAME
 from kvcached_core.removal import RemovalConflict, inode, remove_verified
 
 SMALL = dict(num_blocks=64, block_bytes=1 << 16, num_layers=1, page_size=1 << 18)
@@ -136,3 +143,287 @@ def test_close_never_removes_the_segment_of_the_next_holder_of_the_name(shm_dir)
         assert (snap.name, snap.status, snap.pid) == ("shared", "live", os.getpid())
         assert inode(os.lstat(shm_dir / "kvc.shared")) == second.segment.inode
     assert kc.list_models() == []  # its own close still removes its own segment
+
+
+# -- item 4: never wait on a lock another process holds ---------------------------------------
+
+HOLD_LOCK = textwrap.dedent("""
+    import fcntl, os, signal, sys
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    print("held", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+""")
+
+GROW_CLOSE = textwrap.dedent("""
+    import kvcached_core as kc
+    m = kc.KVCacheManager("grower", name="grower", num_blocks=64, block_bytes=1 << 16, num_layers=1,
+                          page_size=1 << 18)
+    print("alloc", m.alloc(8) is not None, flush=True)  # an empty pool: alloc maps, claiming capacity
+    print("limit", kc.request_limit("grower", 4 << 18, wait=5).status, flush=True)
+    m.close()
+    print("closed", flush=True)
+""")
+
+
+@pytest.mark.parametrize("owner", ["ours", "another user's, open to all"])
+def test_a_stopped_holder_of_the_capacity_lock_never_hangs_the_allocator(shm_dir, owner):
+    if owner != "ours" and os.getuid() != 0:
+        pytest.skip("needs root to give the lock file to another user")
+    lock = shm_dir / LOCK_NAME
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        if owner != "ours":
+            os.chown(lock, 4321, 4321)
+            os.chmod(lock, 0o666)
+        env = dict(child_env(), KVCACHED_MIN_RESERVED_PAGES="0", KVCACHED_MAX_RESERVED_PAGES="0")
+        done = subprocess.run([sys.executable, "-c", GROW_CLOSE], env=env, capture_output=True, text=True,
+                              timeout=60)  # the old blocking flock never returned
+    finally:
+        holder.kill()
+        holder.wait()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n") == ["alloc True", "limit applied", "closed", ""]
+
+
+def test_claims_made_without_the_lock_still_respect_the_capacity(shm_dir):
+    """Claimers that skip a held lock record their claim before counting the others'."""
+    one, two = (kc.KVCacheManager(n, name=n, **SMALL) for n in ("one", "two"))
+    try:
+        ledger_one, ledger_two = one.backend.ledger, two.backend.ledger
+        ledger_one.capacity = ledger_two.capacity = 10 * one.bundle_bytes
+        fd = ledger_one._lock()  # held for the whole test: every claim below goes without it
+        try:
+            granted = 0
+            while ledger_one.claim(one.bundle_bytes) | ledger_two.claim(one.bundle_bytes):
+                granted += 1
+            held = ledger_one.claimed + ledger_two.claimed
+        finally:
+            ledger_one._unlock(fd)
+    finally:
+        one.close()
+        two.close()
+    assert granted > 0 and held <= 10 * one.bundle_bytes
+
+
+# -- item 3: engines in another pid namespace --------------------------------------------------
+
+CONTAINER_ENGINE = textwrap.dedent("""
+    import os, sys
+    import kvcached_core as kc
+    m = kc.KVCacheManager("boxed", name="boxed", num_blocks=64, block_bytes=1 << 16, num_layers=1,
+                          page_size=1 << 18)
+    assert m.alloc(8) is not None
+    print("READY", os.getpid(), flush=True)
+    sys.stdin.read()
+    m.close()
+""")
+
+
+def test_an_engine_in_another_pid_namespace_is_live_counted_and_never_cleaned(shm_dir):
+    if os.getuid() != 0:
+        pytest.skip("needs root to make a pid namespace")
+    box = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", CONTAINER_ENGINE],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env())
+    try:
+        ready, inner_pid = box.stdout.readline().split()
+        assert ready == "READY"
+        (snap,) = kc.list_models()
+        assert (snap.name, snap.pid, snap.status, snap.late) == ("boxed", int(inner_pid), "live", False)
+        assert snap.pid_ns not in (0, liveness.own_pid_ns())
+        done = kvctl("clean")
+        assert (done.exit_code, done.stdout) == (0, "nothing to clean\n")
+        with kc.KVCacheManager("host", name="host", **SMALL) as here:
+            assert here.backend.ledger._others() >= 8 * (1 << 16)  # its claim counts against the capacity
+    finally:
+        box.stdin.close()
+        box.wait(timeout=30)
+    assert kc.list_models() == []
+
+
+def forge(path: Path, **fields: int) -> None:
+    """Rewrite header fields (and ``heartbeat_ns`` / ``claimed``) of a real segment file in place."""
+    raw = bytearray(path.read_bytes())
+    header = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0), strict=True))
+    heartbeat, claimed = fields.pop("heartbeat_ns", None), fields.pop("claimed", None)
+    header.update(fields)
+    L.HEADER.pack_into(raw, 0, *header.values())
+    if heartbeat is not None:
+        L.U64.pack_into(raw, L.HEARTBEAT_OFF, heartbeat)
+    if claimed is not None:
+        L.U64.pack_into(raw, L.CLAIMED_OFF, claimed)
+    path.write_bytes(raw)
+
+
+@pytest.mark.parametrize(("age_s", "status", "cleaned"), [(10, "live", False), (40, "stale", True)])
+def test_a_writer_in_another_pid_namespace_is_judged_by_its_heartbeat(spawn_allocator, age_s, status, cleaned):
+    path = dead_segment(spawn_allocator, "far")
+    forge(path, pid_ns=liveness.own_pid_ns() + 1, heartbeat_ns=time.time_ns() - age_s * 10**9)
+    (snap,) = kc.list_models()
+    assert (snap.status, snap.late) == (status, status == "live")
+    done = kvctl("clean")
+    assert done.exit_code == 0 and path.exists() is not cleaned
+
+
+# -- item 10: forged segments ------------------------------------------------------------------
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_forged_claim_of_the_whole_machine_is_not_trusted(spawn_allocator, sleeper, monkeypatch):
+    path = dead_segment(spawn_allocator, "hog")
+    forge(path, pid=sleeper.pid, start_time=procinfo.start_time(sleeper.pid), heartbeat_ns=time.time_ns(),
+          claimed=2**62)
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    with kc.KVCacheManager("victim", name="victim", **SMALL) as m:
+        assert m.alloc(8) is not None  # the old ledger summed the forged 2^62 bytes and refused every page
+
+
+def test_pid_1_with_no_start_time_does_not_live_forever(spawn_allocator):
+    path = dead_segment(spawn_allocator, "immortal")
+    forge(path, pid=1, start_time=0, heartbeat_ns=time.time_ns() - 60 * 10**9)
+    (snap,) = kc.list_models()
+    assert snap.status == "stale"
+    assert kvctl("clean").exit_code == 0 and not path.exists()
+
+
+def test_a_claim_in_a_file_naming_another_users_process_is_not_counted(spawn_allocator):
+    if os.getuid() != 0:
+        pytest.skip("needs root to give the file to another user")
+    path = dead_segment(spawn_allocator, "borrowed")
+    forge(path, pid=1, start_time=procinfo.start_time(1), heartbeat_ns=time.time_ns(), claimed=1 << 20)
+    os.chown(path, 4321, 4321)  # pid 1 runs as root, the file belongs to uid 4321
+    with kc.KVCacheManager("counter", name="counter", **SMALL) as m:
+        assert m.backend.ledger._others() == 0
+        os.chown(path, 0, 0)
+        assert m.backend.ledger._others() == 1 << 20  # the same claim, now by the process's owner
+
+
+@pytest.mark.parametrize("writer", ["running", "gone"])
+def test_a_heartbeat_from_the_future_is_late_not_fresh(spawn_allocator, sleeper, writer):
+    path = dead_segment(spawn_allocator, "future")
+    if writer == "running":
+        forge(path, pid=sleeper.pid, start_time=procinfo.start_time(sleeper.pid), heartbeat_ns=time.time_ns() + 3600 * 10**9)
+    else:
+        forge(path, start_time=0, heartbeat_ns=time.time_ns() + 3600 * 10**9)
+    (snap,) = kc.list_models()
+    assert (snap.status, snap.late, snap.display_status) == (
+        ("live", True, "late") if writer == "running" else ("stale", False, "stale"))
+
+
+# -- item 9: one liveness verdict: a stopped allocator is late, not gone -----------------------
+
+def test_a_stopped_allocator_is_listed_late_kept_by_clean_and_not_called_gone(spawn_allocator, shm_dir):
+    proc = spawn_allocator("paused")
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: kc.list_models()[0].late, what="the heartbeat to go late")
+        listed = kvctl("list")
+        assert listed.exit_code == 0 and "paused" in listed.stdout and " late " in listed.stdout
+        limited = kvctl("limit", "paused", "1MiB", "--wait", "0.5")
+        cleaned = kvctl("clean")
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert limited.exit_code == 1
+    assert limited.stderr == ("kvctl: paused did not acknowledge the limit within 0.5 s; its process runs but its "
+                              "heartbeat is late (stopped or overloaded)\n")
+    assert cleaned.stdout == "nothing to clean\n" and "still runs" in cleaned.stderr
+    assert (shm_dir / "kvc.paused").exists()
+    wait_for(lambda: kc.snapshot("paused").applied_revision == 1, what="the limit once it runs again")
+
+
+# -- item 5: a full tmpfs never SIGBUSes the engine --------------------------------------------
+
+@pytest.fixture
+def small_tmpfs(tmp_path, monkeypatch):
+    """A real 64 KiB tmpfs as the segment directory (a container's /dev/shm, only smaller)."""
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    monkeypatch.setenv("KVCACHED_SHM_DIR", str(mount))
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+BIG_SEGMENT = dict(num_blocks=40000, block_bytes=4096, num_layers=1, page_size=4096)  # a 160 KB page map
+
+USE_ALL_PAGES = textwrap.dedent("""
+    import sys
+    import kvcached_core as kc
+    try:
+        m = kc.KVCacheManager("big", name="big", **{params!r})
+    except kc.SegmentError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(1)
+    print("started", flush=True)
+    sys.stdin.readline()  # the tmpfs is filled meanwhile
+    ids = [m.alloc(1) for _ in range({n})]
+    m.free([i for chunk in ids if chunk for i in chunk])
+    m.close()
+    print("done", flush=True)
+""")
+
+
+def test_a_segment_that_does_not_fit_the_tmpfs_fails_at_start_in_one_line(small_tmpfs):
+    done = subprocess.run([sys.executable, "-c", USE_ALL_PAGES.format(params=BIG_SEGMENT, n=1)],
+                          env=child_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, f"killed by signal {-done.returncode}" if done.returncode < 0 else done.stderr
+    assert done.stderr.startswith(f"no room for segment {small_tmpfs}/kvc.big: it needs ")
+    assert done.stderr.count("\n") == 1 and os.listdir(small_tmpfs) == []
+
+
+def test_a_tmpfs_that_fills_after_start_does_not_kill_the_engine(small_tmpfs):
+    fits = dict(BIG_SEGMENT, num_blocks=8000)  # a 32 KB page map: fits, with room left
+    child = subprocess.Popen([sys.executable, "-c", USE_ALL_PAGES.format(params=fits, n=8000)], env=child_env(),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "started\n", child.stderr.read()
+        with open(small_tmpfs / "filler", "wb", buffering=0) as fh, pytest.raises(OSError, match="No space left"):
+            while True:  # another program (NCCL, say) takes the rest of /dev/shm
+                fh.write(bytes(4096))
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.wait(timeout=120) == 0, child.stderr.read()
+        assert child.stdout.readline() == "done\n"
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        (small_tmpfs / "filler").unlink(missing_ok=True)
+
+
+# -- item 11: limits near int64 -----------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [2**63, 2**64, 1.5, True])
+def test_a_limit_beyond_int64_is_refused_by_the_api(spawn_allocator, shm_dir, value):
+    spawn_allocator("m1")
+    before = (shm_dir / "kvc.m1").read_bytes()[L.CONTROL_OFF:L.LIVENESS_OFF]
+    with pytest.raises(kc.ControlError, match="beyond the largest a segment holds|whole number of bytes"):
+        kc.request_limit("m1", value)
+    assert (shm_dir / "kvc.m1").read_bytes()[L.CONTROL_OFF:L.LIVENESS_OFF] == before
+    with kc.KVCacheManager("own", name="own", **SMALL) as m, pytest.raises(ValueError, match="limit"):
+        m.set_limit(value)
+
+
+def test_the_largest_limit_is_exact_and_applies(spawn_allocator):
+    spawn_allocator("m1")
+    done = kvctl("limit", "m1", "9223372036854775807B")
+    assert done.exit_code == 0 and " applied " in done.stdout, done.stderr
+    assert kc.snapshot("m1").requested_limit == 2**63 - 1
+
+
+def test_kvtops_limit_dialog_refuses_a_limit_beyond_int64():
+    from kvtop.widgets.modals import SizeValidator
+
+    verdict = SizeValidator(None).validate("8388608TiB")
+    assert not verdict.is_valid and "beyond the largest size" in verdict.failure_descriptions[0]
+    assert SizeValidator(None).validate("8388607TiB").is_valid

@@ -182,10 +182,10 @@ def test_model_names_become_safe_segment_names(shm_dir, model, segment):
 
 def test_a_stale_segment_of_ours_is_replaced_only_when_its_process_is_gone(shm_dir, spawn_allocator):
     first = spawn_allocator("cycle")
-    os.kill(first.pid, signal.SIGSTOP)  # frozen, not dead: its heartbeat goes stale, the name stays taken
+    os.kill(first.pid, signal.SIGSTOP)  # frozen, not dead: its heartbeat goes late, the name stays taken
     try:
         deadline = time.monotonic() + 10
-        while kc.list_models()[0].status != "stale":
+        while not kc.list_models()[0].late:
             assert time.monotonic() < deadline
             time.sleep(0.1)
         with pytest.raises(SegmentError, match=rf"in use by a live allocator \(pid {first.pid}\)"):

@@ -45,6 +45,8 @@ CASES = [
     Case("negative-size-all", ("limit", "--all", "-1MiB"), USAGE, "cannot be negative"),
     Case("malformed-size-unit", ("limit", "m1", "12parsecs"), USAGE, "unknown unit"),
     Case("malformed-size", ("limit", "m1", "1.2.3G"), USAGE, "is not a size"),
+    Case("size-beyond-int64", ("limit", "m1", "8388608TiB"), USAGE, "beyond the largest size a segment holds"),
+    Case("bytes-beyond-int64", ("limit", "m1", "9223372036854775808B"), USAGE, "beyond the largest size"),
     Case("size-word", ("limit", "m1", "lots"), USAGE, "'lots' is not a size"),
     Case("percent-150", ("limit", "m1", "150%"), USAGE, "at most 100"),
     Case("percent-0", ("limit", "m1", "0%"), USAGE, "above 0"),

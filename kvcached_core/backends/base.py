@@ -65,8 +65,10 @@ class Backend(ABC):
     def free_bytes(self) -> int:
         """Memory the device could still give (best known estimate)."""
 
-    def bind_claims(self, set_claimed: Callable[[int], None]) -> None:  # noqa: B027 - optional hook
-        """Hook through which the backend records the bytes it holds in the segment (host only)."""
+    def bind_claims(self, set_claimed: Callable[[int], None],  # noqa: B027 - optional hook
+                    own_segment: tuple[int, int] | None = None) -> None:
+        """Hook through which the backend records the bytes it holds in the segment (host only);
+        ``own_segment`` is that segment's (st_dev, st_ino), so the backend never counts itself twice."""
 
     def trim_pool(self, keep_pages: int) -> None:  # noqa: B027 - optional hook
         """Release cached physical handles beyond ``keep_pages`` (backends with a handle pool)."""

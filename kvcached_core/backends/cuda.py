@@ -695,7 +695,7 @@ class CudaBackend(Backend):
                 self.released += 1
         self._claimed()
 
-    def bind_claims(self, set_claimed: Callable[[int], None]) -> None:
+    def bind_claims(self, set_claimed: Callable[[int], None], own_segment: tuple[int, int] | None = None) -> None:
         self._set_claimed = set_claimed
         self._claimed()
 

@@ -15,13 +15,15 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from .. import layout as L
 from ..config import available_ram_bytes, host_capacity_bytes, shm_dir
+from ..liveness import writer_alive
 from ..names import SEGMENT_PREFIX
-from ..procinfo import is_alive
 from .base import Backend, BackendError, Geometry
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python's mmap lacks the name but passes the number
@@ -39,6 +41,20 @@ def _madvise(address: int, length: int, advice: int) -> None:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
 LOCK_NAME = ".kvc-host-capacity.lock"
+LOCK_WAIT_S = 2.0  # the most _lock waits by default; claims take it without waiting
+
+
+def _flock_within(fd: int, wait: float) -> bool:
+    """flock ``fd`` exclusively, polling for at most ``wait`` s; False when another process holds it longer."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
 
 
 class HostCapacityLedger:
@@ -57,13 +73,20 @@ class HostCapacityLedger:
         self.directory = directory or shm_dir()
         self.claimed = 0
         self._set_claimed = None  # callback into our segment
+        self._own: tuple[int, int] | None = None  # our segment's (st_dev, st_ino): counted as self.claimed
 
-    def bind(self, set_claimed) -> None:  # noqa: ANN001
+    def bind(self, set_claimed, own_segment: tuple[int, int] | None = None) -> None:  # noqa: ANN001
         self._set_claimed = set_claimed
+        self._own = own_segment
 
     def _others(self) -> int:
+        """Bytes the other live host allocators claim: only claims that can be verified count.
+
+        A claim counts when its segment is an owner-only regular file, its writer is alive by the
+        one liveness verdict (a process of the file's owner, or a fresh heartbeat across pid
+        namespaces), and it claims no more than the whole capacity (no allocator can).
+        """
         total = 0
-        me = os.getpid()
         try:
             names = os.listdir(self.directory)
         except OSError:
@@ -72,22 +95,25 @@ class HostCapacityLedger:
             if not name.startswith(SEGMENT_PREFIX):
                 continue
             try:
-                fd = os.open(self.directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                fd = os.open(self.directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             except OSError:
                 continue
             try:
+                st = os.fstat(fd)
                 raw = os.pread(fd, L.PAGE_MAP_OFF, 0)
             except OSError:
                 continue
             finally:
                 os.close(fd)
-            if len(raw) < L.PAGE_MAP_OFF or raw[:8] != L.MAGIC:
+            if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077 or len(raw) < L.PAGE_MAP_OFF or raw[:8] != L.MAGIC:
                 continue
             head = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0), strict=False))
-            if L.decode_text(head["backend"]) != "host" or head["pid"] == me:
+            mine = (st.st_dev, st.st_ino) == self._own if self._own else head["pid"] == os.getpid()
+            if L.decode_text(head["backend"]) != "host" or mine:
                 continue
-            if is_alive(head["pid"], head["start_time"]):
-                total += L.U64.unpack_from(raw, L.CLAIMED_OFF)[0]
+            claimed = L.U64.unpack_from(raw, L.CLAIMED_OFF)[0]
+            if claimed <= self.capacity and writer_alive(head, raw, st.st_uid):
+                total += claimed
         return total
 
     def claim(self, nbytes: int) -> bool:
@@ -95,7 +121,7 @@ class HostCapacityLedger:
         available = available_ram_bytes()
         if available and available < nbytes + RAM_MARGIN:
             return False
-        fd = self._lock()
+        fd = self._lock(wait=0)  # alloc may be waiting on this: never wait on another process
         try:
             # Announce first, then count the others: two claimers that could not both take the lock
             # (held by a stopped process, or not ours to use) still see each other, and both back off.
@@ -109,8 +135,8 @@ class HostCapacityLedger:
             if fd >= 0:
                 self._unlock(fd)
 
-    def _lock(self) -> int:
-        """The lock file, created and flocked; -1 (an unlocked estimate) when it is not ours to use.
+    def _lock(self, wait: float = LOCK_WAIT_S) -> int:
+        """The lock file, created and flocked within ``wait`` s; -1 when it is held longer or not ours to use.
 
         The file lives only while a claim is made: its holder unlinks it before unlocking, so a
         process that was waiting on that inode sees the name gone or pointing elsewhere, and retries.
@@ -126,11 +152,9 @@ class HostCapacityLedger:
                 if mine.st_uid != os.getuid() or mine.st_mode & 0o077:
                     os.close(fd)
                     return -1  # never use a lock another user owns or may open
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+                if not _flock_within(fd, wait):
                     os.close(fd)
-                    return -1  # held, perhaps by a stopped process: never wait (claim stays safe unlocked)
+                    return -1  # held, perhaps by a stopped process: claim() is safe unlocked, never waits
                 now = os.lstat(path)
                 if (now.st_ino, now.st_dev) == (mine.st_ino, mine.st_dev):
                     return fd
@@ -231,8 +255,8 @@ class HostBackend(Backend):
             self._drop(page)
         self.ledger.release(self.geometry.bundle_bytes * len(pages))
 
-    def bind_claims(self, set_claimed) -> None:  # noqa: ANN001
-        self.ledger.bind(set_claimed)
+    def bind_claims(self, set_claimed, own_segment: tuple[int, int] | None = None) -> None:  # noqa: ANN001
+        self.ledger.bind(set_claimed, own_segment)
 
     def buffer(self, layer: int, kv: int) -> memoryview:
         """A writable view of one layer's one KV buffer (valid where pages are mapped)."""

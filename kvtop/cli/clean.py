@@ -13,6 +13,7 @@ from kvcached_core import ModelSnapshot
 from kvcached_core import layout as L
 from kvcached_core.config import shm_dir
 from kvcached_core.legacy import dead_segment
+from kvcached_core.liveness import writer_alive
 from kvcached_core.procinfo import is_alive
 from kvcached_core.reader import parse_header
 from kvcached_core.removal import inode, remove_verified
@@ -32,21 +33,21 @@ def _still_dead(m: ModelSnapshot) -> os.stat_result | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
             return None
-        header = parse_header(os.pread(fd, L.HEADER.size, 0))
+        return st if _dead_segment(m)(fd) else None
     except (OSError, ValueError):
         return None
     finally:
         os.close(fd)
-    if (header["pid"], header["start_time"]) != (m.pid, m.start_time):
-        return None  # replaced by a newer process since we listed it
-    return None if is_alive(m.pid, m.start_time) else st
 
 
 def _dead_segment(m: ModelSnapshot) -> Callable[[int], bool]:
-    """The re-check made on the file once it is held privately: still that dead process's segment."""
+    """Whether an open file is still the segment of ``m``'s process (not a newer one's), and that writer is gone."""
     def check(fd: int) -> bool:
-        header = parse_header(os.pread(fd, L.HEADER.size, 0))
-        return (header["pid"], header["start_time"]) == (m.pid, m.start_time) and not is_alive(m.pid, m.start_time)
+        body = os.pread(fd, L.PAGE_MAP_OFF, 0)
+        header = parse_header(body)
+        if (header["pid"], header["start_time"]) != (m.pid, m.start_time):
+            return False  # replaced by a newer process since we listed it
+        return not writer_alive(header, body)
     return check
 
 
@@ -104,6 +105,8 @@ def clean_cmd(dry_run: bool) -> None:
             continue
         try:
             owner = os.lstat(m.path).st_uid
+            if m.late and m.uid == os.getuid():
+                warn(f"kept {m.path}: process {m.pid} still runs (its heartbeat is late)")
         except FileNotFoundError:
             continue  # went away on its own
         if owner != os.getuid():
@@ -116,8 +119,6 @@ def clean_cmd(dry_run: bool) -> None:
             continue
         checked = _still_dead(m)
         if checked is None:
-            if is_alive(m.pid, m.start_time):
-                warn(f"kept {m.path}: process {m.pid} still runs (its heartbeat is late)")
             continue
         doomed.append((m.path, f"model {m.model}, pid {m.pid}", checked, _dead_segment(m)))
     doomed += [(path, f"a segment pid {pid} never finished creating", st, _dead_creator(pid))

@@ -4,9 +4,10 @@ A verdict on group ``pgid`` and the moment its file was last written:
 
 - ``alive``: the group exists in our pid namespace and is older than that write;
 - ``reused``: a group of that id exists but was created after the write (the writer's is gone);
-- ``gone``: no such group here, none in a pid namespace nested in ours, and we see every process
-  (we run in the initial pid namespace);
-- ``unknown``: anything else (a container beyond our sight may hold that group id).
+- ``gone``: no such group here;
+- ``unknown``: instead of ``reused`` or ``gone`` when a process in a pid namespace nested in
+  ours has that group id in its own namespace (a container's engine), or when we do not run in
+  the initial pid namespace and so cannot see every process.
 """
 
 from __future__ import annotations
@@ -21,22 +22,37 @@ REUSE_SLACK_NS = 1_000_000_000  # clock-tick start times against file times: a s
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def _stat(pid: int | str) -> list[bytes]:
+    """Fields 3.. of /proc/PID/stat (state first); [] if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return []
+    return data[data.rfind(b")") + 2:].split()
+
+
+def _pgrp(pid: int | str) -> int:
+    rest = _stat(pid)
+    return int(rest[2]) if len(rest) > 2 else 0  # field 5, pgrp
+
+
 def _leader_start_ns(pgid: int) -> int | None:
     """Wall-clock start of process ``pgid`` when it still leads group ``pgid``; None otherwise."""
+    rest = _stat(pgid)
     try:
-        with open(f"/proc/{pgid}/stat", "rb") as fh:
-            data = fh.read()
-        rest = data[data.rfind(b")") + 2:].split()
-        if int(rest[2]) != pgid:  # field 5, pgrp
+        if int(rest[2]) != pgid:
             return None
         ticks = int(rest[19])  # field 22, starttime: clock ticks since boot
-    except (OSError, IndexError, ValueError):
+    except (IndexError, ValueError):
         return None
     boot_ns = time.time_ns() - time.clock_gettime_ns(time.CLOCK_BOOTTIME)
     return boot_ns + ticks * 1_000_000_000 // _TICKS
 
 
 def _exists_here(pgid: int) -> bool:
+    if pgid == 1:  # killpg(1) is kill(-1): every process. Look for a member instead.
+        return any(_pgrp(entry) == 1 for entry in os.listdir("/proc") if entry.isdigit())
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -85,11 +101,13 @@ class GroupJudge:
             return "unknown"
         if _exists_here(pgid):
             started = _leader_start_ns(pgid)
-            if started is not None and started > written_ns + REUSE_SLACK_NS:
-                return "reused"
-            return "alive"
+            if started is None or started <= written_ns + REUSE_SLACK_NS:
+                return "alive"
+            dead = "reused"
+        else:
+            dead = "gone"
         if self._initial is None:
             self._initial = in_initial_pid_namespace()
         if not self._initial or pgid in self.nested_pgids():
             return "unknown"
-        return "gone"
+        return dead

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import kvcached_core as kc
 from kvcached_core import nvml
 from kvcached_core.legacy import parse_name
+from kvcached_core.pgroups import GroupJudge
 from kvtop.exporter import Exporter
 from kvtop.view import model_cells
 
@@ -309,6 +310,24 @@ def test_a_group_in_a_nested_pid_namespace_is_never_called_gone(shm_dir):
     finally:
         inner.kill()
         inner.wait()
+
+
+def test_a_group_id_a_nested_namespace_holds_is_never_called_reused(shm_dir):
+    """Inside its namespace a container's first process leads group 1; out here group 1 is init's
+    (created after this file's last write, set to 1970) or none: still not ours to judge."""
+    inner = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "setsid", "sleep", "60"])
+    try:
+        wait_for(lambda: 1 in GroupJudge().nested_pgids(), 10, "the nested namespace's group 1")
+        path = upstream_segment(shm_dir, "kvcached_vLLM_1", 8 * GiB, GiB, 0)
+        os.utime(path, ns=(0, 0))
+        assert rows()[path.name].status == "legacy"
+        assert kvctl("clean").exit_code == 0 and path.exists()
+    finally:
+        inner.kill()
+        inner.wait()
+    os.utime(path, ns=(0, 0))
+    wait_for(lambda: 1 not in GroupJudge().nested_pgids(), 10, "the nested namespace to end")
+    assert rows()[path.name].status == "stale"  # with no container holding group 1: reused, or gone
 
 
 # -- our segments next to the public kvctl ----------------------------------------------------

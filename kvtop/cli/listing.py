@@ -21,7 +21,9 @@ def list_cmd(as_json: bool, gpu: int | None, show_all: bool) -> None:
     """One row per model: memory, limit, waste and pages.
 
     Shows live and legacy (upstream kvcached) models; --all adds stale ones and prints one
-    warning line on stderr for each file in the segment directory that is not a usable segment.
+    warning line on stderr for each file in the segment directory that is not a usable segment
+    (24-byte files that only look like upstream's struct too). Without --all, a warning line
+    still names each segment of a running model that cannot be read (its header overwritten).
 
     \b
     Examples:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import heapq
 import os
 import threading
 import time
@@ -254,18 +253,30 @@ class KVCacheManager:
             self._publish()
             return freed
 
-    def available_size(self) -> int:
-        """Blocks that could still be allocated now, within the limit and the device's free memory."""
+    def available_size(self, *, device: bool = True) -> int:
+        """Blocks that could still be allocated now, within the limit and the device's free memory.
+
+        ``device=False`` leaves the device out (asking it can cost a system call or a directory
+        scan): an engine that asks every step learns of a full device from ``alloc`` instead.
+        """
         with self._lock:
             self._check_open()
-            in_mapped = self.pages.free_in_mapped()
-            mappable = len(self.pages.unmapped)
+            pages = self.pages
+            in_mapped = pages.free_in_mapped()
+            unmapped = pages.unmapped
+            mappable = len(unmapped)
             if self.limit_pages is not None:
                 mappable = min(mappable, max(0, self.limit_pages - self._mapped_or_mapping()))
-            device_pages = self.backend.free_bytes() // self.bundle_bytes
-            # Pages map lowest id first; the last page may hold fewer than blocks_per_page blocks.
-            next_pages = heapq.nsmallest(min(mappable, device_pages), self.pages.unmapped)
-            return in_mapped + sum(self.pages.cap[p] for p in next_pages)
+            if device and mappable:
+                mappable = min(mappable, self.backend.free_bytes() // self.bundle_bytes)
+            # Pages map lowest id first and only the last page may hold fewer than blocks_per_page
+            # blocks: it is among the next ``mappable`` pages only when they are all that is left.
+            blocks = mappable * self.blocks_per_page
+            last = len(pages.cap) - 1
+            if mappable and mappable == len(unmapped) and pages.cap[last] != self.blocks_per_page \
+                    and last in unmapped:
+                blocks -= self.blocks_per_page - pages.cap[last]
+            return in_mapped + blocks
 
     def trim(self) -> int:
         """Unmap every reserved page now; returns the bytes given back."""

@@ -124,7 +124,7 @@ LIST_COLUMNS = (
 def list_row(m: ModelSnapshot) -> list[str]:
     """One ``kvctl list`` row."""
     return [
-        m.name, m.engine, str(m.pid), fmt_device(m), m.display_status,
+        m.name, m.engine, str(m.pid) if m.pid else "-", fmt_device(m), m.display_status,
         fmt_bytes(m.mapped_bytes), fmt_bytes(m.held_bytes), fmt_bytes(m.reserved_bytes),
         "-" if m.legacy else fmt_bytes(m.cached_bytes),
         fmt_limit(m), fmt_ratio(m.waste_ratio), fmt_pages(m),
@@ -135,7 +135,7 @@ def list_row(m: ModelSnapshot) -> list[str]:
 
 def show_lines(m: ModelSnapshot, frag: Fragmentation) -> list[str]:
     """The text of ``kvctl show`` above the page map."""
-    lines = [f"{m.name}  (model {m.model}, engine {m.engine}, backend {m.backend}, pid {m.pid}, device {fmt_device(m)})"]
+    lines = [f"{m.name}  (model {m.model}, engine {m.engine}, backend {m.backend}, pid {m.pid or '-'}, device {fmt_device(m)})"]
 
     def field(label: str, text: str) -> None:
         lines.append(f"  {label:<12} {text}")

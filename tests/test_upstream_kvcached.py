@@ -100,6 +100,10 @@ def test_segments_named_with_kvcached_ipc_name_are_found_by_their_struct(shm_dir
     assert (found["VLLM"].status, found["VLLM"].legacy, found["VLLM"].mapped_bytes) == ("legacy", True, 8 * GiB)
     listed = kvctl("list")
     assert listed.exit_code == 0 and "VLLM" in listed.stdout and "SGLANG_g1" in listed.stdout
+    header, *lines = listed.stdout.splitlines()
+    vllm_line = next(line for line in lines if line.startswith("VLLM "))
+    assert vllm_line[:header.index("PID") + 3].split()[-1] == "-"  # its name carries no process group
+    assert "pid -," in kvctl("show", "VLLM").stdout
     done = kvctl("limit", "VLLM", "20GiB")
     assert done.exit_code == 0, done.stderr
     assert "VLLM: limit 20.0 GiB written" in done.stdout

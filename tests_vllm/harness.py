@@ -24,6 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 420.0
 MAX_MODEL_LEN = 2048
+# float32: greedy tokens must not depend on batch composition (preemption recomputes a request in
+# another batch); bfloat16 near-ties of the random model flip a token now and then.
+DTYPE = "float32"
 
 
 def base_env(shm_dir: Path, *, enabled: bool, **extra: str) -> dict[str, str]:
@@ -100,7 +103,7 @@ def start_server(model_dir: Path, env: dict[str, str], log: Path, *, name: str =
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--port", str(port), "--host", "127.0.0.1",
            "--served-model-name", name, "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
-           "--dtype", "bfloat16", "--seed", "0", "--enable-prefix-caching", *args]
+           "--dtype", DTYPE, "--seed", "0", "--enable-prefix-caching", *args]
     out = open(log, "w")  # noqa: SIM115 - the server writes to it for its whole life
     proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(proc, port, log, name)
@@ -121,6 +124,7 @@ def run_offline(model_dir: Path, env: dict[str, str], prompts: list[list[int]], 
                 out: Path) -> dict:
     """Greedy tokens for ``prompts`` from ``vllm.LLM`` in a fresh process (``offline_job.py``)."""
     job = {"model": str(model_dir), "prompts": prompts, "max_tokens": max_tokens, "max_model_len": MAX_MODEL_LEN,
+           "dtype": DTYPE,
            "out": str(out)}
     spec = out.with_suffix(".job.json")
     spec.write_text(json.dumps(job))

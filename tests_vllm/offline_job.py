@@ -15,7 +15,7 @@ def main(spec_path: str) -> None:
     job = json.loads(Path(spec_path).read_text())
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=job["model"], max_model_len=job["max_model_len"], enforce_eager=True, dtype="bfloat16",
+    llm = LLM(model=job["model"], max_model_len=job["max_model_len"], enforce_eager=True, dtype=job["dtype"],
               seed=0, enable_prefix_caching=True)
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)

@@ -57,7 +57,7 @@ class KvcachedBlockPool(BlockPool):
     # -- what vLLM schedules against -----------------------------------------------------------
     def get_num_free_blocks(self) -> int:
         manager = self.manager
-        return manager.available_size() + manager.cached_blocks
+        return manager.available_size(device=False) + manager.cached_blocks
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         ids = self._take(num_blocks)
@@ -76,7 +76,7 @@ class KvcachedBlockPool(BlockPool):
         manager = self.manager
         ids = manager.alloc(n)
         while ids is None and manager.cached_blocks:
-            evicted = manager.evict(max(1, n - manager.available_size()))
+            evicted = manager.evict(max(1, n - manager.available_size(device=False)))
             if not evicted:
                 break
             self._forget(evicted)

@@ -42,12 +42,14 @@ class Ack:
 
     name: str
     kind: str  # limit or trim
-    status: str  # applied, deferred, conflict, none, trimmed, pending, legacy
+    status: str  # applied, deferred, conflict, none, trimmed, pending, legacy, superseded
     revision: int
     effective_limit: int | None = None
     bytes_returned: int = 0
     latency_s: float = 0.0
     in_use: int | None = None  # upstream segments: bytes in use when the limit was written (it applies once within)
+    superseded_by: int = 0  # status superseded: the later revision (another controller's) that the model applied
+    superseding_status: str = ""  # and that revision's status; effective_limit is then its limit
 
 
 def _open_for_control(path: Path) -> tuple[int, mmap.mmap]:
@@ -148,8 +150,12 @@ def request_limit(name: str | ModelSnapshot, limit_bytes: int | None, *, wait: f
         return pending
 
     def done(snap: ModelSnapshot) -> Ack | None:
-        if snap.applied_revision >= revision:
-            return Ack(snap.name, "limit", snap.limit_status, snap.applied_revision, snap.limit_bytes,
+        if snap.applied_revision > revision:  # another controller's later request is what holds now
+            return Ack(snap.name, "limit", "superseded", revision, snap.limit_bytes,
+                       latency_s=time.monotonic() - started, superseded_by=snap.applied_revision,
+                       superseding_status=snap.limit_status)
+        if snap.applied_revision == revision:
+            return Ack(snap.name, "limit", snap.limit_status, revision, snap.limit_bytes,
                        latency_s=time.monotonic() - started)
         return None
 

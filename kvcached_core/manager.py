@@ -25,6 +25,7 @@ WATCH_INTERVAL_S = 0.005
 REFILL_POLL_S = 0.0005
 REFILL_LINGER_S = 0.25
 HEARTBEAT_INTERVAL_S = 0.25
+INFLIGHT_WAIT_S = 2.0  # the most a limit waits for the refill thread's batch in flight to land
 
 
 class KVCacheManager:
@@ -103,6 +104,7 @@ class KVCacheManager:
 
         self._lock = threading.RLock()
         self._refill_wanted = threading.Condition(self._lock)
+        self._mapping_done = threading.Condition(self._lock)  # the refill thread finished a batch
         self._closed = False
         self.pages = PageTable(pages_total, bpp, num_blocks)
         self.policy = make_policy(policy)
@@ -523,15 +525,30 @@ class KVCacheManager:
             self.limit_status = L.LIMIT_NONE
             return
         self.limit_pages = limit_bytes // self.bundle_bytes
-        excess = self._mapped_or_mapping() - self.limit_pages
-        if excess > 0:
-            self._unmap_reserved(excess)
+        self._unmap_excess()
+        # Pages the refill thread is mapping right now are resident too: wait (bounded) for its
+        # batch to land and give back what is over, so "applied" never hides memory in flight.
+        deadline = time.monotonic() + INFLIGHT_WAIT_S
+        while self.pages.inflight and self._mapped_or_mapping() > self.limit_pages and not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break  # a stuck map: stays deferred, and the refill thread settles it when it lands
+            self._mapping_done.wait(left)
+            self._unmap_excess()
         self._update_limit_status()
 
+    def _unmap_excess(self, *, newest: bool = False) -> None:
+        """Unmap reserved pages until what is mapped (and being mapped) fits the limit, as far as pages allow."""
+        if self.limit_pages is not None:
+            excess = self._mapped_or_mapping() - self.limit_pages
+            if excess > 0:
+                self._unmap_reserved(excess, newest=newest)
+
     def _update_limit_status(self) -> None:
+        """applied only when everything resident, in flight included, fits the limit; else deferred."""
         if self.limit_pages is None:
             self.limit_status = L.LIMIT_NONE
-        elif self.pages.pages_inuse > self.limit_pages:
+        elif self.pages.pages_inuse > self.limit_pages or self._mapped_or_mapping() > self.limit_pages:
             self.limit_status = L.LIMIT_DEFERRED
         else:
             self.limit_status = L.LIMIT_APPLIED
@@ -594,9 +611,10 @@ class KVCacheManager:
                 self.pages.finish_mapping(asked, mapped)
                 self._dirty.update(mapped)
                 if self.limit_pages is not None:  # the limit fell while we mapped
-                    excess = self.pages.mapped_pages - self.limit_pages
-                    if excess > 0:
-                        self._unmap_reserved(excess, newest=True)
+                    self._unmap_excess(newest=True)
+                    if self.limit_status == L.LIMIT_DEFERRED:
+                        self._update_limit_status()
+                self._mapping_done.notify_all()
                 if not self._closed:
                     self._publish()
                 if len(mapped) < len(asked):

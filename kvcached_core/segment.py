@@ -277,11 +277,12 @@ class SegmentWriter:
         L.U64.pack_into(self._buf, L.CLAIMED_OFF, max(0, nbytes))
 
     # -- control -----------------------------------------------------------------------------
-    def read_control(self) -> ControlRequest | None:
-        """The controllers' latest request, or None while a limit write is half done."""
+    def read_control(self) -> ControlRequest:
+        """The controllers' latest request. A limit record that is not whole (a write under way, or a
+        controller that died between its stores) reads as no new limit; a trim request still counts."""
         limit, revision, check, trim_seq = L.CONTROL.unpack_from(self._buf, L.CONTROL_OFF)
         if revision and check != L.limit_check(limit, revision):
-            return None
+            return ControlRequest(None, 0, trim_seq)
         return ControlRequest(None if limit < 0 else limit, revision, trim_seq)
 
     def close(self, unlink: bool = True) -> None:

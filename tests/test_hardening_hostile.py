@@ -427,3 +427,55 @@ def test_kvtops_limit_dialog_refuses_a_limit_beyond_int64():
     verdict = SizeValidator(None).validate("8388608TiB")
     assert not verdict.is_valid and "beyond the largest size" in verdict.failure_descriptions[0]
     assert SizeValidator(None).validate("8388607TiB").is_valid
+
+
+# -- item 6: "applied" only when everything resident, in flight included, fits ------------------
+
+def test_a_limit_is_not_applied_while_the_refill_maps_past_it(monkeypatch):
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "60")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "60")
+    with kc.KVCacheManager("inflight", name="inflight", num_blocks=128, block_bytes=1 << 20, num_layers=1,
+                           page_size=2 << 20) as m:  # a 4 MiB bundle: a 60-page batch takes a while to map
+        assert m.alloc(1) is not None  # the pool is empty: the refill thread takes a 60-page batch
+        wait_for(lambda: m.pages.inflight > 0, what="a batch in flight")
+        status = m.set_limit(m.bundle_bytes)
+        resident = m.pages.mapped_pages + m.pages.inflight
+        assert (status, resident) == ("applied", 1)  # the old code said applied with the batch still mapping
+
+
+# -- item 7: a controller that died mid-write leaves no torn request behind ---------------------
+
+def test_a_torn_limit_record_never_blocks_trims_or_later_limits(spawn_allocator, shm_dir):
+    spawn_allocator("m1", script="ids = m.alloc(4)")
+    path = shm_dir / "kvc.m1"
+    with open(path, "r+b") as fh:  # what a controller killed before its last store leaves: limit and check, old revision
+        fh.seek(L.LIMIT_OFF)
+        fh.write(L.I64.pack(1 << 20))
+        fh.seek(L.LIMIT_CHECK_OFF)
+        fh.write(L.U64.pack(L.limit_check(1 << 20, 1)))
+    trimmed = kc.request_trim("m1", wait=5)  # the old allocator ignored every trim until a later limit
+    assert trimmed.status == "trimmed"
+    limited = kc.request_limit("m1", 4 << 20, wait=5)
+    assert (limited.status, limited.revision, kc.snapshot("m1").limit_bytes) == ("applied", 1, 4 << 20)
+
+
+# -- item 8: a superseded request says so --------------------------------------------------------
+
+def test_a_limit_superseded_by_another_controller_says_so(spawn_allocator):
+    proc = spawn_allocator("m1")
+    os.kill(proc.pid, signal.SIGSTOP)  # both requests land before the model looks
+    try:
+        first = subprocess.Popen([sys.executable, "-m", "kvtop.cli", "limit", "m1", "1MiB", "--wait", "20"],
+                                 env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: kc.snapshot("m1").limit_revision == 1, what="the first request")
+        second = kc.request_limit("m1", 2 << 20, wait=0)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    out, err = first.communicate(timeout=30)
+    assert first.returncode == 1
+    assert out == ("m1: limit request (revision 1) superseded by revision 2 from another controller, "
+                   "which holds now: limit 2.0 MiB applied\n")
+    assert err == "kvctl: m1: revision 1 was superseded by revision 2\n"
+    assert second.revision == 2
+    ack = kc.request_limit("m1", 3 << 20, wait=5)
+    assert (ack.status, ack.superseded_by) == ("applied", 0)

@@ -46,7 +46,8 @@ def capacity_of(m: ModelSnapshot) -> int | None:
 def ack_dict(ack: Ack, requested: int | None = None) -> dict:
     return {"name": ack.name, "kind": ack.kind, "status": ack.status, "revision": ack.revision,
             "requested_bytes": requested, "effective_limit": ack.effective_limit,
-            "bytes_returned": ack.bytes_returned, "latency_s": round(ack.latency_s, 6), "in_use_bytes": ack.in_use}
+            "bytes_returned": ack.bytes_returned, "latency_s": round(ack.latency_s, 6), "in_use_bytes": ack.in_use,
+            "superseded_by": ack.superseded_by or None}
 
 
 def limit_text(ack: Ack) -> str:
@@ -65,6 +66,10 @@ def limit_text(ack: Ack) -> str:
             text += (f"; pending: {T.fmt_bytes(ack.in_use)} is in use, so it applies only as pages free "
                      "(kvctl list shows it pending until then)")
         return text
+    if ack.status == "superseded":
+        now = "no limit" if ack.effective_limit is None else f"limit {effective} {ack.superseding_status}"
+        return (f"{ack.name}: limit request (revision {ack.revision}) superseded by revision {ack.superseded_by} "
+                f"from another controller, which holds now: {now}")
     if ack.status == "pending":
         what = "lift" if ack.effective_limit is None else f"{effective}"
         return f"{ack.name}: limit {what} requested (revision {ack.revision}), not waiting for the acknowledgement"
@@ -116,6 +121,10 @@ def run_all(models: list[ModelSnapshot], act: Callable[[ModelSnapshot], tuple[Ac
         if ack.status == "conflict":
             failed += 1
             click.echo(f"kvctl: {m.name}: the model answered conflict to revision {ack.revision}", err=True)
+        if ack.status == "superseded":  # the request did not take: another controller's later one holds
+            failed += 1
+            click.echo(f"kvctl: {m.name}: revision {ack.revision} was superseded by revision {ack.superseded_by}",
+                       err=True)
         if as_json:
             answers.append(ack_dict(ack, requested))
         else:

@@ -33,6 +33,7 @@ from kvtop.commands import KvtopCommands
 from kvtop.events import ERROR, GOOD, INFO, WARN, Event, diff
 from kvtop.history import History
 from kvtop.source import Frame, LiveSource, Source
+from kvtop.textfmt import REFILL_NOTE
 from kvtop.view import SORT_KEYS, filter_models, legend_text, sort_models
 from kvtop.widgets import (
     ConfirmScreen,
@@ -82,7 +83,7 @@ class KvtopApp(App[int]):
 
     CSS_PATH = "kvtop.tcss"
     TITLE = "kvtop"
-    COMMANDS = App.COMMANDS | {KvtopCommands}
+    COMMANDS = {KvtopCommands}  # ours only: one list, one style (quit, keys and help are in it)
     VERTICAL_BREAKPOINTS = [(0, "-short"), (36, "-tall")]
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
     BINDINGS: list[BindingType] = [
@@ -101,7 +102,8 @@ class KvtopApp(App[int]):
         Binding("l", "limit", "Limit"),
         Binding("s", "cycle_sort", "Sort"),
         Binding("f", "filter", "Filter"),
-        Binding("space", "toggle_pause", "Pause"),
+        Binding("space", "pause", "Pause"),  # one of these two is shown: the one space does now
+        Binding("space", "resume", "Resume"),
         Binding("plus,equals_sign", "faster", "Faster", show=False),
         Binding("minus", "slower", "Slower", show=False),
         Binding("z", "zoom_in", "Zoom"),
@@ -149,7 +151,7 @@ class KvtopApp(App[int]):
                 yield Static(legend_text(), id="legend")
             yield FragSummary(id="frag")
         yield EventLog(id="events")
-        yield Footer()
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         # Kept as attributes: a frame may arrive while a modal screen is on top.
@@ -227,6 +229,7 @@ class KvtopApp(App[int]):
     def watch_paused(self, paused: bool) -> None:
         self._paused = paused
         self._draw_status()
+        self.refresh_bindings()  # the footer's space: Pause or Resume
         self._poll_now()
 
     def watch_interval(self, interval: float) -> None:
@@ -318,16 +321,24 @@ class KvtopApp(App[int]):
         return frame.model(self.selected)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """While a dialog is open, the dashboard's keys do nothing (quit still works)."""
-        return action in ("quit", "command_palette") or not isinstance(self.screen, ModalScreen)
+        """While a dialog is open, the dashboard's keys do nothing (quit still works); space says what it does now."""
+        if action in ("quit", "command_palette"):
+            return True
+        if isinstance(self.screen, ModalScreen):
+            return False
+        if action in ("pause", "resume"):
+            return self.paused == (action == "resume")
+        return True
 
     # -- view actions ----------------------------------------------------------------------------
     def action_help(self) -> None:
         keys = []
         for binding in self.BINDINGS:
             assert isinstance(binding, Binding)
+            if binding.action == "resume":
+                continue  # space is one key: "Pause / resume" below
             shown = " ".join(KEY_NAMES.get(k, k) for k in binding.key.split(","))
-            keys.append((shown, binding.description))
+            keys.append((shown, "Pause / resume" if binding.action == "pause" else binding.description))
         keys.append(("ctrl+p", "Command palette"))
         self.push_screen(HelpScreen(keys, self.readonly))
 
@@ -353,6 +364,12 @@ class KvtopApp(App[int]):
     def action_toggle_pause(self) -> None:
         self.paused = not self.paused
 
+    def action_pause(self) -> None:
+        self.paused = True
+
+    def action_resume(self) -> None:
+        self.paused = False
+
     def action_faster(self) -> None:
         shorter = [i for i in INTERVALS if i < self.interval - 1e-9]
         self.interval = shorter[-1] if shorter else INTERVALS[0]
@@ -362,11 +379,13 @@ class KvtopApp(App[int]):
         self.interval = longer[0] if longer else INTERVALS[-1]
 
     def action_zoom_in(self) -> None:
-        self.pagemap.zoom_in()
+        if not self.pagemap.zoom_in():
+            self.notify("the page map is at one page per cell: Z zooms out", timeout=3, markup=False)
         self._draw_selected()
 
     def action_zoom_out(self) -> None:
-        self.pagemap.zoom_out()
+        if not self.pagemap.zoom_out():
+            self.notify("the whole page map is on screen: z zooms in", timeout=3, markup=False)
         self._draw_selected()
 
     def action_map_page(self, direction: int) -> None:
@@ -409,6 +428,7 @@ class KvtopApp(App[int]):
         if not self._controllable(m, "trim"):
             return
         assert m is not None
+        m = self.source.reread(m)  # the figures the dialog shows are the ones trim acts on
 
         def confirmed(yes: bool | None) -> None:
             if yes:
@@ -418,7 +438,7 @@ class KvtopApp(App[int]):
         self.push_screen(ConfirmScreen(
             f"Trim {m.name}?",
             f"Unmaps its {m.pages_reserved} reserved pages ({format_bytes(m.reserved_bytes)}) now; "
-            "pages in use are not touched.", "Trim"), confirmed)
+            f"pages in use are not touched. {REFILL_NOTE.capitalize()}.", "Trim"), confirmed)
 
     def action_trim_all(self) -> None:
         if self._refuse_readonly("trim all"):
@@ -437,7 +457,8 @@ class KvtopApp(App[int]):
 
         self.push_screen(ConfirmScreen(
             f"Trim all {len(targets)} live models?",
-            f"Unmaps every reserved page ({format_bytes(reserved)} in all) now.", "Trim all"), confirmed)
+            f"Unmaps every reserved page ({format_bytes(reserved)} in all) now. {REFILL_NOTE.capitalize()}.",
+            "Trim all"), confirmed)
 
     def action_limit(self) -> None:
         if self._refuse_readonly("limit"):
@@ -446,6 +467,7 @@ class KvtopApp(App[int]):
         if not self._controllable(m, "limit"):
             return
         assert m is not None
+        m = self.source.reread(m)
 
         def chosen(request: LimitRequest | None) -> None:
             if request is not None:
@@ -468,7 +490,8 @@ class KvtopApp(App[int]):
                     ack = self.source.trim(m, CONTROL_WAIT_S)
                     events.append(Event(time.time(), "trimmed", m.name,
                                         f"trim acknowledged: {format_bytes(ack.bytes_returned)} returned "
-                                        f"in {ack.latency_s * 1000:.0f} ms", GOOD, ("trim", m.name, ack.revision)))
+                                        f"in {ack.latency_s * 1000:.0f} ms; {REFILL_NOTE}", GOOD,
+                                        ("trim", m.name, ack.revision)))
                 else:
                     ack = self.source.limit(m, value, CONTROL_WAIT_S)
                     shown = "none" if ack.effective_limit is None else format_bytes(ack.effective_limit)

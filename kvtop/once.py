@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Sequence
 
 from rich.console import Console, Group, RenderableType
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -106,6 +108,14 @@ def print_once(source: Source, *, model: str | None = None, gpus: Sequence[int] 
             print(f"kvtop: {exc}", file=sys.stderr)
             return 1
     frame = source.read(name) if name is not None else first
+    if not console.is_terminal and not os.environ.get("COLUMNS"):  # a file or a pipe: no width to fit
+        console = Console(soft_wrap=False, file=console.file, width=max(console.width, full_width(frame, console)))
     for renderable in render(frame, width=console.width, model=name, gpus=gpus):
         console.print(renderable)
     return 0
+
+
+def full_width(frame: Frame, console: Console) -> int:
+    """Columns the model table needs to show every column (what a file gets instead of 80)."""
+    table = models_table(sort_models(list(frame.models), "name"), None, width=1 << 16)
+    return Measurement.get(console, console.options.update_width(1 << 16), table).maximum

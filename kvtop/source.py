@@ -52,6 +52,8 @@ class Source(Protocol):
 
     def read(self, selected: str | None) -> Frame: ...
 
+    def reread(self, model: ModelSnapshot) -> ModelSnapshot: ...
+
     def trim(self, model: ModelSnapshot, wait: float) -> kc.Ack: ...
 
     def limit(self, model: ModelSnapshot, limit_bytes: int | None, wait: float) -> kc.Ack: ...
@@ -106,6 +108,13 @@ class LiveSource:
         return Frame(found.models, found.problems, gpus, note, self._host_capacity, detail,
                      time.time(), self.host, time.perf_counter() - started,
                      config.shm_dir_problem(self.directory) or "")
+
+    def reread(self, model: ModelSnapshot) -> ModelSnapshot:
+        """The model's counters now (a dialog about to act on it must not show an old frame's figures)."""
+        try:
+            return kc.snapshot(model.name, with_pages=False, directory=self.directory)
+        except (kc.ModelNotFound, OSError, ValueError):
+            return model  # gone or busy this instant: what the frame had
 
     def trim(self, model: ModelSnapshot, wait: float) -> kc.Ack:
         return kc.request_trim(model, wait=wait)
@@ -226,6 +235,11 @@ class FakeSource:
                 detail = replace(full, read_ns=int(at * 1e9), heartbeat_ns=int(at * 1e9))
         return Frame(models, self.problems, self.gpus, "" if self.gpus else self.gpu_note,
                      self.host_capacity, detail, at, self.host)
+
+    def reread(self, model: ModelSnapshot) -> ModelSnapshot:
+        """The model as the last scan read holds it (reading again does not advance the script)."""
+        index = min(max(self.reads - 1, 0), len(self.script) - 1)
+        return next((m for m in self.script[index] if m.name == model.name), model)
 
     def trim(self, model: ModelSnapshot, wait: float) -> kc.Ack:
         self.requests.append(("trim", model.name, None))

@@ -17,6 +17,9 @@ from kvcached_core.sizes import format_bytes
 from kvcached_core.snapshot import ModelSnapshot
 from kvtop.pagemap import GLYPHS, LEGEND, fold, grid_lines
 
+# What a trim of a busy model leads to, said wherever a trim is asked for or answered.
+REFILL_NOTE = "the warm pool refills while traffic lasts; a limit keeps it down"
+
 
 @dataclass(frozen=True)
 class Column:

@@ -350,3 +350,132 @@ def test_kvctl_export_ctrl_c_exits_130_as_the_readme_says() -> None:
             proc.wait()
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "It stops on Ctrl-C (exit 130" in " ".join(readme.split())
+
+
+# -- kvtop's trim dialog -------------------------------------------------------------------
+
+def test_the_trim_dialog_reads_the_model_again_and_says_the_pool_refills(spawn_allocator, monkeypatch) -> None:
+    from kvtop.widgets import ConfirmScreen
+
+    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")  # the warm pool stays until trimmed
+    proc = spawn_allocator("m1", script="b = m.alloc(1)")
+    wait_for(lambda: kc.snapshot("m1").pages_reserved == 5, 30, "the warm pool")
+    app = KvtopApp(LiveSource(), interval=10.0)  # no new frame while the test runs
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: app.frame and app.frame.model("m1"), "m1 on screen")
+        assert app.frame.model("m1").pages_reserved == 5
+        send(proc, "m.trim()")  # the frame on screen still says 5 reserved pages
+        await pilot.press("t")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the trim dialog")
+        detail = str(app.screen.query_one("#detail").render())
+        assert "Unmaps its 0 reserved pages (0 B) now" in detail, detail
+        assert "The warm pool refills while traffic lasts; a limit keeps it down." in detail
+        await pilot.press("n")
+
+    drive(app, script)
+
+
+# -- kvtop's screen ------------------------------------------------------------------------
+
+def fake_app(**kwargs: object) -> KvtopApp:
+    from kvtop.source import sample_fleet
+
+    return KvtopApp(sample_fleet(), interval=0.05, **kwargs)  # type: ignore[arg-type]
+
+
+async def settled(pilot: Pilot) -> None:
+    app = pilot.app
+    await until(pilot, lambda: app.source.done and app.frame is not None and app.frame.detail is not None,
+                "the fake fleet")
+    await pilot.pause(0.1)
+
+
+def footer_keys(app: KvtopApp) -> list[str]:
+    from textual.widgets._footer import FooterKey
+
+    return [f"{key.key_display} {key.description}".strip() for key in app.query(FooterKey)]
+
+
+def test_the_footer_says_what_space_does_now_and_fits_80_columns() -> None:
+    app = fake_app()
+
+    async def script(pilot: Pilot) -> None:
+        await settled(pilot)
+        keys = footer_keys(app)
+        assert "space Pause" in keys and "space Resume" not in keys
+        bottom = "".join(seg.text for seg in app.screen._compositor.render_strips()[-1])
+        assert "space Pause" in bottom and "z Zoom" in bottom and "^p palette" in bottom, bottom  # nothing cut
+        await pilot.press("space")
+        await until(pilot, lambda: "space Resume" in footer_keys(app), "the footer to say Resume")
+        assert "space Pause" not in footer_keys(app) and app.paused
+        await pilot.press("space")
+        await until(pilot, lambda: "space Pause" in footer_keys(app), "the footer to say Pause again")
+        assert not app.paused
+
+    drive(app, script, size=(80, 24))
+
+
+def test_zooming_past_either_end_says_so() -> None:
+    app = fake_app(model="llama")  # 512 pages: one page per cell after a few z
+
+    async def script(pilot: Pilot) -> None:
+        await settled(pilot)
+        await pilot.press("Z")
+        assert [n.message for n in app._notifications] == ["the whole page map is on screen: z zooms in"]
+        for _ in range(12):
+            await pilot.press("z")
+        assert app.pagemap.per_cell == 1
+        messages = [n.message for n in app._notifications]
+        assert "the page map is at one page per cell: Z zooms out" in messages
+
+    drive(app, script)
+
+
+def test_the_command_palette_holds_kvtops_commands_only() -> None:
+    from textual.command import CommandPalette
+    from textual.widgets import OptionList
+
+    from kvtop.commands import COMMANDS as OURS
+
+    app = fake_app()
+
+    async def script(pilot: Pilot) -> None:
+        await settled(pilot)
+        await pilot.press("ctrl+p")
+        await until(pilot, lambda: isinstance(app.screen, CommandPalette), "the command palette")
+        options = app.screen.query_one(OptionList)
+        await until(pilot, lambda: options.option_count >= len(OURS), "its commands")
+        await pilot.pause(0.2)
+        shown = {str(options.get_option_at_index(i).prompt).splitlines()[0] for i in range(options.option_count)}
+        assert shown == {title for title, _help, _action in OURS}  # no Textual theme, screenshot, keys entries
+
+    drive(app, script)
+
+
+def test_at_80_columns_the_model_table_keeps_the_columns_that_matter() -> None:
+    app = fake_app()
+
+    async def script(pilot: Pilot) -> None:
+        await settled(pilot)
+        table = app.table
+        header = "".join(seg.text for seg in table.render_line(0)).split()
+        assert header[:5] == ["model", "status", "mapped", "limit", "held"] and "waste" in header
+        assert table.total_width <= table.scrollable_content_region.width  # nothing cut at the edge
+        row = "".join(seg.text for seg in table.render_line(1))
+        assert "1.32×" in row  # deepseek's waste, a column that used to be off screen
+
+    drive(app, script, size=(80, 24))
+
+
+def test_kvtop_into_a_file_is_not_cut_at_80_columns(spawn_allocator, tmp_path) -> None:
+    spawn_allocator("a-model-with-a-long-name-to-widen-the-table")
+    env = child_env()
+    env.pop("COLUMNS", None)
+    with open(tmp_path / "out.txt", "w") as out:
+        done = subprocess.run(KVTOP, stdout=out, stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = (tmp_path / "out.txt").read_text().splitlines()
+    header = next(line for line in lines if line.startswith("model "))
+    assert header.split()[-3:] == ["engine", "pid", "dev"], header  # every column
+    assert len(header) > 80

@@ -141,7 +141,7 @@ def complete_models(ctx: click.Context, param: click.Parameter, incomplete: str)
 
 def model_argument(*decls: str, **kwargs: Any):  # noqa: ANN201 - a click decorator
     """A MODEL argument: name or unique prefix, path-like names refused, names completed."""
-    kwargs.setdefault("metavar", "MODEL")
+    kwargs.setdefault("metavar", "MODEL" if kwargs.get("required", True) else "[MODEL]")
     return click.argument(*(decls or ("model",)), callback=_model_callback, shell_complete=complete_models, **kwargs)
 
 
@@ -172,7 +172,10 @@ class KvctlGroup(click.Group):
         if target is None:
             return None
         module_name, _, attribute = target.partition(":")
-        return getattr(importlib.import_module(module_name), attribute)
+        command: click.Command = getattr(importlib.import_module(module_name), attribute)
+        if command.help and "``" in command.help:  # docstrings mark literals the Python way; help shows them plain
+            command.help = command.help.replace("``", "")
+        return command
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

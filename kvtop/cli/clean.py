@@ -82,8 +82,11 @@ def _leftovers() -> list[tuple[str, int, os.stat_result]]:
 def clean_cmd(dry_run: bool) -> None:
     """Remove stale segments of dead processes that belong to you, and say what was removed.
 
-    Also removes your half-created segments: the hidden ``.kvc-new.<name>.<pid>`` file an
-    allocator builds before naming it, left behind when that process was killed mid-creation.
+    Also removes your half-created segments, the hidden file an allocator builds before naming
+    it, left behind when that process was killed mid-creation:
+
+    \b
+      .kvc-new.<name>.<pid>
 
     Also removes your upstream kvcached segments (``kvcached_<engine>_<pgid>``) whose process
     group is gone or was reused after the file was last written.

@@ -251,6 +251,9 @@ def limit_cmd(ctx: click.Context, model: str | None, size: str | None, all_model
 def trim_cmd(ctx: click.Context, model: str | None, all_models: bool, wait: float, as_json: bool) -> None:
     """Unmap a model's reserved pages now and print the bytes it returned.
 
+    A model with traffic maps pages again as it allocates (its warm pool refills within
+    moments); to keep its memory down, set a limit (kvctl limit).
+
     \b
     Examples:
       kvctl trim llama-3-8b
@@ -265,6 +268,7 @@ def trim_cmd(ctx: click.Context, model: str | None, all_models: bool, wait: floa
     def text(ack: Ack) -> str:
         if ack.status == "pending":
             return f"{ack.name}: trim requested, not waiting for the acknowledgement"
-        return f"{ack.name}: returned {T.fmt_bytes(ack.bytes_returned)} ({ack.bytes_returned} bytes)"
+        note = f"; {T.REFILL_NOTE}" if ack.bytes_returned else ""
+        return f"{ack.name}: returned {T.fmt_bytes(ack.bytes_returned)} ({ack.bytes_returned} bytes){note}"
 
     run_all(targets(model, all_models, legacy=False), act, as_json, text)

@@ -23,6 +23,21 @@ from kvtop.history import History
 from kvtop.view import COLUMNS, model_cells
 
 GAP = 2
+# Which columns a narrow terminal keeps, first to last; they are drawn in COLUMNS order.
+PRIORITY = ("name", "status", "mapped", "limit", "waste", "held", "reserved", "cached", "rate", "spark",
+            "pid", "engine", "device")
+
+
+def choose_columns(widths: dict[str, int], width: int) -> tuple[tuple[str, str, int, bool], ...]:
+    """The columns that fit ``width``, taken by :data:`PRIORITY` (a narrow one may pass a wide one)."""
+    chosen: set[str] = set()
+    used = 1
+    for key in PRIORITY:
+        need = widths[key] + (GAP if chosen else 0)
+        if not chosen or used + need <= width:
+            chosen.add(key)
+            used += need
+    return tuple(c for c in COLUMNS if c[0] in chosen)
 
 
 def _signature(cells: dict[str, Text]) -> tuple:
@@ -59,6 +74,7 @@ class ModelTable(ScrollView, can_focus=False):
         self.selected: str | None = None
         self._base = Style()
         self._width = 0
+        self._columns = COLUMNS  # those that fit the width, see choose_columns
 
     @property
     def order(self) -> list[str]:
@@ -78,6 +94,7 @@ class ModelTable(ScrollView, can_focus=False):
                     widened = True
         if widened:
             self._strips.clear()
+        self._fit_columns(self.scrollable_content_region.width)
         order = [m.name for m in models]
         changed = widened or order != self._order or selected != self.selected or sigs != self._sigs
         self._order, self._cells, self._sigs = order, cells, sigs
@@ -93,7 +110,17 @@ class ModelTable(ScrollView, can_focus=False):
 
     @property
     def total_width(self) -> int:
-        return 1 + sum(self._widths.values()) + GAP * (len(self._widths) - 1)
+        return 1 + sum(self._widths[c[0]] for c in self._columns) + GAP * (len(self._columns) - 1)
+
+    def _fit_columns(self, width: int) -> None:
+        columns = choose_columns(self._widths, width) if width > 0 else COLUMNS
+        if columns != self._columns:
+            self._columns = columns
+            self._strips.clear()
+            self.virtual_size = Size(self.total_width, len(self._order) + 1)
+
+    def on_resize(self) -> None:
+        self._fit_columns(self.scrollable_content_region.width)
 
     def scroll_to_selected(self) -> None:
         if self.selected in self._order:
@@ -123,7 +150,7 @@ class ModelTable(ScrollView, can_focus=False):
     def _line(self, texts: list[Text], style: Style) -> Strip:
         segments = [Segment(" ", style)]
         gap = Segment(" " * GAP, style)
-        for i, ((key, _header, _width, right), text) in enumerate(zip(COLUMNS, texts, strict=True)):
+        for i, ((key, _header, _width, right), text) in enumerate(zip(self._columns, texts, strict=True)):
             if i:
                 segments.append(gap)
             segments.extend(Segment(seg.text, style + seg.style if seg.style else style)
@@ -135,7 +162,7 @@ class ModelTable(ScrollView, can_focus=False):
         key = ("header", tuple(self._widths.values()), style)
         strip = self._strips.get(key)
         if strip is None:
-            strip = self._strips[key] = self._line([Text(h) for _k, h, _w, _r in COLUMNS], style)
+            strip = self._strips[key] = self._line([Text(h) for _k, h, _w, _r in self._columns], style)
         return strip
 
     def _row(self, name: str) -> Strip:
@@ -147,7 +174,7 @@ class ModelTable(ScrollView, can_focus=False):
         strip = self._strips.get(key)
         if strip is None:
             cells = self._cells[name]
-            strip = self._strips[key] = self._line([cells[k] for k, *_ in COLUMNS], style)
+            strip = self._strips[key] = self._line([cells[k] for k, *_ in self._columns], style)
         return strip
 
     def render_lines(self, crop: Region) -> list[Strip]:

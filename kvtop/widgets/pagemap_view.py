@@ -120,17 +120,25 @@ class PageMapView(ScrollView, can_focus=False):
             self._retitle()
             self.refresh()
 
-    def zoom_in(self) -> None:
+    def zoom_in(self) -> bool:
+        """Halve the pages per cell; False (nothing changed) at one page per cell or with no map."""
+        if self._pages is None or self.per_cell <= 1:
+            return False
         self.zoom = max(1, self.per_cell // 2)
         self._relayout()
+        return True
 
-    def zoom_out(self) -> None:
+    def zoom_out(self) -> bool:
+        """Double the pages per cell, back to fit; False (nothing changed) when already at fit."""
+        if self._pages is None or self.zoom is None:
+            return False
         per = self.per_cell * 2
         self.zoom = None if per >= self.fit() else per
         self._relayout()
+        return True
 
     def _retitle(self) -> None:
-        """``page map · NAME · pages shown · pages × bundle · zoom`` (one line: short screens have no bottom border)."""
+        """``page map · NAME · pages per cell (zoom) · pages × bundle`` (one line: short screens have no bottom border)."""
         m = self.detail
         if m is None:
             self.border_title = "page map"
@@ -147,7 +155,7 @@ class PageMapView(ScrollView, can_focus=False):
                 title += f" · pages {first:,}–{last:,} of {self.total:,}"
             else:
                 title += f" · {self.total:,} pages"
-            title += f" × {format_bytes(m.bundle_bytes)}"
+            title += f" × {format_bytes(m.bundle_bytes)} bundle"  # a page id costs its bundle, not page_size
         self.border_title = title
 
     def watch_scroll_y(self, old: float, new: float) -> None:

@@ -129,5 +129,14 @@ def limit_check(limit_bytes: int, revision: int) -> int:
     return (zlib.crc32(I64.pack(limit_bytes) + U64.pack(revision)) | (revision << 32)) & 0xFFFFFFFFFFFFFFFF
 
 
+def printable(text: str) -> str:
+    """``text`` with every control, format and line-separator character (ESC, BEL, DEL, C1, bidi
+    overrides, ...) replaced by ``?``: strings from segment files and file names reach terminals."""
+    if text.isprintable():  # the common case, one C loop (a plain space counts as printable)
+        return text
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def decode_text(raw: bytes) -> str:
-    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+    """A header string, as readers show it (see :func:`printable`)."""
+    return printable(raw.split(b"\0", 1)[0].decode("utf-8", "replace"))

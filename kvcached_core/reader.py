@@ -7,6 +7,7 @@ import os
 import stat
 import time
 from array import array
+from dataclasses import replace
 from pathlib import Path
 
 from . import layout as L
@@ -22,6 +23,7 @@ from .snapshot import ModelSnapshot, Problem, RankInfo, Scan
 HEARTBEAT_STALE_S = liveness.HEARTBEAT_STALE_S
 READ_RETRIES = 32
 DEAD_WRITER_CHECK = 12  # odd-sequence attempts (~8 ms) before asking whether the writer still lives
+SWAP_RETRIES = 3  # scans snapshot() makes while the file it found keeps vanishing before it is read
 QUIET_FAILURES = 3  # failed checks of an unchanging copy before the file is called corrupt
 MAX_PAGES = 1 << 24  # 64 MiB of page map (32 TiB per range at 2 MiB pages): more is a damaged header
 
@@ -281,7 +283,18 @@ def scan(*, with_pages: bool = False, directory: Path | None = None) -> Scan:
             except (OSError, ValueError) as exc:
                 problems.append(Problem(str(path), "unreadable" if isinstance(exc, OSError) else "foreign", str(exc)))
     models.sort(key=lambda m: m.name)
-    return Scan(tuple(models), tuple(problems))
+    return Scan(tuple(_printable(m) for m in models), tuple(_printable_problem(p) for p in problems))
+
+
+def _printable(m: ModelSnapshot) -> ModelSnapshot:
+    """Upstream rows are named after their file: a file name's control characters never reach a terminal."""
+    shown = (L.printable(m.name), L.printable(m.model), L.printable(m.engine))
+    return m if shown == (m.name, m.model, m.engine) else replace(m, name=shown[0], model=shown[1], engine=shown[2])
+
+
+def _printable_problem(p: Problem) -> Problem:
+    path, reason = L.printable(p.path), L.printable(p.reason)
+    return p if (path, reason) == (p.path, p.reason) else replace(p, path=path, reason=reason)
 
 
 def _legacy_sized(path: Path) -> bool:
@@ -319,7 +332,12 @@ def snapshot(name: str, *, with_pages: bool = True, directory: Path | None = Non
         return read_segment(segment_path(name, directory), with_pages=with_pages)
     except (InvalidName, SegmentCorrupt, OSError, ValueError):
         pass  # a prefix, a damaged file or a busy writer: the full scan below decides and explains
-    model = resolve(name, list_models(directory=directory))
-    if model.legacy or not with_pages:
-        return model
-    return read_segment(Path(model.path), with_pages=True)
+    for _ in range(SWAP_RETRIES):
+        model = resolve(name, list_models(directory=directory))
+        if model.legacy or not with_pages:
+            return model
+        try:
+            return read_segment(Path(model.path), with_pages=True)
+        except FileNotFoundError:
+            continue  # removed (or renamed) since the scan saw it: look again
+    raise ModelNotFound(f"model {name!r} kept going away while it was read (its file is being replaced)", [])

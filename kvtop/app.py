@@ -499,7 +499,7 @@ class KvtopApp(App[int]):
                         events.append(Event(time.time(), "limit", m.name,
                                             f"limit {shown} written to the upstream total field", GOOD))
                     else:
-                        level = WARN if ack.status in ("deferred", "conflict") else GOOD
+                        level = WARN if ack.status in ("deferred", "conflict", "superseded") else GOOD
                         text = f"limit r{ack.revision} acknowledged: {ack.status}, effective {shown}"
                         if ack.status == "deferred":
                             text += f" (asked {format_bytes(value)}: waits for pages to empty)"

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -79,12 +80,14 @@ SWAPPER_C = r"""
 #include <stdio.h>
 #include <sys/select.h>
 #include <unistd.h>
-/* Exchange two names as fast as possible (RENAME_EXCHANGE: neither file is ever lost) until stdin closes. */
+/* Exchange two names as fast as possible (RENAME_EXCHANGE: neither file is ever lost) until stdin
+   closes; with a third argument, move the file at argv[1] to argv[2] and back instead. */
 int main(int argc, char **argv) {
     long swaps = 0;
     for (;;) {
         for (int i = 0; i < 256; i++)
-            if (renameat2(AT_FDCWD, argv[1], AT_FDCWD, argv[2], RENAME_EXCHANGE) == 0) swaps++;
+            if (argc > 3 ? rename(argv[1], argv[2]) == 0 && rename(argv[2], argv[1]) == 0
+                         : renameat2(AT_FDCWD, argv[1], AT_FDCWD, argv[2], RENAME_EXCHANGE) == 0) swaps++;
         fd_set in; FD_ZERO(&in); FD_SET(0, &in);
         struct timeval now = {0, 0};
         if (select(1, &in, NULL, NULL, &now) > 0) break;
@@ -95,12 +98,12 @@ int main(int argc, char **argv) {
 """
 
 
-def swapper(tmp_path: Path, a: Path, b: Path) -> subprocess.Popen:
+def swapper(tmp_path: Path, a: Path, b: Path, *, move: bool = False) -> subprocess.Popen:
     source = tmp_path / "swap.c"
     source.write_text(SWAPPER_C)
     subprocess.run(["cc", "-O2", "-o", str(tmp_path / "swap"), str(source)], check=True)
-    return subprocess.Popen([str(tmp_path / "swap"), str(a), str(b)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([str(tmp_path / "swap"), str(a), str(b), *(["move"] if move else [])],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
 def test_clean_never_deletes_a_file_swapped_in_while_it_works(spawn_allocator, shm_dir, tmp_path):
@@ -479,3 +482,59 @@ def test_a_limit_superseded_by_another_controller_says_so(spawn_allocator):
     assert second.revision == 2
     ack = kc.request_limit("m1", 3 << 20, wait=5)
     assert (ack.status, ack.superseded_by) == ("applied", 0)
+
+
+# -- item 16: escape sequences in a segment's strings never reach the terminal -------------------
+
+EVIL_MODEL = "\x1b[2Jevil\x07model\u202e"
+EVIL_ENGINE = "\x1b]0;pwned\x07"
+
+
+def test_control_characters_in_segment_strings_are_never_printed(shm_dir):
+    with kc.KVCacheManager(EVIL_MODEL, name="evil", engine=EVIL_ENGINE, **SMALL):
+        outputs = evil_outputs(shm_dir)
+    for what, text in outputs.items():
+        assert "evil" in text, what
+        assert not [c for c in text if not (c.isprintable() or c == "\n")], f"{what}: {text!r}"
+    assert "?[2Jevil?model?" in outputs["show"] and "?]0;pwned?" in outputs["show"]
+    assert "kvcached_?[31mred_77" in outputs["list"]
+
+
+def evil_outputs(shm_dir: Path) -> dict[str, str]:
+    legacy = shm_dir / "kvcached_\x1b[31mred_77"
+    legacy.write_bytes(L.LEGACY.pack(1 << 30, 1 << 20, 0))
+    return {
+        "list": kvctl("list").stdout, "list --all": kvctl("list", "--all").output,
+        "show": kvctl("show", "evil").stdout, "csv": kvctl("watch", "--format", "csv", "--count", "1", "evil").stdout,
+        "once": subprocess.run([sys.executable, "-m", "kvtop.app", "--once"], env=child_env(), capture_output=True,
+                               text=True, timeout=60).stdout,
+    }
+
+
+# -- item 17: a path swapped while snapshot() reads it -------------------------------------------
+
+def test_snapshot_never_lets_file_not_found_escape_while_a_path_is_swapped(spawn_allocator, shm_dir):
+    """The path vanishes between the scan that found it and the read: the scan dwells on an upstream
+    file whose lock a hung engine holds (0.1 s), while the segment is moved aside and back."""
+    spawn_allocator("swapped")
+    hung = shm_dir / "kvcached_vllm_4242"  # sorts after kvc.*: the scan reaches it once it has read kvc.swapped
+    hung.write_bytes(L.LEGACY.pack(1 << 30, 0, 0))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(hung)], stdout=subprocess.PIPE, text=True)
+    path, aside = shm_dir / "kvc.swapped", shm_dir / ".aside"
+    outcomes = []
+    try:
+        assert holder.stdout.readline() == "held\n"
+        for _ in range(3):
+            mover = threading.Timer(0.05, os.rename, (path, aside))
+            mover.start()
+            try:
+                outcomes.append(kc.snapshot("swap").name)  # a prefix: found by the scan, then read
+            except kc.ModelNotFound:
+                outcomes.append("not found")
+            finally:
+                mover.join()
+                os.rename(aside, path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert len(outcomes) == 3  # the old snapshot() raised FileNotFoundError here

@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
 
 from kvcached_core.backends import Geometry  # noqa: E402
 from kvcached_core.backends.cuda import CudaBackend  # noqa: E402
-from kvcached_core.backends.cuda_native import build as build_native  # noqa: E402
+from kvcached_core.backends.cuda_native import load as load_native  # noqa: E402
 
 MiB = 1 << 20
 OPS = ("grow_cold", "shrink_keep", "grow_warm", "shrink_release")
@@ -500,8 +500,8 @@ def main() -> int:
         os.environ.setdefault("KVCACHED_SHM_DIR", tmp)
         floor = None if args.no_native else build_floor(Path(tmp))
         report["native_floor_built"] = floor is not None
-        helper, why = build_native()
-        report["environment"]["native_helper"] = f"built at {helper}" if helper else f"unavailable: {why}"
+        helper, why = load_native()
+        report["environment"]["native_helper"] = f"installed at {helper.__file__}" if helper else f"unavailable: {why}"
         report["compare"] = [] if args.skip_compare else compare(floor, args, helper is not None)
         save(report, args.out)  # keep what we have if the next part fails
         report["alloc"] = []

@@ -7,8 +7,8 @@
  * produce the same blocks and the same segment bytes. The interpreter's dispatch is what this
  * removes (benchmarks/probes/tight_alloc.py compares the two paths).
  *
- * Built at run time by kvcached_core/fastpath.py with the system compiler; without one the
- * allocator simply stays on the Python path.
+ * Built when the package is installed (setup.py), as the optional extension kvcached_core._fastpath;
+ * without it the allocator stays on the Python path and says so once.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1027,10 +1027,10 @@ static PyMethodDef module_methods[] = {{NULL, NULL, 0, NULL}};
 #endif
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, .m_name = "_kvc_fastpath", .m_doc = NULL, .m_size = -1, .m_methods = module_methods,
+    PyModuleDef_HEAD_INIT, .m_name = "kvcached_core._fastpath", .m_doc = NULL, .m_size = -1, .m_methods = module_methods,
 };
 
-PyMODINIT_FUNC PyInit__kvc_fastpath(void) {
+PyMODINIT_FUNC PyInit__fastpath(void) {
     crc_init();
     S_nonempty = PyUnicode_InternFromString("nonempty");
     S_pages_inuse = PyUnicode_InternFromString("pages_inuse");
@@ -1060,5 +1060,11 @@ PyMODINIT_FUNC PyInit__kvc_fastpath(void) {
         Py_DECREF(m);
         return NULL;
     }
+#ifdef KVC_SOURCE_DIGEST
+    if (PyModule_AddStringConstant(m, "SOURCE_DIGEST", KVC_SOURCE_DIGEST) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+#endif
     return m;
 }

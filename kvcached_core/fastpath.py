@@ -1,4 +1,4 @@
-"""The optional C hot path: ``alloc`` and ``free`` in ``fastpath.c``, built once with the system compiler.
+"""The optional C hot path: ``alloc`` and ``free`` in ``fastpath.c``, built when the package is installed.
 
 ``alloc`` in Python is ~200 bytecodes of placement and segment publishing; on a busy VM right after
 an engine's GPU wait that measured 14-36 µs at p50 (benchmarks/vmm.py, Python path rows). The C version walks the same page-table
@@ -7,8 +7,8 @@ may interleave freely (tests/test_fastpath.py compares them block for block, byt
 ``free`` likewise; what it triggers beyond the page table (a prefix-cache removal, an unmap, a
 limit's status) it asks of the manager's own Python methods.
 
-``KVCACHED_FASTPATH``: ``auto`` (default: use it when it builds), ``0`` (never), ``1`` (always:
-the allocator fails to start if it cannot be built). It serves the ``affinity`` and ``best-fit``
+``KVCACHED_FASTPATH``: ``auto`` (default: use it when it was built, else say once why not and stay
+in Python), ``0`` (never), ``1`` (always: the allocator fails to start without it). It serves the ``affinity`` and ``best-fit``
 policies on a single-rank allocator while no lowered limit is waiting; anything else (first-fit,
 a deferred limit, tensor parallelism, ids that are not plain ints) takes the Python path.
 """
@@ -16,20 +16,14 @@ a deferred limit, tensor parallelism, ids that are not plain ints) takes the Pyt
 from __future__ import annotations
 
 import struct
-import threading
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from . import layout as L
-from .cbuild import build_extension
+from . import native
 from .config import ConfigError, tristate_env
 
-FASTPATH_ENV = "KVCACHED_FASTPATH"
-MODULE = "_kvc_fastpath"
-
-_loaded: tuple[ModuleType | None, str] | None = None
-_load_lock = threading.Lock()
+FASTPATH_ENV = native.PARTS["fastpath"].env
 
 
 def mode_from_env() -> str:
@@ -37,19 +31,8 @@ def mode_from_env() -> str:
 
 
 def load() -> tuple[ModuleType | None, str]:
-    """The compiled module (built on first use, then cached on disk and in this process), or None and why."""
-    global _loaded
-    with _load_lock:
-        if _loaded is None:
-            _loaded = _build_and_import()
-        return _loaded
-
-
-def _build_and_import(extra_flags: tuple[str, ...] = ()) -> tuple[ModuleType | None, str]:
-    """Build (or find in the cache) and import the module; ``extra_flags`` make a variant, e.g. the
-    stage-timed one that ``benchmarks/probes/alloc_stages.py`` loads with ``-DKVC_PROFILE``."""
-    source = (Path(__file__).with_name("fastpath.c")).read_text()
-    return build_extension(source, MODULE, extra_flags)
+    """The extension module ``kvcached_core._fastpath``, or None and why not."""
+    return native.load("fastpath")
 
 
 def _offsets(bundle_bytes: int) -> dict[str, int]:
@@ -84,6 +67,7 @@ def attach(manager: Any, policy: Any, mode: str | None = None) -> tuple[Any | No
     require(mode)
     module, why = load()
     if module is None:
+        native.say_unavailable("fastpath", why)
         return None, why
     affinity = type(policy) is Affinity
     fast = module.FastPath(manager, affinity, float(getattr(policy, "slack", 0.0)),

@@ -56,18 +56,13 @@ def gpu_missing() -> str | None:
 GPU_MISSING = gpu_missing()
 needs_gpu = pytest.mark.skipif(GPU_MISSING is not None, reason=f"needs an NVIDIA GPU: {GPU_MISSING}")
 LAYOUTS = pytest.mark.parametrize("layout", ["layer", "page"])
-# The native loop called through its CPython extension (the default), the same loop through ctypes
-# (where Python's headers are missing), and cuda-python alone.
-PATHS = pytest.mark.parametrize("native", ["1", "ctypes", "0"], ids=["native-loop", "native-via-ctypes", "cuda-python"])
+# The native loop (the extension built at install, the default) and cuda-python alone.
+PATHS = pytest.mark.parametrize("native", ["1", "0"], ids=["native-loop", "cuda-python"])
 
 
 def on_path(backend: CudaBackend, native: str) -> CudaBackend:
-    """Check the backend took the path asked for; ``ctypes``: the native loop without its extension."""
+    """Check the backend took the path asked for."""
     assert (backend._native is not None) == (native != "0"), backend.native_reason
-    if backend._native is not None:
-        assert backend._native._caller is not None, backend._native.caller_reason
-        if native == "ctypes":
-            backend._native._caller = None
     return backend
 
 
@@ -151,46 +146,19 @@ def test_layout_setting_is_validated_before_touching_the_driver(monkeypatch: pyt
         CudaBackend(Geometry(2 * MiB, 4, 2, 2), layout="layer")
 
 
-def test_native_helper_builds_once_and_exports_its_loop(tmp_path, monkeypatch) -> None:
-    import ctypes
-    import shutil
-
-    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
-        pytest.skip("no C compiler here")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path, why = cuda_native.build()
-    assert path is not None, why
-    assert path.parent == tmp_path / "kvcached" and path.stat().st_size > 0
-    assert cuda_native.build() == (path, "")  # cached: no second compile
-    lib = ctypes.CDLL(str(path))
-    for name in ("kvc_map_pages", "kvc_unmap", "kvc_release"):
-        assert hasattr(lib, name)
-    assert [p.name for p in path.parent.iterdir()] == [path.name], "temporary build files left behind"
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other"))
-    path, why = cuda_native.build()
-    assert path is None and "no-such-compiler" in why
-
-
-def test_the_map_caller_extension_builds_and_checks_its_arguments(tmp_path, monkeypatch) -> None:
-    """The CPython extension that calls the native loop with Python lists (the loop itself needs a GPU)."""
-    import shutil
-
-    from kvcached_core.cbuild import build_extension
-
-    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
-        pytest.skip("no C compiler here")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    module, why = build_extension(cuda_native.CALLER_SOURCE, "_kvc_vmmcall")
-    if module is None and "Python.h" in why:
-        pytest.skip(why)
+def test_the_map_loop_extension_checks_its_arguments() -> None:
+    """The installed extension's entry points refuse what would make the loop read out of bounds (the
+    loop itself needs a GPU)."""
+    module, why = cuda_native.load()
     assert module is not None, why
     with pytest.raises(TypeError, match="offsets: list"):
-        module.map_pages(1, 1, (0,), [], 1)
-    with pytest.raises(ValueError, match="null function"):
-        module.map_pages(0, 1, [0], [], 1)
-    with pytest.raises(ValueError, match="more pooled handles"):
-        module.map_pages(1, 1, [0], [1, 2, 3], 2)
+        module.map_pages(1, (0,), [])
+    with pytest.raises(ValueError, match="null vmm"):
+        module.map_pages(0, [0], [])
+    with pytest.raises(TypeError, match="handles: list"):
+        module.release(1, (1,))
+    with pytest.raises(TypeError, match="unmap"):
+        module.unmap(1, 0)
 
 
 @pytest.mark.skipif(GPU_MISSING is None, reason="a GPU is present: construction succeeds here")

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import os
 import random
+import shlex
+import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
+from types import ModuleType
 
 os.environ.setdefault("KVCACHED_SHM_DIR", tempfile.mkdtemp())
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -32,10 +37,25 @@ STAGES = ("wrapper", "load_state", "placement", "store_state", "ids_list", "coun
 STAMP_PAIRS = ((0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9))
 
 
+def build_profiled() -> ModuleType:
+    """fastpath.c compiled with ``-DKVC_PROFILE`` into a temporary directory and imported (the probe's own
+    build: the installed extension has no stamps)."""
+    source = os.path.join(os.path.dirname(fastpath.__file__), "fastpath.c")
+    out = os.path.join(tempfile.mkdtemp(), "_fastpath" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    cc = shlex.split(os.environ.get("CC") or "cc")
+    done = subprocess.run([*cc, "-O2", "-shared", "-fPIC", "-DKVC_PROFILE", f"-I{sysconfig.get_paths()['include']}",
+                           "-o", out, source], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"cannot build the profiled C path: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    spec = importlib.util.spec_from_file_location("_fastpath", out)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def profiled(m: KVCacheManager):  # noqa: ANN201
-    module, why = fastpath._build_and_import(("-DKVC_PROFILE",))
-    if module is None:
-        raise SystemExit(f"cannot build the profiled C path: {why}")
+    module = build_profiled()
     policy = m.policy
     fast = module.FastPath(m, type(policy) is Affinity, float(getattr(policy, "slack", 0.0)),
                            fastpath._offsets(m.bundle_bytes))

@@ -22,7 +22,7 @@ default ``KVCACHED_MAX_RESERVED_PAGES``) so that regrowth skips ``cuMemCreate`` 
 skips ``cuMemRelease``; ``trim_pool`` gives pooled memory back. Pages unmapped (or, on the
 cuda-python path, mapped) in one call that sit next to each other get one ``cuMemUnmap`` /
 ``cuMemSetAccess`` per range instead of one per handle. Where a page id has several handles,
-a small C loop (:mod:`.cuda_native`, built once with the system compiler) maps and grants it
+a small C loop (:mod:`.cuda_native`, an extension built when the package is installed) maps and grants it
 in one call. Running out of device memory is a short answer from ``map_pages`` (a miss);
 every other driver error raises :class:`BackendError` naming the call.
 
@@ -50,10 +50,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import native
 from ..config import ConfigError, reserve_bounds
 from .base import Backend, BackendError, BackendUnavailable, Geometry
 from .cuda_native import NATIVE_ENV, NativeVmm, native_mode_from_env
-from .cuda_native import build as build_native
+from .cuda_native import load as load_native
 
 LAYOUTS = ("layer", "page")
 LAYOUT_ENV = "KVCACHED_CUDA_LAYOUT"
@@ -326,15 +327,17 @@ class CudaBackend(Backend):
         # where slice s of page 0 starts; slice s of page p is p * slice_bytes further
         self._bases = [self._va + s * g.range_bytes for s in range(self.slices)] if self.layout == "layer" else [self._va]
         if self.native_mode != "off":
-            path, why = build_native()
-            if path is not None:
+            module, why = load_native()
+            if module is not None:
                 try:
-                    self._native = NativeVmm(path, prop, access, self.slice_bytes, self._bases, self._ctx_id)
+                    self._native = NativeVmm(module, prop, access, self.slice_bytes, self._bases, self._ctx_id)
                 except (OSError, AttributeError) as exc:
-                    why = f"cannot load it: {exc}"
+                    why = f"cannot bind the driver: {exc}"
             self.native_reason = why
             if self._native is None and self.native_mode == "on":
                 raise BackendError(f"{NATIVE_ENV}=1 but the native helper is unavailable: {why}")
+            if self._native is None:
+                native.say_unavailable("cuda", why)
 
     # -- plumbing --------------------------------------------------------------------------------
     def _err_name(self, err: Any) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from kvcached_core import __version__
+from .version import verbose_option, version_option
 
 # Registering a command is one line here: "name": "module:attribute" of a click.Command.
 # Modules are imported lazily (only the command that runs, or all of them for --help).
@@ -224,7 +224,8 @@ class KvctlGroup(click.Group):
 
 
 @click.group("kvctl", cls=KvctlGroup, context_settings=CONTEXT_SETTINGS, no_args_is_help=True)
-@click.version_option(__version__, "-V", "--version", prog_name="kvctl", message="%(prog)s %(version)s")
+@version_option
+@verbose_option
 def main() -> None:
     """Inspect and steer the KV-cache allocators (kvcached_core) running on this machine.
 

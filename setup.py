@@ -1,0 +1,26 @@
+"""The optional native parts, built when the package is installed (metadata: pyproject.toml).
+
+Each is an ordinary extension module; ``optional=True`` lets an install without a C compiler or
+Python's headers succeed, and the allocator then says once, at run time, that it uses the Python
+path instead (:mod:`kvcached_core.native`). Each build records its source's digest, so a build
+older than its source (an edited checkout not reinstalled) is reported rather than used.
+"""
+
+import hashlib
+from pathlib import Path
+
+from setuptools import Extension, setup
+
+ROOT = Path(__file__).parent
+
+
+def native(module: str, source: str) -> Extension:
+    digest = hashlib.sha256((ROOT / source).read_bytes()).hexdigest()[:16]
+    return Extension(module, [source], optional=True, extra_compile_args=["-O2"],
+                     define_macros=[("KVC_SOURCE_DIGEST", f'"{digest}"')])
+
+
+setup(ext_modules=[
+    native("kvcached_core._fastpath", "kvcached_core/fastpath.c"),
+    native("kvcached_core.backends._cuda_native", "kvcached_core/backends/cuda_native.c"),
+])

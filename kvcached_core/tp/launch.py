@@ -79,7 +79,7 @@ def spawn_workers(world: int, *, backend: str = "host", devices: Sequence[int] |
             cmd = [sys.executable, "-m", "kvcached_core.tp.worker", "--socket", path, "--rank", str(rank),
                    "--device", str(device), "--backend", backend]
             if cap is not None:
-                cmd += ["--capacity", str(cap)]
+                cmd += ["--capacity", f"{cap}B"]  # bytes: a size without a unit is refused
             procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                           env=_child_env(), text=True))
         deadline = time.monotonic() + start_timeout

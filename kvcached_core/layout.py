@@ -8,6 +8,7 @@ One file per model, ``<KVCACHED_SHM_DIR>/kvc.<name>``, mode 0600, little-endian:
     576     64    LIVENESS    allocator      heartbeat (ns), claimed bytes (capacity ledger)
     640     8     SEQ         allocator      seqlock sequence (odd while a publish is under way)
     648     184   COUNTERS    allocator      counters, acknowledgements, page-map sum, checksum
+    896     64    TRAFFIC     engine         requests running/waiting, finished, tokens, preemptions
     1024    4*N   PAGE MAP    allocator      one u32 per page (see ``PAGE_*``)
     ...     R*64  RANKS       allocator      tensor-parallel ranks: pid, device, mapped bytes
 
@@ -65,6 +66,16 @@ COUNTERS_OFF = SEQ_OFF + 8
 CHECKSUM_OFF = COUNTERS_OFF + COUNTERS.size
 PAGE_MAP_OFF = 1024
 assert CHECKSUM_OFF + 8 <= PAGE_MAP_OFF
+
+# TRAFFIC: what the engine's scheduler sees, written as plain aligned 64-bit words (no seqlock,
+# no system call: one store per field, once per scheduler step). ``published`` is 0 until an
+# engine writes it, so readers can tell "no traffic figures" (null) from zeros. Gauges (running,
+# waiting) and monotonic counters; ``last_request_ns`` is CLOCK_REALTIME, 0 before any request.
+TRAFFIC = struct.Struct("<QQQQQQQQ")
+TRAFFIC_FIELDS = ("published", "running", "waiting", "finished", "prompt_tokens", "generated_tokens",
+                  "preemptions", "last_request_ns")
+TRAFFIC_OFF = 896
+assert CHECKSUM_OFF + 8 <= TRAFFIC_OFF and TRAFFIC_OFF + TRAFFIC.size <= PAGE_MAP_OFF
 
 RANK = struct.Struct("<iiqQQQQQQ")  # rank, device, pid, start_time, mapped_bytes, acked_seq, flags, 2 spare
 RANK_FIELDS = ("rank", "device", "pid", "start_time", "mapped_bytes", "acked_seq", "flags")

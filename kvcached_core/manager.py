@@ -280,6 +280,21 @@ class KVCacheManager:
                 blocks -= self.blocks_per_page - pages.cap[last]
             return in_mapped + blocks
 
+    def schedulable_blocks(self) -> int:
+        """Blocks an engine may plan to take now: what ``alloc`` can give (the device left out, as in
+        ``available_size(device=False)``) plus the cached blocks it may evict for them.
+
+        Under a deferred limit, never more than the limit leaves beside the active blocks: an engine
+        that admits work by this count (vLLM's scheduler) stops admitting and preempts until the
+        model fits, so its pages drain and the limit applies, instead of refilling every hole.
+        """
+        with self._lock:
+            free = self.available_size(device=False) + len(self.cache)
+            if self.limit_status == L.LIMIT_DEFERRED and self.limit_pages is not None:
+                active = self.pages.blocks_used - len(self.cache)
+                free = min(free, max(0, self.limit_pages * self.blocks_per_page - active))
+            return free
+
     def trim(self) -> int:
         """Unmap every reserved page now; returns the bytes given back."""
         with self._lock:
@@ -300,6 +315,14 @@ class KVCacheManager:
             self._apply_limit(limit_bytes)
             self._publish()
             return L.LIMIT_STATUS_NAMES[self.limit_status]
+
+    def publish_traffic(self, running: int, waiting: int, finished: int, prompt_tokens: int,
+                        generated_tokens: int, preemptions: int, last_request_ns: int) -> None:
+        """The engine's request figures, for kvtop and kvctl: gauges (running, waiting) and monotonic
+        counters, written into the segment as plain words (no lock, no system call: once a step is cheap)."""
+        if not self._closed:
+            self.segment.publish_traffic(running, waiting, finished, prompt_tokens, generated_tokens, preemptions,
+                                         last_request_ns)
 
     # -- prefix cache ------------------------------------------------------------------------
     def mark_cached(self, ids: Iterable[int]) -> list[int]:

@@ -18,7 +18,7 @@ from .liveness import judge, writer_alive
 from .names import SEGMENT_PREFIX, InvalidName, segment_path
 from .pgroups import GroupJudge
 from .procinfo import is_alive
-from .snapshot import ModelSnapshot, Problem, RankInfo, Scan
+from .snapshot import ModelSnapshot, Problem, RankInfo, Scan, Traffic
 
 HEARTBEAT_STALE_S = liveness.HEARTBEAT_STALE_S
 READ_RETRIES = 32
@@ -240,8 +240,16 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
         heartbeat_ns=heartbeat, read_ns=now_ns, start_time=header["start_time"],
         late=status == "live" and verdict.late, pid_ns=header["pid_ns"],
         tp_world=header["tp_world"], ranks=ranks, pages=pages,
-        device_capacity=header["device_capacity"],
+        device_capacity=header["device_capacity"], traffic=_traffic(body, now_ns),
     )
+
+
+def _traffic(body: bytes, now_ns: int) -> Traffic | None:
+    """The engine's traffic words, or None when it publishes none."""
+    values = dict(zip(L.TRAFFIC_FIELDS, L.TRAFFIC.unpack_from(body, L.TRAFFIC_OFF), strict=True))
+    if not values.pop("published"):
+        return None
+    return Traffic(**values, read_ns=now_ns)
 
 
 def scan(*, with_pages: bool = False, directory: Path | None = None) -> Scan:

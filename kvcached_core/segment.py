@@ -21,6 +21,7 @@ from .removal import inode, remove_verified
 
 _pack_counters = L.COUNTERS.pack_into
 _pack_u64 = L.U64.pack_into
+_pack_traffic = L.TRAFFIC.pack_into
 
 
 TEMP_PREFIX = ".kvc-new."  # a segment being created: TEMP_PREFIX + name + "." + pid
@@ -256,6 +257,12 @@ class SegmentWriter:
                  flags: int = 0) -> None:
         off = self._ranks_off + index * L.RANK.size
         L.RANK.pack_into(self._buf, off, rank, device, pid, started, mapped, acked, flags, 0, 0)
+
+    def publish_traffic(self, running: int, waiting: int, finished: int, prompt_tokens: int,
+                        generated_tokens: int, preemptions: int, last_request_ns: int) -> None:
+        """The engine's traffic figures (see ``layout.TRAFFIC``): plain stores, safe from any one thread."""
+        _pack_traffic(self._buf, L.TRAFFIC_OFF, 1, running, waiting, finished, prompt_tokens, generated_tokens,
+                      preemptions, last_request_ns)
 
     # -- liveness and capacity ---------------------------------------------------------------
     def heartbeat(self) -> None:

@@ -16,6 +16,33 @@ class RankInfo:
 
 
 @dataclass(frozen=True)
+class Traffic:
+    """What the engine's scheduler published about its requests (``layout.TRAFFIC``)."""
+
+    running: int
+    waiting: int
+    finished: int
+    prompt_tokens: int
+    generated_tokens: int
+    preemptions: int
+    last_request_ns: int  # 0: no request yet
+    read_ns: int
+
+    @property
+    def idle_s(self) -> float | None:
+        """Seconds since the last request arrived; None before the first one."""
+        if not self.last_request_ns:
+            return None
+        return max(0.0, (self.read_ns - self.last_request_ns) / 1e9)
+
+    def to_dict(self) -> dict:
+        idle = self.idle_s
+        return {"running": self.running, "waiting": self.waiting, "finished": self.finished,
+                "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+                "preemptions": self.preemptions, "idle_s": None if idle is None else round(idle, 3)}
+
+
+@dataclass(frozen=True)
 class ModelSnapshot:
     """One model at one instant. ``status`` is live, stale or legacy."""
 
@@ -66,6 +93,7 @@ class ModelSnapshot:
     legacy: bool = False  # an upstream kvcached segment: bytes only, no page map (status legacy or stale)
     late: bool = False  # live, but its heartbeat is late: the process exists and is stopped or overloaded
     pid_ns: int = 0  # the writer's pid namespace (0: not recorded); pid means nothing outside it
+    traffic: Traffic | None = None  # None: the engine publishes no traffic figures (never invented zeros)
     pages: array | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -158,6 +186,7 @@ class ModelSnapshot:
             "tp_world": self.tp_world, "device_capacity": self.device_capacity,
             "ranks": [{"rank": r.rank, "device": r.device, "pid": r.pid,
                        "mapped_bytes": r.mapped_bytes, "alive": r.alive} for r in self.ranks],
+            "traffic": None if self.traffic is None else self.traffic.to_dict(),
         }
 
 

@@ -120,6 +120,18 @@ class KVCachedCollector(Collector):
         rank_up = GaugeMetricFamily(f"{PREFIX}_rank_up", "1 while a tensor-parallel rank's process runs, else 0.",
                                     labels=rank_labels)
         stale = gauge("stale", "1 when the allocator's process is gone or its heartbeat is old, else 0.")
+        running = gauge("requests_running", "Requests the engine is running now (engines that publish traffic).")
+        waiting = gauge("requests_waiting", "Requests waiting in the engine's queue (engines that publish traffic).")
+        idle = gauge("idle_seconds", "Seconds since the engine's last request arrived.")
+        traffic_counters = [
+            (field, CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=MODEL_LABELS))
+            for field, name, doc in (
+                ("finished", "requests_finished", "Requests that left the engine (finished or aborted)."),
+                ("prompt_tokens", "prompt_tokens", "Prompt tokens of the requests that arrived."),
+                ("generated_tokens", "generated_tokens", "Tokens the engine generated."),
+                ("preemptions", "preemptions", "Requests preempted (recomputed later), mostly for lack of KV blocks."),
+            )
+        ]
 
         for m in models:
             labels = [m.name, m.engine, str(m.device), str(m.pid), self.host]
@@ -154,13 +166,21 @@ class KVCachedCollector(Collector):
                 free_rate.add_metric(labels, rates[1])
             age.add_metric(labels, max(0.0, (m.read_ns - m.heartbeat_ns) / 1e9))
             stale.add_metric(labels, 1 if m.status == "stale" else 0)
+            if m.traffic is not None:
+                running.add_metric(labels, m.traffic.running)
+                waiting.add_metric(labels, m.traffic.waiting)
+                if m.traffic.idle_s is not None:
+                    idle.add_metric(labels, m.traffic.idle_s)
+                for field, family in traffic_counters:
+                    family.add_metric(labels, getattr(m.traffic, field))
             for r in m.ranks:
                 rank_row = [m.name, str(r.rank), str(r.device), str(r.pid), self.host]
                 rank_mapped.add_metric(rank_row, r.mapped_bytes)
                 rank_up.add_metric(rank_row, 1 if r.alive else 0)
         self._forget_vanished(models)
         return [info, mapped, held, pinned, reserved, cached, capacity, limit, requested, status, waste,
-                pages, alloc_rate, free_rate, allocs, frees, age, stale, rank_mapped, rank_up]
+                pages, alloc_rate, free_rate, allocs, frees, age, stale, rank_mapped, rank_up, running, waiting, idle,
+                *(family for _, family in traffic_counters)]
 
     # -- the scan itself and the devices -----------------------------------------------------
     def _scan_families(self, scan: kvcached_core.Scan, seconds: float) -> list[Metric]:

@@ -23,6 +23,8 @@ CSV_FIELDS = (
     "limit_status", "requested_limit", "limit_revision", "applied_revision", "waste_ratio", "alloc_count",
     "free_count", "trimmed_total", "idle_returned", "heartbeat_ns", "updated_ns", "tp_world", "device_capacity",
 )
+# Then the engine's traffic (the "traffic" object of to_dict), empty where the engine publishes none.
+TRAFFIC_FIELDS = ("running", "waiting", "finished", "prompt_tokens", "generated_tokens", "preemptions", "idle_s")
 CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -35,7 +37,7 @@ class Printer:
         self.tty = T.want_rich(self.out)
         self.csv = csv.writer(self.out, lineterminator="\n") if fmt == "csv" else None
         if self.csv is not None:
-            self.csv.writerow(("time", "tick", *CSV_FIELDS))
+            self.csv.writerow(("time", "tick", *CSV_FIELDS, *TRAFFIC_FIELDS))
 
     def tick(self, tick: int, now: float, models: list[ModelSnapshot]) -> None:
         if self.fmt == "json":
@@ -46,7 +48,9 @@ class Printer:
         elif self.csv is not None:
             for m in models:
                 row = m.to_dict()
-                self.csv.writerow((f"{now:.3f}", tick, *("" if row[k] is None else row[k] for k in CSV_FIELDS)))
+                traffic = row["traffic"] or {}
+                self.csv.writerow((f"{now:.3f}", tick, *("" if row[k] is None else row[k] for k in CSV_FIELDS),
+                                   *("" if traffic.get(k) is None else traffic[k] for k in TRAFFIC_FIELDS)))
         else:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
             title = f"kvctl watch  every {self.interval:g} s  {stamp}  tick {tick}"

@@ -11,8 +11,9 @@ prefix-cache hash map); what changes is where a free block comes from and where 
 - a prefix hit on a cached block is ``reuse``; whenever kvcached evicts cached blocks (budget,
   idle packing, room for new blocks) their hashes leave vLLM's map before anything else runs.
 
-The free count vLLM schedules against is what kvcached can hand out under its limit plus the
-cached blocks it could evict. When that is not enough after all (a limit lowered by a
+The free count vLLM schedules against is ``KVCacheManager.schedulable_blocks``: what kvcached
+can hand out under its limit plus the cached blocks it could evict (under a deferred limit, only
+the limit's room, so the scheduler preempts and queues until the model fits). When that is not enough after all (a limit lowered by a
 controller, a full device), :class:`NoRoom` is raised and the wrapped ``allocate_slots`` turns it
 into vLLM's own "cannot allocate" answer, so the scheduler queues or preempts.
 """
@@ -56,8 +57,7 @@ class KvcachedBlockPool(BlockPool):
 
     # -- what vLLM schedules against -----------------------------------------------------------
     def get_num_free_blocks(self) -> int:
-        manager = self.manager
-        return manager.available_size(device=False) + manager.cached_blocks
+        return self.manager.schedulable_blocks()
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         ids = self._take(num_blocks)
@@ -115,8 +115,13 @@ class KvcachedBlockPool(BlockPool):
                     to_free.append(block.block_id)
         if to_free:
             self.manager.free(to_free)
+        manager = self.manager
         if to_cache:
-            self._forget(self.manager.mark_cached(to_cache))
+            self._forget(manager.mark_cached(to_cache))
+        if (to_free or to_cache) and manager.used_blocks - manager.cached_blocks == 1:
+            # Only the placeholder is active: the engine went idle. kvcached packs an idle model by
+            # itself when nothing is active, which the placeholder hides from it: ask here.
+            self._forget(manager.pack())
         for pool, blocks in others.items():
             pool.free_blocks(blocks)
 

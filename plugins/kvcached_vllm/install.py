@@ -62,6 +62,11 @@ def _patch_scheduler() -> None:
             original_init(self, vllm_config, kv_cache_config, *args, **kwargs)
         finally:
             _context.scheduler = None
+        from .block_pool import KvcachedBlockPool
+        from .traffic import Traffic
+
+        pool = self.kv_cache_manager.block_pool
+        self._kvcached_traffic = Traffic(pool.manager) if isinstance(pool, KvcachedBlockPool) else None
 
     def block_pool(num_gpu_blocks: int, enable_caching: bool, hash_block_size: int, **kwargs: Any) -> BlockPool:
         pending = getattr(_context, "scheduler", None)
@@ -93,8 +98,51 @@ def _patch_scheduler() -> None:
             return None
 
     scheduler.Scheduler.__init__ = scheduler_init
+    _patch_traffic(scheduler.Scheduler)
     kv_cache_coordinator.BlockPool = block_pool
     kv_cache_manager.KVCacheManager.allocate_slots = allocate_slots
+
+
+def _patch_traffic(cls: Any) -> None:
+    """Count what the scheduler sees (see :mod:`.traffic`); a scheduler without kvcached is left alone."""
+    original_add = cls.add_request
+    original_update = cls.update_from_output
+    original_free = cls._free_request
+    original_preempt = cls._preempt_request
+
+    @functools.wraps(original_add)
+    def add_request(self: Any, request: Any) -> None:
+        original_add(self, request)
+        traffic = self.__dict__.get("_kvcached_traffic")
+        if traffic is not None:
+            traffic.arrived(request.num_prompt_tokens, self.get_request_counts())
+
+    @functools.wraps(original_update)
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = original_update(self, scheduler_output, model_runner_output)
+        traffic = self.__dict__.get("_kvcached_traffic")
+        if traffic is not None:
+            traffic.stepped(sum(map(len, model_runner_output.sampled_token_ids)), self.get_request_counts())
+        return outputs
+
+    @functools.wraps(original_free)
+    def free_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        traffic = self.__dict__.get("_kvcached_traffic")
+        if traffic is not None:
+            traffic.finished += 1
+        return original_free(self, request, *args, **kwargs)
+
+    @functools.wraps(original_preempt)
+    def preempt_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        traffic = self.__dict__.get("_kvcached_traffic")
+        if traffic is not None:
+            traffic.preemptions += 1
+        return original_preempt(self, *args, **kwargs)
+
+    cls.add_request = add_request
+    cls.update_from_output = update_from_output
+    cls._free_request = free_request
+    cls._preempt_request = preempt_request
 
 
 def _patch_engine_shutdown() -> None:

@@ -186,6 +186,23 @@ def test_limit_below_use_queues_requests_and_lifting_it_restores_concurrency(
     assert max(s.pages_inuse for s in samples[mark:]) > limit_pages  # lifted: more pages in use at once
 
 
+def test_traffic_counters_equal_what_was_sent(server: Server, ctl_env: dict[str, str]) -> None:
+    def traffic() -> dict:
+        (row,) = [r for r in json.loads(kvctl("list", "--json", env=ctl_env).stdout) if r["name"] == NAME]
+        return row["traffic"]
+
+    before = traffic()
+    assert before is not None  # the vLLM plugin publishes traffic from the start
+    batch = SHORT[:4]
+    complete_all(server, batch, 12)
+    after = wait_for(lambda: (t := traffic())["finished"] >= before["finished"] + len(batch) and t)
+    assert after["finished"] - before["finished"] == len(batch)
+    assert after["prompt_tokens"] - before["prompt_tokens"] == sum(len(p) for p in batch)
+    assert after["generated_tokens"] - before["generated_tokens"] == 12 * len(batch)
+    assert after["running"] == 0 and after["waiting"] == 0
+    assert after["idle_s"] is not None and after["idle_s"] < 120
+
+
 # -- the switch and the version ----------------------------------------------------------------
 def test_without_enable_kvcached_vllm_is_untouched(shm: Path) -> None:
     code = ("import kvcached_vllm, vllm.v1.core.sched.scheduler as s, vllm.v1.core.kv_cache_coordinator as c;"

@@ -13,7 +13,7 @@ Examples::
     python examples/generate.py                      # CPU, host backend
     python examples/generate.py --device cuda        # GPU, CUDA virtual memory backend
     python examples/generate.py --step-delay 0.05 --hold 30   # slow enough to watch, then stay visible
-    python examples/generate.py --limit 40MiB        # a tight limit: the clear exhaustion error
+    python examples/generate.py --limit 4MiB         # a tight limit: the clear exhaustion error
     python examples/generate.py --check              # tokens compared with transformers' DynamicCache
 
 Exit status: 0 done, 1 failure (exhausted cache, no GPU, a --check mismatch), 2 usage.

@@ -139,6 +139,7 @@ class KvtopApp(App[int]):
         self._prev: Frame | None = None
         self._logged: set[tuple] = set()
         self._visible: list[ModelSnapshot] = []
+        self._said: dict[str, float] = {}  # notification -> when it was last shown
 
     # -- layout ----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -380,13 +381,20 @@ class KvtopApp(App[int]):
 
     def action_zoom_in(self) -> None:
         if not self.pagemap.zoom_in():
-            self.notify("the page map is at one page per cell: Z zooms out", timeout=3, markup=False)
+            self._say_once("the page map is at one page per cell: Z zooms out")
         self._draw_selected()
 
     def action_zoom_out(self) -> None:
         if not self.pagemap.zoom_out():
-            self.notify("the whole page map is on screen: z zooms in", timeout=3, markup=False)
+            self._say_once("the whole page map is on screen: z zooms in")
         self._draw_selected()
+
+    def _say_once(self, text: str, timeout: float = 3.0) -> None:
+        """A notification, not repeated while the same one is still on screen (a key held down)."""
+        now = time.monotonic()
+        if now - self._said.get(text, -timeout) >= timeout:
+            self._said[text] = now
+            self.notify(text, timeout=timeout, markup=False)
 
     def action_map_page(self, direction: int) -> None:
         if direction > 0:

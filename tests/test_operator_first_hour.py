@@ -422,12 +422,15 @@ def test_zooming_past_either_end_says_so() -> None:
     async def script(pilot: Pilot) -> None:
         await settled(pilot)
         await pilot.press("Z")
-        assert [n.message for n in app._notifications] == ["the whole page map is on screen: z zooms in"]
-        for _ in range(12):
+        assert "the whole page map is on screen: z zooms in" in [n.message for n in app._notifications]
+        for _ in range(20):
+            if app.pagemap.per_cell == 1:
+                break
             await pilot.press("z")
-        assert app.pagemap.per_cell == 1
-        messages = [n.message for n in app._notifications]
-        assert "the page map is at one page per cell: Z zooms out" in messages
+        said = "the page map is at one page per cell: Z zooms out"
+        assert said not in [n.message for n in app._notifications]
+        await pilot.press("z", "z", "z")
+        assert [n.message for n in app._notifications].count(said) == 1  # said once, not once per key
 
     drive(app, script)
 
@@ -479,3 +482,67 @@ def test_kvtop_into_a_file_is_not_cut_at_80_columns(spawn_allocator, tmp_path) -
     header = next(line for line in lines if line.startswith("model "))
     assert header.split()[-3:] == ["engine", "pid", "dev"], header  # every column
     assert len(header) > 80
+
+
+# -- help text -----------------------------------------------------------------------------
+
+def test_help_text_is_plain_and_says_which_arguments_are_optional() -> None:
+    from kvtop.cli import COMMANDS
+
+    for name in COMMANDS:
+        shown = kvctl(name, "--help").stdout
+        assert "``" not in shown, name  # no reStructuredText markup
+    clean = kvctl("clean", "--help").stdout
+    assert "\n    .kvc-new.<name>.<pid>\n" in clean  # the file name whole, on its own line
+    for name in ("frag", "trim"):
+        assert kvctl(name, "--help").stdout.startswith(f"Usage: kvctl {name} [OPTIONS] [MODEL]\n")
+    assert kvctl("show", "--help").stdout.startswith("Usage: kvctl show [OPTIONS] MODEL\n")
+
+
+# -- the README against what a newcomer runs -----------------------------------------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_block(after: str, kind: str) -> str:
+    text = README.read_text()
+    start = text.index(f"```{kind}\n", text.index(after)) + len(kind) + 4
+    return text[start:text.index("```", start)]
+
+
+def test_the_readme_screen_is_what_kvtop_demo_shows() -> None:
+    from kvtop.app import cli
+
+    defaults = {p.name: p.default for p in cli.params}
+    screen = readme_block("At 100×32 it looks like this", "text")
+    first = screen.splitlines()[0]
+    models = defaults["demo_models"]
+    assert f"· {models} models, {models} live · every {defaults['interval']:g} s ·" in first, first
+    assert len(screen.splitlines()) == 32 and max(len(line) for line in screen.splitlines()) <= 100
+    assert " × 2.0 MiB bundle" in screen  # the demo's page bundle, named as one (its pages are 256 KiB)
+
+
+def test_the_readme_python_and_kvctl_examples_work_against_the_demo(shm_dir: Path) -> None:
+    from kvcached_core.demo import DemoFleet
+
+    with DemoFleet(models=4) as fleet:
+        assert fleet.wait_ready(30), fleet.failure
+        code = readme_block("## Reading and steering from another process", "python")
+        exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - the README's own example
+        helped = kvctl("--help").stdout
+        for line in helped.splitlines():
+            words = line.split()
+            if words[:2] in (["kvctl", "show"], ["kvctl", "limit"]):
+                args = words[1:4] if words[1] == "limit" else words[1:3]
+                done = kvctl(*args)
+                assert done.exit_code == 0, (args, done.stderr)
+
+
+def test_the_example_and_the_readme_give_the_same_limit_and_it_exhausts_the_cache() -> None:
+    example = (README.parent / "examples" / "generate.py").read_text()
+    wanted = {line.split("--limit ")[1].split()[0] for line in (example + README.read_text()).splitlines()
+              if "examples/generate.py --limit " in line}
+    assert len(wanted) == 1, wanted
+    done = subprocess.run([sys.executable, str(README.parent / "examples" / "generate.py"), "--limit", wanted.pop()],
+                          capture_output=True, text=True, env=child_env(), timeout=300)
+    assert done.returncode == 1 and "exhausted" in done.stderr, done.stderr

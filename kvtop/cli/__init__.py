@@ -232,8 +232,8 @@ def main() -> None:
     \b
     Examples:
       kvctl list                   every running model, one row each
-      kvctl show llama             one model and its page map (name or unique prefix)
-      kvctl limit llama 4GiB       cap a model's mapped memory, live
+      kvctl show demo-llama        one model and its page map (name or unique prefix)
+      kvctl limit demo-llama 64MiB cap a model's mapped memory, live
       kvctl trim --all             return every model's reserved pages now
       kvctl watch --format json    one JSON object per tick, for scripts
       kvctl demo                   simulated models to look at (Ctrl-C ends it)

@@ -146,8 +146,7 @@ class PageMapView(ScrollView, can_focus=False):
         title = f"page map · {m.name}"
         if self._pages is not None:
             per = self.per_cell
-            mode = "fit" if self.zoom is None else "zoom"
-            title += f" · {per}/cell ({mode})"
+            title += f" · {per}/cell" + (" (zoom)" if self.zoom is not None else "")  # else fit: the default
             if self.rows > self.size.height:
                 per_row = self.row_cells * per
                 first = self.scroll_offset.y * per_row

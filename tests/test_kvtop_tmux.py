@@ -148,3 +148,27 @@ def test_interrupted_kvtop_stops_the_demo_fleet(tmux: Tmux, shm_dir: Path, tmp_p
     assert rc_file.read_text().strip() == "0"
     assert not [f for f in os.listdir(shm_dir) if f.startswith("kvc.")]
     assert not any(is_alive(p, s) for p, s in demo)
+
+
+def test_kill_9_of_kvtop_demo_ends_its_demo_models(tmux: Tmux, shm_dir: Path) -> None:
+    """SIGKILL runs no cleanup in kvtop: its models end on their own (parent-death signal, stdin closed)."""
+    import psutil
+
+    env = child_env()
+    tmux("new-session", "-d", "-s", tmux.session, "-x", "100", "-y", "30",
+         "-e", f"KVCACHED_SHM_DIR={env['KVCACHED_SHM_DIR']}", "-e", f"KVCACHED_HOST_CAPACITY={env['KVCACHED_HOST_CAPACITY']}",
+         "-e", f"PYTHONPATH={env['PYTHONPATH']}", "-e", "TERM=xterm-256color",
+         "sh", "-c", f"{sys.executable} -m kvtop.app --demo --demo-models 2; sleep 600")
+    tmux.wait_for(lambda s: "demo-qwen2-7b" in s and "page map · demo-" in s, "the demo fleet")
+    demo = [(m.pid, m.start_time) for m in list_models()]
+    assert len(demo) == 2
+    shell_pid = int(tmux("display-message", "-p", "-t", tmux.session, "#{pane_pid}").strip())
+    [kvtop] = [p for p in psutil.Process(shell_pid).children() if "kvtop.app" in " ".join(p.cmdline())]
+    kvtop.kill()
+    deadline = time.monotonic() + TIMEOUT_S
+    while any(is_alive(p, s) for p, s in demo) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(is_alive(p, s) for p, s in demo), "a demo model outlived kvtop's SIGKILL"
+    while [f for f in os.listdir(shm_dir) if f.startswith("kvc.")] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [f for f in os.listdir(shm_dir) if f.startswith("kvc.")], "a demo segment was left behind"

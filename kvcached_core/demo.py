@@ -195,6 +195,8 @@ class DemoFleet:
         return out
 
     def start(self) -> DemoFleet:
+        """Start the models; call it from a thread that outlives the fleet (the kernel's parent-death
+        signal follows the thread that started a child, not the process)."""
         for i, name in enumerate(self.names()):
             _base, engine, layers = DEMO_MODELS[i % len(DEMO_MODELS)]
             cmd = [sys.executable, "-m", "kvcached_core.demo", name, engine, str(layers),

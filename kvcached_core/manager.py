@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from numbers import Integral
 
@@ -25,6 +26,8 @@ WATCH_INTERVAL_S = 0.005
 REFILL_POLL_S = 0.0005
 REFILL_LINGER_S = 0.25
 HEARTBEAT_INTERVAL_S = 0.25
+RELEASE_CHECK_S = 0.2  # an idle refill thread looks again this often, waiting without holding its manager
+_IDLE = -1.0  # _refill_step: nothing to do until an alloc asks
 INFLIGHT_WAIT_S = 2.0  # the most a limit waits for the refill thread's batch in flight to land
 
 
@@ -158,9 +161,10 @@ class KVCacheManager:
             self.segment.close(unlink=True)
             raise
 
+        me = weakref.ref(self)  # never a strong reference from a thread: see _refill_loop
         self._threads = [
-            threading.Thread(target=self._refill_loop, name=f"kvc-refill-{self.name}", daemon=True),
-            threading.Thread(target=self._watch_loop, name=f"kvc-watch-{self.name}", daemon=True),
+            threading.Thread(target=_refill_loop, args=(me,), name=f"kvc-refill-{self.name}", daemon=True),
+            threading.Thread(target=_watch_loop, args=(me,), name=f"kvc-watch-{self.name}", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
@@ -601,51 +605,53 @@ class KVCacheManager:
         ))
 
     # -- background threads ------------------------------------------------------------------
-    def _refill_loop(self) -> None:
-        """Keep the pool at its minimum, mapping outside the lock so alloc never waits on it."""
-        linger_until = 0.0
-        while True:
-            if not (self._refill_requested or self._closed) and time.monotonic() < linger_until:
-                time.sleep(REFILL_POLL_S)  # nothing asked: look again without touching the lock
-                continue
-            with self._lock:
-                while not self._closed and not self._refill_due():
-                    if time.monotonic() < linger_until:
-                        break  # traffic was here lately: look again soon, unwoken
-                    self._refill_polling = False
-                    self._refill_wanted.wait()
-                    self._refill_polling = True
-                if self._closed:
-                    return
-                if not self._refill_due():
-                    asked = None
-                else:
-                    asked = self.pages.take_unmapped(self._refill_need())
-                    self._refill_requested = False
-                    linger_until = time.monotonic() + REFILL_LINGER_S
-            if asked is None:
-                time.sleep(REFILL_POLL_S)
-                continue
-            try:
-                mapped = self.backend.map_pages(asked) if asked else []
-            except BackendError:
-                mapped = []  # a failed device (or lost rank) is a miss here; alloc's own map reports it
-            with self._lock:
-                self.pages.finish_mapping(asked, mapped)
-                self._dirty.update(mapped)
-                if self.limit_pages is not None:  # the limit fell while we mapped
-                    self._unmap_excess(newest=True)
-                    if self.limit_status == L.LIMIT_DEFERRED:
-                        self._update_limit_status()
-                self._mapping_done.notify_all()
-                if not self._closed:
-                    self._publish()
-                if len(mapped) < len(asked):
-                    # The device said no: wait for the next alloc to ask again.
-                    linger_until = 0.0
-                    self._refill_polling = False
-                    self._refill_wanted.wait(timeout=0.05)
-                    self._refill_polling = True
+    def _refill_step(self, linger_until: float) -> float | None:
+        """One look of the refill thread (see :func:`_refill_loop`): the new ``linger_until``, None once
+        closed, or ``_IDLE`` when there is nothing to do until an alloc wakes it.
+
+        Keeps the pool at its minimum, mapping outside the lock so alloc never waits on it.
+        """
+        if not (self._refill_requested or self._closed) and time.monotonic() < linger_until:
+            time.sleep(REFILL_POLL_S)  # nothing asked: look again without touching the lock
+            return linger_until
+        with self._lock:
+            while not self._closed and not self._refill_due():
+                if time.monotonic() < linger_until:
+                    break  # traffic was here lately: look again soon, unwoken
+                self._refill_polling = False
+                return _IDLE  # the loop waits for the wake-up without holding the manager
+            if self._closed:
+                return None
+            if not self._refill_due():
+                asked = None
+            else:
+                asked = self.pages.take_unmapped(self._refill_need())
+                self._refill_requested = False
+                linger_until = time.monotonic() + REFILL_LINGER_S
+        if asked is None:
+            time.sleep(REFILL_POLL_S)
+            return linger_until
+        try:
+            mapped = self.backend.map_pages(asked) if asked else []
+        except BackendError:
+            mapped = []  # a failed device (or lost rank) is a miss here; alloc's own map reports it
+        with self._lock:
+            self.pages.finish_mapping(asked, mapped)
+            self._dirty.update(mapped)
+            if self.limit_pages is not None:  # the limit fell while we mapped
+                self._unmap_excess(newest=True)
+                if self.limit_status == L.LIMIT_DEFERRED:
+                    self._update_limit_status()
+            self._mapping_done.notify_all()
+            if not self._closed:
+                self._publish()
+            if len(mapped) < len(asked):
+                # The device said no: wait for the next alloc to ask again.
+                linger_until = 0.0
+                self._refill_polling = False
+                self._refill_wanted.wait(timeout=0.05)
+                self._refill_polling = True
+        return linger_until
 
     def _serve_controls(self, idle: bool) -> None:
         """Apply a new limit, answer a trim, or return an idle model's pool (the watcher found one)."""
@@ -691,30 +697,79 @@ class KVCacheManager:
             want = max(want, min(self.backend.refill_batch, self.max_reserved - pool))
         return min(want, self._headroom())
 
-    def _watch_loop(self) -> None:
-        """Apply controllers' limit and trim requests and keep the heartbeat fresh."""
-        last_beat = 0.0
-        activity, active_at, idle_after = None, time.monotonic(), config.idle_return_s()
-        while True:
-            time.sleep(WATCH_INTERVAL_S)
-            if self._closed:
-                return
-            # Look without the lock first (plain reads; the control block is the controllers' to
-            # write): most ticks find nothing to do and must not make an alloc wait.
-            now = time.monotonic()
-            seen = (self.alloc_count, self.free_count, self.pages.blocks_used, len(self.cache))
-            if seen != activity:
-                activity, active_at = seen, now
-            idle = idle_after is not None and now - active_at >= idle_after and bool(self.pages.reserved)
-            request = self.segment.read_control()
-            asked = request is not None and (request.limit_revision > self.applied_revision
-                                             or request.trim_seq > self.trim_ack_seq)
-            if idle or asked:
-                self._serve_controls(idle)
-            now = time.monotonic()
-            if now - last_beat >= HEARTBEAT_INTERVAL_S:
-                self.segment.heartbeat()
-                last_beat = now
+    def _watch_step(self, state: _WatchState) -> bool:
+        """One tick of the watcher (see :func:`_watch_loop`): apply controllers' limit and trim requests,
+        keep the heartbeat fresh; False once closed."""
+        if self._closed:
+            return False
+        # Look without the lock first (plain reads; the control block is the controllers' to
+        # write): most ticks find nothing to do and must not make an alloc wait.
+        now = time.monotonic()
+        seen = (self.alloc_count, self.free_count, self.pages.blocks_used, len(self.cache))
+        if seen != state.activity:
+            state.activity, state.active_at = seen, now
+        idle_after = state.idle_after
+        idle = idle_after is not None and now - state.active_at >= idle_after and bool(self.pages.reserved)
+        request = self.segment.read_control()
+        asked = request is not None and (request.limit_revision > self.applied_revision
+                                         or request.trim_seq > self.trim_ack_seq)
+        if idle or asked:
+            self._serve_controls(idle)
+        now = time.monotonic()
+        if now - state.last_beat >= HEARTBEAT_INTERVAL_S:
+            self.segment.heartbeat()
+            state.last_beat = now
+        return True
+
+
+class _WatchState:
+    """What the watcher remembers between ticks."""
+
+    __slots__ = ("activity", "active_at", "idle_after", "last_beat")
+
+    def __init__(self) -> None:
+        self.last_beat = 0.0
+        self.activity: tuple | None = None
+        self.active_at = time.monotonic()
+        self.idle_after = config.idle_return_s()
+
+
+# The background threads hold their manager only while a step runs: a manager dropped without
+# close() is then collected like any object (its __del__ closes it), threads, memory and segment too.
+def _refill_loop(ref: weakref.ref[KVCacheManager]) -> None:
+    linger_until = 0.0
+    while True:
+        manager = ref()
+        if manager is None:
+            return
+        step = manager._refill_step(linger_until)
+        if step is None:
+            return
+        if step == _IDLE:
+            wanted = manager._refill_wanted
+            del manager  # (its last reference may go here: __del__ closes it, and the wait below ends)
+            with wanted:  # an alloc that asked since the step returned has notified nobody: look first
+                manager = ref()
+                asked = manager is not None and (manager._refill_requested or manager._closed)
+                del manager
+                if not asked:
+                    wanted.wait(RELEASE_CHECK_S)
+            manager = ref()
+            if manager is not None:
+                manager._refill_polling = True
+        else:
+            linger_until = step
+        del manager
+
+
+def _watch_loop(ref: weakref.ref[KVCacheManager]) -> None:
+    state = _WatchState()
+    while True:
+        time.sleep(WATCH_INTERVAL_S)  # holding nothing: the last reference may go meanwhile
+        manager = ref()
+        if manager is None or not manager._watch_step(state):
+            return
+        del manager
 
 
 __all__ = ["KVCacheManager", "SegmentError"]

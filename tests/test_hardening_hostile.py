@@ -3,6 +3,7 @@ other pid namespaces, forged segments. Real processes and real files throughout.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -538,3 +539,26 @@ def test_snapshot_never_lets_file_not_found_escape_while_a_path_is_swapped(spawn
         holder.kill()
         holder.wait()
     assert len(outcomes) == 3  # the old snapshot() raised FileNotFoundError here
+
+
+# -- item 12: a manager dropped without close() releases everything ------------------------------
+
+def kvc_threads() -> int:
+    return sum(t.name.startswith("kvc-") for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("fastpath", ["0", "auto"])
+def test_managers_dropped_without_close_release_threads_fds_memory_and_segments(shm_dir, monkeypatch, fastpath):
+    """Their threads hold them only while a step runs; the C path's reference cycle goes with the collector."""
+    monkeypatch.setenv("KVCACHED_FASTPATH", fastpath)
+    fds = len(os.listdir("/proc/self/fd"))
+    threads = kvc_threads()
+    for i in range(20):
+        m = kc.KVCacheManager(f"dropped{i}", name=f"dropped{i}", **SMALL)
+        assert m.alloc(4) is not None
+        del m  # never closed
+    wait_for(lambda: gc.collect() >= 0 and kvc_threads() == threads, what="the dropped managers' threads to end")
+    assert [p.name for p in shm_dir.iterdir() if p.name.startswith("kvc.")] == []
+    assert len(os.listdir("/proc/self/fd")) <= fds
+    with kc.KVCacheManager("after", name="after", **SMALL) as m:
+        assert m.backend.ledger._others() == 0  # nothing of theirs is still claimed

@@ -91,6 +91,27 @@ def test_history_rate_and_repeated_reads() -> None:
     assert h.mapped("m") == [] and h.rate("m") is None
 
 
+def test_history_traffic_rates_and_restarts() -> None:
+    from kvcached_core.snapshot import Traffic
+
+    def traffic(finished: int, generated: int, read_ns: int) -> Traffic:
+        return Traffic(running=1, waiting=0, finished=finished, prompt_tokens=0, generated_tokens=generated,
+                       preemptions=0, last_request_ns=read_ns, read_ns=read_ns)
+
+    h = History()
+    quiet = fake_model("quiet", read_ns=1_000_000_000)
+    busy = replace(fake_model("busy", read_ns=1_000_000_000), traffic=traffic(10, 1000, 1_000_000_000))
+    h.update([quiet, busy])
+    assert h.traffic_rates("busy") == (None, None)  # one reading: no rate yet
+    h.update([replace(quiet, read_ns=3_000_000_000),
+              replace(busy, read_ns=3_000_000_000, traffic=traffic(14, 1600, 3_000_000_000))])
+    assert h.traffic_rates("busy") == (pytest.approx(2.0), pytest.approx(300.0))
+    assert h.tokens("busy") == [pytest.approx(300.0)]
+    assert h.traffic_rates("quiet") == (None, None)  # an engine without traffic figures has no rates
+    h.update([replace(busy, read_ns=4_000_000_000, traffic=traffic(0, 0, 4_000_000_000))])
+    assert h.traffic_rates("busy") == (None, None)  # counters went back: another engine, not a negative rate
+
+
 def test_sparkline_and_fit() -> None:
     assert sparkline([]) == ""
     assert sparkline([0, 0]) == "▁▁"

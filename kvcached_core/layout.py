@@ -81,6 +81,8 @@ RANK = struct.Struct("<iiqQQQQQQ")  # rank, device, pid, start_time, mapped_byte
 RANK_FIELDS = ("rank", "device", "pid", "start_time", "mapped_bytes", "acked_seq", "flags")
 RANK_LOST = 1  # flags: the scheduler lost this rank (it hung up, erred or missed its timeout)
 
+MAX_PAGES = 1 << 20  # page ids per segment: a 4 MiB page map (2 TiB per range at 2 MiB pages); allocators
+# refuse more and readers take a header claiming more for damaged, so no reader holds more than this
 MAX_LIMIT_BYTES = 2**63 - 1  # the CONTROL block's limit is an int64: no larger limit (or size) can be stored
 
 

@@ -97,6 +97,9 @@ class KVCacheManager:
         self.blocks_per_page = bpp
         self.block_tokens = block_tokens
         pages_total = -(-num_blocks // bpp)
+        if pages_total > L.MAX_PAGES:
+            raise ValueError(f"{num_blocks} blocks of {block_bytes} bytes make {pages_total} pages of {page_size} bytes, "
+                             f"more than a segment's {L.MAX_PAGES}: use larger pages (KVCACHED_PAGE_SIZE_MB)")
         self.geometry = Geometry(page_size, pages_total, num_layers, num_kv_buffers)
         self.tp_world = tp_world
         self.bundle_bytes = self.geometry.bundle_bytes * tp_world  # one page id on every rank

@@ -25,7 +25,7 @@ READ_RETRIES = 32
 DEAD_WRITER_CHECK = 12  # odd-sequence attempts (~8 ms) before asking whether the writer still lives
 SWAP_RETRIES = 3  # scans snapshot() makes while the file it found keeps vanishing before it is read
 QUIET_FAILURES = 3  # failed checks of an unchanging copy before the file is called corrupt
-MAX_PAGES = 1 << 24  # 64 MiB of page map (32 TiB per range at 2 MiB pages): more is a damaged header
+MAX_PAGES = L.MAX_PAGES  # more is a damaged (or forged) header
 
 
 class ModelNotFound(LookupError):

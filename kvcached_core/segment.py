@@ -203,6 +203,8 @@ class SegmentWriter:
     def __init__(self, ident: Identity, directory: Path | None = None) -> None:
         if ident.blocks_per_page > L.MAX_BLOCKS_PER_PAGE:
             raise SegmentError(f"{ident.blocks_per_page} blocks per page exceeds the map's {L.MAX_BLOCKS_PER_PAGE}")
+        if ident.pages_total > L.MAX_PAGES:
+            raise SegmentError(f"{ident.pages_total} pages exceed a segment's {L.MAX_PAGES}")
         self.ident = ident
         size = L.total_size(ident.pages_total, ident.ranks_max)
         self.pid = os.getpid()

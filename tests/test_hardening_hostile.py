@@ -562,3 +562,32 @@ def test_managers_dropped_without_close_release_threads_fds_memory_and_segments(
     assert len(os.listdir("/proc/self/fd")) <= fds
     with kc.KVCacheManager("after", name="after", **SMALL) as m:
         assert m.backend.ledger._others() == 0  # nothing of theirs is still claimed
+
+
+# -- item 15: what a reader accepts is bounded ---------------------------------------------------
+
+def test_an_allocator_refuses_more_pages_than_a_segment_holds(shm_dir):
+    with pytest.raises(ValueError, match=rf"make {L.MAX_PAGES + 1} pages .* more than a segment's {L.MAX_PAGES}"):
+        kc.KVCacheManager("huge", name="huge", num_blocks=L.MAX_PAGES + 1, block_bytes=4096, num_layers=1,
+                          page_size=4096)
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_a_header_claiming_more_pages_than_a_segment_holds_is_damaged(spawn_allocator):
+    path = dead_segment(spawn_allocator, "forged")
+    pages = 4 * L.MAX_PAGES  # 2^22: the old bound (2^24) read this 16 MiB map, and 2^24 took seconds
+    forge(path, pages_total=pages, total_bytes=L.total_size(pages, 1))
+    with open(path, "r+b") as fh:
+        fh.truncate(L.total_size(pages, 1))
+    found = kc.scan()
+    assert found.models == ()
+    assert [(p.status, p.reason) for p in found.problems] == [("corrupt", "implausible sizes in header")]
+
+
+def test_kvctl_frag_reads_the_largest_segment(shm_dir):
+    with kc.KVCacheManager("widest", name="widest", num_blocks=L.MAX_PAGES, block_bytes=4096, num_layers=1,
+                           page_size=4096) as m:
+        assert m.alloc(64) is not None
+        done = kvctl("frag", "widest", "--json")
+    assert done.exit_code == 0, done.stderr
+    assert '"held_bytes": 524288' in done.stdout  # 64 blocks x 4 KiB x K and V

@@ -71,9 +71,14 @@ def diff(prev: Sequence[ModelSnapshot] | None, cur: Sequence[ModelSnapshot], at:
                 events.append(Event(at, "appeared", name, f"appeared ({where}, {m.display_status})", INFO))
                 continue
             if old.status == "live" and m.status == "stale":
-                events.append(Event(at, "stale", name, f"went stale: pid {m.pid} gone or heartbeat old", WARN))
+                events.append(Event(at, "stale", name, f"went stale: its process (pid {m.pid}) is gone", WARN))
             elif old.status == "stale" and m.status == "live":
                 events.append(Event(at, "live", name, "live again", GOOD))
+            elif m.status == "live" and m.late and not old.late:
+                events.append(Event(at, "late", name, f"late: pid {m.pid} runs but its heartbeat stopped "
+                                    "(stopped or overloaded)", WARN))
+            elif m.status == "live" and old.late and not m.late:
+                events.append(Event(at, "live", name, "beating again", GOOD))
             limit = _limit_event(old, m, at)
             if limit is not None:
                 events.append(limit)

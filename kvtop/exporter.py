@@ -119,7 +119,7 @@ class KVCachedCollector(Collector):
                                         labels=rank_labels)
         rank_up = GaugeMetricFamily(f"{PREFIX}_rank_up", "1 while a tensor-parallel rank's process runs, else 0.",
                                     labels=rank_labels)
-        stale = gauge("stale", "1 when the allocator's process is gone or its heartbeat is old, else 0.")
+        stale = gauge("stale", "1 when the allocator's process is gone (a stopped one is late, not stale), else 0.")
         running = gauge("requests_running", "Requests the engine is running now (engines that publish traffic).")
         waiting = gauge("requests_waiting", "Requests waiting in the engine's queue (engines that publish traffic).")
         idle = gauge("idle_seconds", "Seconds since the engine's last request arrived.")

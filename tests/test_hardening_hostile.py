@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -591,3 +592,16 @@ def test_kvctl_frag_reads_the_largest_segment(shm_dir):
         done = kvctl("frag", "widest", "--json")
     assert done.exit_code == 0, done.stderr
     assert '"held_bytes": 524288' in done.stdout  # 64 blocks x 4 KiB x K and V
+
+
+def test_kvtop_logs_a_model_going_late_and_beating_again() -> None:
+    from kvtop.events import diff
+    from kvtop.source import fake_model
+
+    on_time = fake_model("m")
+    late = replace(on_time, late=True)
+    (went,) = diff((on_time,), (late,), 1.0)
+    assert (went.kind, went.text) == ("late", "late: pid 4242 runs but its heartbeat stopped (stopped or overloaded)")
+    (back,) = diff((late,), (on_time,), 2.0)
+    assert (back.kind, back.text) == ("live", "beating again")
+    assert late.display_status == "late"

@@ -7,7 +7,7 @@ One file per model, ``<KVCACHED_SHM_DIR>/kvc.<name>``, mode 0600, little-endian:
     512     64    CONTROL     controllers    limit bytes + revision + check, trim request seq
     576     64    LIVENESS    allocator      heartbeat (ns), claimed bytes (capacity ledger)
     640     8     SEQ         allocator      seqlock sequence (odd while a publish is under way)
-    648     184   COUNTERS    allocator      counters, acknowledgements, page-map sum, checksum
+    648     176   COUNTERS    allocator      counters, acknowledgements, page-map sum, checksum
     896     64    TRAFFIC     engine         requests running/waiting, finished, tokens, preemptions
     1024    4*N   PAGE MAP    allocator      one u32 per page (see ``PAGE_*``)
     ...     R*64  RANKS       allocator      tensor-parallel ranks: pid, device, mapped bytes

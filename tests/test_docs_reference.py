@@ -1,0 +1,206 @@
+"""The reference tables in docs/ against the code they mirror: each test fails when the two drift.
+
+Tables are read from the markdown itself (the first column's backticked names); the other side
+is the code's own constants, a live ``to_dict()`` of a real allocator's segment, or a live HTTP
+scrape of the exporter next to one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import urllib.request
+from pathlib import Path
+
+from conftest import ROOT, send
+
+import kvcached_core as kc
+from kvcached_core import layout as L
+from kvcached_core.snapshot import RankInfo
+
+DOCS = ROOT / "docs"
+CODE_DIRS = ("kvcached_core", "kvtop", "plugins")
+ENV_NAME = re.compile(r"\b(?:KVCACHED_[A-Z0-9_]*[A-Z0-9]|KVCTL_[A-Z0-9_]*[A-Z0-9]|ENABLE_KVCACHED)\b")
+
+
+def table(path: Path, first_header: str) -> list[list[str]]:
+    """The rows (cells stripped) of the markdown table in ``path`` whose header starts with ``first_header``."""
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        cells = split_row(line)
+        if cells and cells[0] == first_header and i + 1 < len(lines) and set(lines[i + 1]) <= set("|-: "):
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows.append(split_row(row))
+            return rows
+    raise AssertionError(f"{path.name}: no table whose first column is {first_header!r}")
+
+
+def split_row(line: str) -> list[str]:
+    if not line.startswith("|"):
+        return []
+    cells = re.split(r"(?<!\\)\|", line.strip().strip("|"))
+    return [c.strip().replace("\\|", "|") for c in cells]
+
+
+def names(cell: str) -> list[str]:
+    """The backticked names in one cell: `a`, `b` -> ['a', 'b']."""
+    return re.findall(r"`([^`]+)`", cell)
+
+
+# -- kvctl list --json: docs/json.md against a live to_dict() -------------------------------------
+
+def flatten(obj: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in obj.items():
+        out[prefix + key] = value
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            out.update(flatten(value[0], f"{prefix}{key}[]."))
+    return out
+
+
+TYPES = {"int": int, "str": str, "bool": bool, "float": float, "list": list, "object": dict, "null": type(None)}
+
+
+def test_json_key_table_is_what_to_dict_produces(spawn_allocator):
+    spawn_allocator("docs", engine="vllm", script="b = m.alloc(9); m.mark_cached(b[:3])")
+    kc.request_limit("docs", 64 << 20, wait=5)
+    proc = spawn_allocator("traffic", engine="vllm")
+    send(proc, "m.publish_traffic(2, 1, 5, 700, 300, 1, __import__('time').time_ns())")
+    live = {m.name: m for m in kc.list_models()}
+    snap = dataclasses.replace(live["traffic"], tp_world=2, ranks=(  # the rank objects tp.scheduler publishes
+        RankInfo(0, 0, 1, 4096, True), RankInfo(1, 1, 2, 4096, True)))
+    produced = {**flatten(live["docs"].to_dict()), **flatten(snap.to_dict())}
+
+    rows = table(DOCS / "json.md", "key")
+    documented = {name: row[1] for row in rows for name in names(row[0])}
+    assert set(documented) == set(produced), (
+        f"keys to_dict() produces without a row in docs/json.md: {sorted(set(produced) - set(documented))}; "
+        f"rows to_dict() does not produce: {sorted(set(documented) - set(produced))}")
+    for key, value in produced.items():
+        allowed = tuple(TYPES[t.strip()] for t in documented[key].split("|"))
+        assert type(value) in allowed, f"{key}: documented {documented[key]!r}, to_dict() gives {value!r}"
+
+
+# -- kvctl export: docs/metrics.md against a live scrape -----------------------------------------
+
+def test_metric_table_is_what_the_exporter_serves(spawn_allocator):
+    from kvtop.exporter import Exporter
+
+    proc = spawn_allocator("scraped", engine="vllm", script="b = m.alloc(4)")
+    send(proc, "m.publish_traffic(1, 0, 2, 10, 20, 0, __import__('time').time_ns())")
+    kc.request_limit("scraped", 64 << 20, wait=5)
+    with Exporter("127.0.0.1", 0) as exporter, urllib.request.urlopen(exporter.url, timeout=10) as response:
+        text = response.read().decode()
+    served = {}
+    for family, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M):
+        served[family + "_total" if kind == "counter" and not family.endswith("_total") else family] = kind
+    assert "kvcached_requests_running" in served and "kvcached_rank_up" in served
+
+    documented = {name: row[1] for row in table(DOCS / "metrics.md", "metric") for name in names(row[0])}
+    assert set(documented) == set(served), (
+        f"served without a row in docs/metrics.md: {sorted(set(served) - set(documented))}; "
+        f"rows the exporter does not serve: {sorted(set(documented) - set(served))}")
+    assert {n: documented[n] for n in served} == served
+
+
+# -- environment variables: docs/environment.md against the sources -------------------------------
+
+def variables_in_code() -> set[str]:
+    found: set[str] = set()
+    for top in CODE_DIRS:
+        for path in (ROOT / top).rglob("*"):
+            if path.suffix in (".py", ".c") and "build" not in path.parts:
+                found.update(ENV_NAME.findall(path.read_text(errors="replace")))
+    return found
+
+
+def effective_defaults() -> dict[str, str]:
+    """What the code does with each variable unset, as the table writes it."""
+    from kvcached_core import config, fastpath, placement
+    from kvcached_core.backends import cuda, cuda_native
+    from kvcached_core.tp import broadcast
+
+    bounds = config.reserve_bounds()
+    return {
+        "KVCACHED_SHM_DIR": str(config.shm_dir()),
+        "KVCACHED_PAGE_SIZE_MB": f"{config.page_size_bytes() // config.MiB}",
+        "KVCACHED_MIN_RESERVED_PAGES": f"{bounds.min_pages}",
+        "KVCACHED_MAX_RESERVED_PAGES": f"{bounds.max_pages}",
+        "KVCACHED_MAX_CACHED_TOKENS": f"{config.max_cached_blocks(1)}",
+        "KVCACHED_POLICY": placement.DEFAULT_POLICY,
+        "KVCACHED_IDLE_RETURN_S": f"{config.idle_return_s():g}",
+        "KVCACHED_CUDA_LAYOUT": cuda.layout_from_env(),
+        "KVCACHED_CUDA_ASYNC_UNMAP": "1" if cuda.async_unmap_from_env() else "0",
+        "KVCACHED_CUDA_UNMAP_DELAY_MS": f"{cuda.unmap_delay_from_env() * 1000:g}",
+        "KVCACHED_CUDA_NATIVE": cuda_native.native_mode_from_env(),
+        "KVCACHED_FASTPATH": fastpath.mode_from_env(),
+        "KVCACHED_TP_STRATEGY": broadcast.default_strategy(),
+        "KVCACHED_TP_TIMEOUT_S": f"{broadcast.default_timeout():g}",
+    }
+
+
+def test_environment_table_names_every_variable_the_code_reads(monkeypatch):
+    rows = table(DOCS / "environment.md", "variable")
+    documented = {name: row[1] for row in rows for name in names(row[0])}
+    in_code = variables_in_code()
+    assert set(documented) == in_code, (
+        f"read by the code, missing from docs/environment.md: {sorted(in_code - set(documented))}; "
+        f"documented, read nowhere: {sorted(set(documented) - in_code)}")
+    for name in in_code:
+        monkeypatch.delenv(name, raising=False)
+    for name, default in effective_defaults().items():
+        assert documented[name] == f"`{default}`", f"{name}: documented {documented[name]}, the code uses {default!r}"
+
+
+# -- exit codes: docs/kvctl.md against ExitCode ---------------------------------------------------
+
+def test_exit_code_table_is_the_exit_code_enum():
+    from kvtop.cli import ExitCode
+
+    documented = [int(row[0]) for row in table(DOCS / "kvctl.md", "code")]
+    assert documented == sorted(int(code) for code in ExitCode)
+
+
+# -- the segment: docs/segment.md and layout.py's docstring against layout's offsets ---------------
+
+REGIONS = {  # region -> (offset, size) from the constants readers and writers use
+    "header": (L.HEADER_OFF, L.HEADER_SIZE),
+    "control": (L.CONTROL_OFF, L.LIVENESS_OFF - L.CONTROL_OFF),
+    "liveness": (L.LIVENESS_OFF, L.SEQ_OFF - L.LIVENESS_OFF),
+    "seq": (L.SEQ_OFF, L.COUNTERS_OFF - L.SEQ_OFF),
+    "counters": (L.COUNTERS_OFF, L.CHECKSUM_OFF + 8 - L.COUNTERS_OFF),
+    "traffic": (L.TRAFFIC_OFF, L.TRAFFIC.size),
+}
+
+
+def test_segment_tables_match_the_layout_module():
+    rows = {row[2]: row for row in table(DOCS / "segment.md", "offset")}
+    assert set(rows) == {*REGIONS, "page map", "ranks"}
+    for region, (offset, size) in REGIONS.items():
+        assert (rows[region][0], rows[region][1]) == (str(offset), str(size)), region
+    assert (rows["page map"][0], rows["page map"][1]) == (str(L.PAGE_MAP_OFF), "4 × pages")
+    assert rows["ranks"][1] == f"{L.RANK.size} × ranks"
+
+    doc = L.__doc__ or ""
+    for region, (offset, size) in REGIONS.items():
+        assert re.search(rf"^\s+{offset}\s+{size}\s+{region.upper()}\b", doc, re.M), f"layout.py docstring: {region}"
+    assert re.search(rf"^\s+{L.PAGE_MAP_OFF}\s+4\*N\s+PAGE MAP\b", doc, re.M)
+    assert re.search(rf"^\s+\.\.\.\s+R\*{L.RANK.size}\s+RANKS\b", doc, re.M)
+
+
+# -- kvtop's keys: docs/kvtop.md against the app's bindings ---------------------------------------
+
+def test_every_kvtop_binding_is_in_the_key_table():
+    from kvtop.app import KEY_NAMES, KvtopApp
+
+    documented = {part for row in table(DOCS / "kvtop.md", "key") for name in names(row[0])
+                  for part in re.split(r"\s*/\s*", name)}
+    arrows = {"left": "←", "right": "→"}
+    shown = {KEY_NAMES.get(key, arrows.get(key, key))
+             for binding in KvtopApp.BINDINGS for key in binding.key.split(",")}  # type: ignore[union-attr]
+    assert shown <= documented, f"kvtop keys without a row in docs/kvtop.md: {sorted(shown - documented)}"

@@ -10,9 +10,9 @@ import sys
 import textwrap
 
 from conftest import child_env, send
+from seqlock_stress import Workload, identity, stress, violations
 
 import kvcached_core as kc
-from benchmarks.stress import Workload, identity, stress, violations
 from kvcached_core.segment import SegmentWriter
 
 TOTAL_UPDATES = 1_000_000
@@ -43,6 +43,10 @@ def test_the_invariants_catch_a_mixed_copy(shm_dir):
         assert violations(mixed, 1)
         old_map = before.__class__(**{**after.__dict__, "pages": before.pages})
         assert violations(old_map, 1)
+        for field in ("applied_revision", "trim_ack_seq", "trim_bytes", "limit_bytes", "limit_status",
+                      "free_count", "alloc_blocks", "free_blocks", "updated_ns", "trimmed_total", "evicted_blocks"):
+            torn = before.__class__(**{**after.__dict__, field: getattr(before, field)})
+            assert any(v.startswith(f"{field}=") for v in violations(torn, 1)), f"a torn {field} passes"
     finally:
         writer.close()
 

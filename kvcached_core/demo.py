@@ -20,6 +20,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from .manager import KVCacheManager
 
 DEMO_MODELS = (
     ("llama-3-8b", "vllm", 4),
@@ -45,7 +49,7 @@ class Request:
 class DemoEngine:
     """The traffic of one model, deterministic for a seed."""
 
-    manager: object
+    manager: KVCacheManager
     rng: random.Random
     max_running: int = 24
     running: list[Request] = field(default_factory=list)
@@ -219,9 +223,9 @@ class DemoFleet:
                     self.failure = f"{', '.join(waiting.values())} did not start within {timeout:g} s"
                     return False
                 for key, _ in selector.select(left):
-                    pipe = key.fileobj
-                    line = pipe.readline().decode(errors="replace").strip()  # type: ignore[union-attr]
-                    name = waiting.pop(pipe)  # type: ignore[arg-type]
+                    pipe = cast(IO[bytes], key.fileobj)
+                    line = pipe.readline().decode(errors="replace").strip()
+                    name = waiting.pop(pipe)
                     selector.unregister(pipe)
                     if line != "ready":
                         why = line.removeprefix("failed: ") or "its process ended before its segment existed"

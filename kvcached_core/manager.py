@@ -206,7 +206,8 @@ class KVCacheManager:
                     self.alloc_blocks += n
                     self._publish()
             if ids is None:
-                return self._alloc_missed()
+                self._alloc_missed()
+                return None
             if len(self.pages.reserved) + self.pages.inflight < self.min_reserved:
                 self._refill_requested = True
                 if not self._refill_polling:

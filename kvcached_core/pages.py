@@ -123,7 +123,7 @@ class PageTable:
         for block in blocks:
             page = block // bpp
             flags[block] = 0
-            slots[page].append(block - page * bpp)  # type: ignore[union-attr]
+            slots[page].append(block - page * bpp)
             per_page[page] = per_page.get(page, 0) + 1
         used, cap = self.used, self.cap
         for page, count in per_page.items():

@@ -177,9 +177,9 @@ class Affinity(Policy):
                 if not n:
                     return True
             if n == 1 and pages.open_slots() + pages.bpp <= self.slack * pages.blocks_used:
-                page = empty_page()
-                if page is not None:
-                    taken += pages.take_blocks(page, 1)
+                opened = empty_page()
+                if opened is not None:
+                    taken += pages.take_blocks(opened, 1)
                     return True
         return super().place(pages, n, empty_page, taken)
 

@@ -17,11 +17,13 @@ import secrets
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REMOVING_PREFIX = ".kvc-del."  # a file between its rename and its unlink: REMOVING_PREFIX + pid + token
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
 
+_renameat2: Any  # libc's renameat2, or None where libc lacks it
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
     _renameat2 = _libc.renameat2

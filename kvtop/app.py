@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from functools import partial
+from typing import ClassVar
 
 import click
 from textual import on, work
@@ -86,7 +87,7 @@ class KvtopApp(App[int]):
     COMMANDS = {KvtopCommands}  # ours only: one list, one style (quit, keys and help are in it)
     VERTICAL_BREAKPOINTS = [(0, "-short"), (36, "-tall")]
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
-    BINDINGS: list[BindingType] = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("q", "quit", "Quit"),
         Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
         Binding("question_mark", "help", "Help"),

@@ -280,7 +280,7 @@ def serve(host: str, port: int, registry: CollectorRegistry) -> tuple[WSGIServer
     class Server(ThreadingWSGIServer):
         address_family = family
 
-    server = make_server(sockaddr[0], port, route(make_wsgi_app(registry)), Server, handler_class=_QuietHandler)
+    server = make_server(str(sockaddr[0]), port, route(make_wsgi_app(registry)), Server, handler_class=_QuietHandler)
     thread = threading.Thread(target=server.serve_forever, name="kvcached-exporter-http", daemon=True)
     thread.start()
     return server, thread

@@ -39,7 +39,8 @@ def models_table(models: Sequence, history: History | None = None, width: int = 
     """
     names = [m.name for m in models]
     rows = [model_cells(m, history, names) for m in models]
-    columns, used = [], 0
+    columns: list[tuple[str, str, bool]] = []
+    used = 0
     for key, header, _width, right in COLUMNS:
         if key in ("spark", "rate"):
             continue

@@ -46,7 +46,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -580,6 +580,7 @@ class CudaBackend(Backend):
         unmap = self._d.cuMemUnmap
         for _i, first, n in runs(pages):
             start, length = first * size, n * size
+            errors: Iterable[Any]  # a generator on cuda-python: the first failure stops the unmaps
             if native is not None:
                 errors = [native.unmap(start, length)]
             else:

@@ -210,10 +210,10 @@ class BroadcastBackend(Backend):
                     self._lose(i, f"did not answer {P.OP_NAMES.get(op, op)} within {timeout:g} s")
                 return
             for fd, _events in poller.poll(remaining * 1000):
-                i = pending.get(fd)
-                if i is None:
+                rank = pending.get(fd)
+                if rank is None:
                     continue
-                done = self._read_reply(i, seq, op, results)
+                done = self._read_reply(rank, seq, op, results)
                 if done:
                     poller.unregister(fd)
                     del pending[fd]

@@ -33,9 +33,9 @@ def read(*, with_pages: bool = False, include_stale: bool = True, warn_problems:
     """
     from kvcached_core.config import shm_dir_problem
 
-    problem = shm_dir_problem()
-    if problem:
-        raise Failure(problem)
+    bad_dir = shm_dir_problem()
+    if bad_dir:
+        raise Failure(bad_dir)
     found = scan(with_pages=with_pages)
     if warn_problems:
         for problem in found.problems:

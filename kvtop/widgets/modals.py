@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from rich.table import Table
 from rich.text import Text
@@ -25,7 +26,7 @@ from kvtop.view import STATE_STYLES, frag_table
 class ConfirmScreen(ModalScreen[bool]):
     """Yes/no for a destructive action: ``y`` or Enter confirms, ``n`` or Escape cancels."""
 
-    BINDINGS: list[BindingType] = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("y", "answer(True)", "Yes"),
         Binding("n,escape", "answer(False)", "No"),
     ]
@@ -78,7 +79,7 @@ class SizeValidator(Validator):
 class LimitScreen(ModalScreen[LimitRequest | None]):
     """Enter a limit; invalid input shows why inline and keeps the dialog open."""
 
-    BINDINGS: list[BindingType] = [Binding("escape", "cancel", "Cancel")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
 
     def __init__(self, model: ModelSnapshot) -> None:
         super().__init__(classes="dialog")
@@ -161,7 +162,7 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
 class FilterScreen(ModalScreen[str | None]):
     """Filter the model table by a substring of name, model, engine or status; empty clears it."""
 
-    BINDINGS: list[BindingType] = [Binding("escape", "cancel", "Cancel")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
 
     def __init__(self, current: str) -> None:
         super().__init__(classes="dialog")
@@ -186,7 +187,7 @@ class FilterScreen(ModalScreen[str | None]):
 
 
 class _InfoScreen(ModalScreen[None]):
-    BINDINGS: list[BindingType] = [Binding("escape,q,enter", "close", "Close")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q,enter", "close", "Close")]
 
     def action_close(self) -> None:
         self.dismiss(None)
@@ -206,7 +207,7 @@ TERMS = (
 class HelpScreen(_InfoScreen):
     """Keys, the page-map legend, and what the columns mean."""
 
-    BINDINGS: list[BindingType] = [Binding("escape,q,question_mark", "close", "Close")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q,question_mark", "close", "Close")]
 
     def __init__(self, bindings: Iterable[tuple[str, str]], readonly: bool) -> None:
         super().__init__(classes="dialog")

@@ -74,7 +74,7 @@ class ModelTable(ScrollView, can_focus=False):
         self.selected: str | None = None
         self._base = Style()
         self._width = 0
-        self._columns = COLUMNS  # those that fit the width, see choose_columns
+        self._columns: tuple[tuple[str, str, int, bool], ...] = COLUMNS  # those that fit the width, see choose_columns
 
     @property
     def order(self) -> list[str]:

@@ -193,7 +193,7 @@ class PageMapView(ScrollView, can_focus=False):
         if geom.gutter:
             first = row * geom.cells * geom.per
             segments.append(Segment(f"{first:>{geom.gutter - 1}} ", base + Style(color="grey42")))
-        run_state, run = None, 0
+        run_state, run = "", 0  # no state yet: run is 0 until the first cell
         for cell in self._row(row):
             if cell.state != run_state and run:
                 segments.append(Segment(GLYPHS[run_state] * run, base + self._styles[run_state]))

@@ -38,7 +38,7 @@ except ImportError:
 
 from kvcached_core import format_bytes, parse_size, snapshot
 from kvcached_core.engines import KVCacheExhausted
-from kvcached_transformers import GreedyEngine, PagedKVCache, random_prompts, tiny_llama
+from kvcached_transformers import GreedyEngine, PagedKVCache, cache_arg, random_prompts, tiny_llama
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 HOST_PAGE = "512KiB"
@@ -106,7 +106,7 @@ def reference(model: torch.nn.Module, prompts: list[list[int]], budgets: list[in
     for prompt, budget in zip(prompts, budgets, strict=True):
         ids = torch.tensor([prompt], device=model.device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget, do_sample=False,
-                             cache=DynamicCache(config=model.config), pad_token_id=0, eos_token_id=None)
+                             **cache_arg(model, DynamicCache(config=model.config)), pad_token_id=0, eos_token_id=None)
         outs.append(out[0, len(prompt):].tolist())
     return outs
 

@@ -27,6 +27,7 @@ from kvcached_core.engines import KVCacheExhausted  # noqa: E402
 from kvcached_transformers import (  # noqa: E402
     GreedyEngine,
     PagedKVCache,
+    cache_arg,
     generate,
     random_prompts,
     tiny_llama,
@@ -54,7 +55,7 @@ def alone(model, prompt: list[int], budget: int) -> list[int]:
     """Greedy continuation of one prompt, unbatched, with transformers' DynamicCache."""
     ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget, do_sample=False,
-                         cache=DynamicCache(config=model.config), pad_token_id=0, eos_token_id=None)
+                         **cache_arg(model, DynamicCache(config=model.config)), pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
 
 
@@ -84,9 +85,9 @@ def make_cache(model, name: str = "tiny", **kwargs) -> PagedKVCache:
 def test_generate_with_paged_cache_matches_dynamic_cache(model, prompts):
     ids, mask = padded(prompts, "left")
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
-                         cache=DynamicCache(config=model.config), pad_token_id=0, eos_token_id=None)
+                         **cache_arg(model, DynamicCache(config=model.config)), pad_token_id=0, eos_token_id=None)
     with make_cache(model) as cache:
-        got = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, cache=cache,
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, **cache_arg(model, cache),
                              pad_token_id=0, eos_token_id=None)
         assert torch.equal(got, ref)
         # generate does not say when it is done: the rows keep their blocks until reset.
@@ -104,9 +105,9 @@ def test_beam_search_matches_dynamic_cache(model, prompts):
     ids, mask = padded(prompts[:3], "left")
     kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None,
                   num_beams=3, num_return_sequences=2)
-    ref = model.generate(ids, cache=DynamicCache(config=model.config), **kwargs)
+    ref = model.generate(ids, **cache_arg(model, DynamicCache(config=model.config)), **kwargs)
     with make_cache(model) as cache:
-        got = model.generate(ids, cache=cache, **kwargs)
+        got = model.generate(ids, **cache_arg(model, cache), **kwargs)
         assert torch.equal(got, ref)
         assert kc.snapshot("tiny").blocks_used == cache.blocks_held > 0
 
@@ -184,7 +185,7 @@ def test_tiny_limit_raises_a_clear_catchable_error(model, prompts):
         # The same through plain transformers generate: the error comes out of model.generate.
         ids, mask = padded(prompts[:3], "left")
         with pytest.raises(KVCacheExhausted):
-            model.generate(ids, attention_mask=mask, max_new_tokens=200, do_sample=False, cache=cache,
+            model.generate(ids, attention_mask=mask, max_new_tokens=200, do_sample=False, **cache_arg(model, cache),
                            pad_token_id=0, eos_token_id=None)
 
 
@@ -309,11 +310,11 @@ def test_gpu_cache_over_cuda_backend_matches_dynamic_cache(prompts):
     ids, mask = padded(prompts, "left")
     ids, mask = ids.cuda(), mask.cuda()
     kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
-    ref = gpu_model.generate(ids, cache=DynamicCache(config=gpu_model.config), **kwargs)
+    ref = gpu_model.generate(ids, **cache_arg(gpu_model, DynamicCache(config=gpu_model.config)), **kwargs)
     each_alone = [alone(gpu_model, p, n) for p, n in zip(prompts, BUDGETS, strict=True)]
     with PagedKVCache.for_model(gpu_model, name="tiny-gpu") as cache:
         assert cache.manager.backend.name == "cuda" and cache.pools[0][0].is_cuda
-        assert torch.equal(gpu_model.generate(ids, cache=cache, **kwargs), ref)
+        assert torch.equal(gpu_model.generate(ids, **cache_arg(gpu_model, cache), **kwargs), ref)
         assert kc.snapshot("tiny-gpu").blocks_used == cache.blocks_held > 0
         cache.reset()
         assert generate(gpu_model, cache, prompts, max_new_tokens=BUDGETS, max_batch=3) == each_alone

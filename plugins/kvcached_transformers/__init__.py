@@ -5,7 +5,7 @@ transformers load when one of the exported names is first used::
 
     from kvcached_transformers import PagedKVCache
     cache = PagedKVCache.for_model(model, name="my-model")
-    out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=32)
+    out = model.generate(input_ids, attention_mask=mask, **cache_arg(model, cache), max_new_tokens=32)
     cache.close()
 """
 
@@ -30,6 +30,7 @@ _LAZY = {
     "GreedyEngine": ".engine", "Request": ".engine", "generate": ".engine", "unpad": ".engine",
     "tiny_llama": ".tiny", "tiny_llama_config": ".tiny", "random_prompts": ".tiny",
     "kv_pool": ".pools",
+    "cache_arg": ".compat", "cache_keyword": ".compat",
 }
 
 

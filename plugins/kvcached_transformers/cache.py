@@ -8,7 +8,8 @@ layer writes; they go back when a sequence leaves the batch (:meth:`PagedKVCache
 
 Two ways to drive it:
 
-* as any transformers cache: ``model.generate(..., cache=PagedKVCache.for_model(model))``. Every
+* as any transformers cache: ``model.generate(..., **cache_arg(model, PagedKVCache.for_model(model)))``
+  (:func:`~.compat.cache_arg`: ``cache=`` from transformers 5.20, ``past_key_values=`` before). Every
   row then stores every position the model sees (padding included, as DynamicCache does), and
   ``update`` returns exactly the tensors DynamicCache would.
 * ragged, from an engine (:mod:`.engine`): :meth:`PagedKVCache.begin_step` tells the cache how

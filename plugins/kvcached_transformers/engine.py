@@ -11,7 +11,6 @@ ones to finish; when the running requests themselves cannot grow, KVCacheExhaust
 
 from __future__ import annotations
 
-import inspect
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import torch
 from kvcached_core.engines import KVCacheExhausted
 
 from .cache import PagedKVCache
+from .compat import cache_keyword
 
 
 @dataclass
@@ -58,9 +58,7 @@ class GreedyEngine:
         self.waiting: deque[Request] = deque()
         self.steps = 0
         self._next_id = 0
-        # transformers renamed forward's ``past_key_values`` to ``cache`` during 5.x.
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_keyword(model)
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int, eos_token_id: int | None = None) -> Request:
         if not prompt:

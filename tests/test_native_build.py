@@ -12,9 +12,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, kvctl
 
 from kvcached_core import native
-from tests.conftest import ROOT, kvctl
 
 HAVE_BUILD_TOOLS = bool(shutil.which("cc") or shutil.which("gcc")) and os.path.isfile(
     os.path.join(sysconfig.get_paths()["include"], "Python.h"))

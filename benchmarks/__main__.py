@@ -26,8 +26,21 @@ from pathlib import Path
 import benchmarks
 
 from ._common import ROOT, child_env, private_segments
+from ._headline import headline
 
 MARKER = "@@benchmark-result@@ "
+RUNNING = [
+    "## Running them", "",
+    "```bash",
+    "python -m benchmarks --quick     # every benchmark in under a minute; writes BENCHMARKS.md",
+    "python -m benchmarks             # the full run (this file)",
+    "python -m benchmarks --only publish,hotpath   # some of them (prints, writes nothing)",
+    "```", "",
+    "Each module of `benchmarks/` runs in a child process of its own. GPU benchmarks are skipped without a GPU; "
+    "`benchmarks/vmm.py` is the GPU one (run it on a GPU machine, see its docstring), and results recorded on "
+    "GPU machines (`benchmarks/results/*.md`) are copied below as they are. `benchmarks/probes/` holds one-off "
+    "GPU probes that explain a figure there, which the command does not run.", "",
+]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 CHILD = r"""
@@ -179,6 +192,13 @@ def markdown(outcomes: list[Outcome], info: dict[str, str], quick: bool, elapsed
     ]
     if quick:
         out += ["Mode: `--quick` (fewer repetitions and shorter traffic; medians are less settled than a full run).", ""]
+    figures = {(o.module, str(r["name"])): (float(_fmt(r["value"]).replace(",", "")), str(r["unit"]))  # as shown
+               for o in outcomes for r in o.rows if isinstance(r.get("value"), (int, float))}
+    out += ["## Headline", "",
+            "Each figure next to a peer doing the same work the same way: Python against Python, C against a C "
+            "program making the same calls (`benchmarks/_headline.py` picks the rows; the details follow). "
+            "Below 1 in `ours ÷ peer`: ours takes less time.", "",
+            *headline(figures, RESULTS), *RUNNING]
     out += ["## Summary", "", "| benchmark | status | seconds |", "|---|---|---|"]
     for o in outcomes:
         status = f"error: {_cell(o.error)}" if o.error else f"skipped: {_cell(o.skipped)}" if o.skipped else \

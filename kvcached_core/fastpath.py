@@ -1,7 +1,8 @@
 """The optional C hot path: ``alloc`` and ``free`` in ``fastpath.c``, built when the package is installed.
 
-``alloc`` in Python is ~200 bytecodes of placement and segment publishing; on a busy VM right after
-an engine's GPU wait that measured 14-36 µs at p50 (benchmarks/vmm.py, Python path rows). The C version walks the same page-table
+``alloc`` in Python is ~200 bytecodes of placement and segment publishing, slow right after an
+engine's GPU wait (``benchmarks/hotpath.py`` and, on a GPU host, ``benchmarks/vmm.py``'s Python path
+rows measure both paths; BENCHMARKS.md has the figures). The C version walks the same page-table
 objects and writes the same segment bytes, so the Python code stays the reference and the two
 may interleave freely (tests/test_fastpath.py compares them block for block, byte for byte).
 ``free`` likewise; what it triggers beyond the page table (a prefix-cache removal, an unmap, a

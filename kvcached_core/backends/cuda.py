@@ -28,7 +28,7 @@ every other driver error raises :class:`BackendError` naming the call.
 
 Unmapping is deferred by default (``KVCACHED_CUDA_ASYNC_UNMAP=0`` turns it off): the allocator
 unmaps while it holds its lock, often inside an engine's ``free``, and a layer-separated page
-id takes ~1.5-2.5 ms to unmap, so a backend thread does it instead, one page id at a time,
+id takes milliseconds to unmap (``benchmarks/vmm.py``, docs/cuda.md), so a backend thread does it instead, one page id at a time,
 ``KVCACHED_CUDA_UNMAP_DELAY_MS`` (20) after it was asked. A page asked for again before then is
 handed back as it is, with no driver call; ``trim_pool``, ``flush`` and a
 map that runs out of memory finish the deferred work at once, so a trim still returns its
@@ -249,8 +249,8 @@ class CudaBackend(Backend):
         self.native_reason = "not requested" if self.native_mode == "off" else ""
         g = geometry
         self.slices = g.num_layers * g.num_kv_buffers if self.layout == "layer" else 1
-        # A page-major page id takes 30-60 µs to back and a map_pages call ~5 µs of fixed cost on a
-        # busy host: the refill maps four per call there (1.10x the driver's floor instead of 1.2x).
+        # A page-major page id is cheap enough to back that a map_pages call's fixed cost is a sizeable
+        # share of it: the refill maps four per call there (benchmarks/vmm.py compares batch 1 and 4).
         self.refill_batch = 4 if self.layout == "page" else 1
         self.slice_bytes = g.page_size if self.layout == "layer" else g.bundle_bytes
         self.va_bytes = g.range_bytes * g.num_layers * g.num_kv_buffers
@@ -596,7 +596,8 @@ class CudaBackend(Backend):
 
     def unmap_pages(self, pages: Sequence[int]) -> None:
         """Return ``pages``. With deferred unmapping (the default) a backend thread does the driver
-        work, so the caller (often holding the allocator's lock) does not wait ~2-3 ms per page id."""
+        work, so the caller (often holding the allocator's lock) does not wait milliseconds per page id
+        (``benchmarks/vmm.py``'s shrink rows)."""
         pages = sorted(pages)
         self._check_pages(pages)
         with self._lock:

@@ -1,13 +1,13 @@
 """Optional native loop for the CUDA backend's hot path: ``cuda_native.c``, built when the package is installed.
 
 A layer-separated page id is dozens of driver calls. Made one by one from Python, each call
-pays the interpreter's round trip, and on an H200 that measured +5 µs per physical handle
-(+10-15 % on growth) although the bindings themselves take well under 1 µs: coming back to
-the interpreter between calls is what costs. The extension ``kvcached_core.backends._cuda_native``
+pays the interpreter's round trip, which costs more than the binding call itself: coming back
+to the interpreter between calls is what costs (``benchmarks/vmm.py`` measures the backend with
+and without this loop against a C program making the same calls; docs/cuda.md has the figures). The extension ``kvcached_core.backends._cuda_native``
 (no CUDA headers: it receives the driver's entry points and cuda-python's own struct pointers)
 backs every page id of a ``map_pages`` call in one call that also releases the GIL for its whole
 duration and makes the backend's context current itself (a Python guard for that is one more
-binding round trip per call, which the page layout's 30-60 µs page ids feel).
+binding round trip per call, which the page layout's short page ids feel).
 
 ``KVCACHED_CUDA_NATIVE``: ``auto`` (default: use it when it was built, in both layouts; else say
 once why not), ``0`` (never), ``1`` (always; the backend fails without it). Without it the backend

@@ -35,8 +35,8 @@ _libc.madvise.restype = ctypes.c_int
 
 
 def _madvise(address: int, length: int, advice: int) -> None:
-    """madvise(2) through ctypes, which releases the GIL: committing a page takes ~0.6 ms per
-    2 MiB, and mmap.madvise would hold every other thread (the engine's alloc) for that long."""
+    """madvise(2) through ctypes, which releases the GIL: committing a page costs about as much as
+    writing it, and mmap.madvise would hold every other thread (the engine's alloc) for that long."""
     if _libc.madvise(address, length, advice) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))

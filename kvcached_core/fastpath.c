@@ -995,7 +995,7 @@ static PyMethodDef FastPath_methods[] = {
 
 static PyTypeObject FastPathType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "_kvc_fastpath.FastPath",
+    .tp_name = "kvcached_core._fastpath.FastPath",
     .tp_basicsize = sizeof(FastPath),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "One allocator's alloc path in C over its own page table and segment.",

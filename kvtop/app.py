@@ -382,12 +382,12 @@ class KvtopApp(App[int]):
 
     def action_zoom_in(self) -> None:
         if not self.pagemap.zoom_in():
-            self._say_once("the page map is at one page per cell: Z zooms out")
+            self._say_once("one page per cell: Z zooms out")
         self._draw_selected()
 
     def action_zoom_out(self) -> None:
         if not self.pagemap.zoom_out():
-            self._say_once("the whole page map is on screen: z zooms in")
+            self._say_once("whole map on screen: z zooms in")
         self._draw_selected()
 
     def _say_once(self, text: str, timeout: float = 3.0) -> None:

@@ -86,7 +86,7 @@ def test_one_page_per_cell(snap_compare) -> None:
     async def zoomed_all_the_way(pilot: Pilot) -> None:
         await settled(pilot)
         await pilot.press(*["z"] * 12)
-        pilot.app.clear_notifications()  # "at one page per cell" goes after 3 s of wall time: not on the snapshot
+        pilot.app.clear_notifications()  # "one page per cell" goes after 3 s of wall time: not on the snapshot
         await pilot.pause(0.1)
 
     assert snap_compare(make_app(model="llama"), terminal_size=LARGE, run_before=zoomed_all_the_way)

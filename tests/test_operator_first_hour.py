@@ -422,12 +422,12 @@ def test_zooming_past_either_end_says_so() -> None:
     async def script(pilot: Pilot) -> None:
         await settled(pilot)
         await pilot.press("Z")
-        assert "the whole page map is on screen: z zooms in" in [n.message for n in app._notifications]
+        assert "whole map on screen: z zooms in" in [n.message for n in app._notifications]
         for _ in range(20):
             if app.pagemap.per_cell == 1:
                 break
             await pilot.press("z")
-        said = "the page map is at one page per cell: Z zooms out"
+        said = "one page per cell: Z zooms out"
         assert said not in [n.message for n in app._notifications]
         await pilot.press("z", "z", "z")
         assert [n.message for n in app._notifications].count(said) == 1  # said once, not once per key

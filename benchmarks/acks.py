@@ -2,10 +2,10 @@
 
 * ours: ``request_limit`` / ``request_trim`` from this process against a KVCacheManager in a
   child; the time until the call returns with the allocator's acknowledgement (status applied,
-  bytes returned), read back from the segment. The allocator's watcher wakes every
-  ``WATCH_INTERVAL_S``, even when the engine is idle.
+  bytes returned), read back from the segment. The controller pokes the allocator's poller
+  (``kvcached_core.poller``), which applies the request at once.
 * upstream-style: the controller rewrites the total field of the 24-byte file under an
-  exclusive flock; a watcher thread in the child polls the file at the same interval (open,
+  exclusive flock; a watcher thread in the child polls the file every ``UPSTREAM_POLL_S`` (open,
   shared flock, mmap, read, close), as upstream's background watcher does, and applies the new
   limit. Upstream has no acknowledgement: the controller cannot know when (or whether) it
   was applied, so we measure the time until the child has applied it (the child reports the
@@ -19,6 +19,8 @@ import random
 import time
 
 from ._common import legacy_create, legacy_set_limit, percentile, private_segments, spawn, stop
+
+UPSTREAM_POLL_S = 0.005  # the upstream-style watcher's polling interval (upstream's own watcher polls too)
 
 ALLOCATOR = """
 import sys
@@ -35,7 +37,7 @@ UPSTREAM_WATCHER = """
 import sys, threading, time
 from pathlib import Path
 from benchmarks._common import legacy_read
-from kvcached_core.manager import WATCH_INTERVAL_S
+from benchmarks.acks import UPSTREAM_POLL_S as WATCH_INTERVAL_S
 path = Path(PATH)
 applied = legacy_read(path)[0]
 
@@ -116,9 +118,7 @@ def run(quick: bool) -> list[dict]:
     with private_segments() as directory:
         ours = _ours(rounds)
         upstream = _upstream(directory, rounds)
-    from kvcached_core.manager import WATCH_INTERVAL_S
-
-    poll = f"allocator watcher wakes every {WATCH_INTERVAL_S * 1e3:g} ms"
+    poll = "the controller pokes the allocator"
     rows = []
     for label, samples, note in (
         ("limit acknowledged: ours (request_limit returns)", ours["limit"],
@@ -127,7 +127,7 @@ def run(quick: bool) -> list[dict]:
         ("trim acknowledged: ours (request_trim returns)", ours["trim"], f"{rounds} requests; {poll}"),
         ("trim applied: ours (allocator published it)", ours["trim applied"], f"{rounds} requests; {poll}"),
         ("limit applied: upstream-style (flock write, watcher polls)", upstream,
-         f"{rounds} requests; watcher polls at the same interval; no acknowledgement exists, "
+         f"{rounds} requests; watcher polls every {UPSTREAM_POLL_S * 1e3:g} ms; no acknowledgement exists, "
          "upstream cannot trim from outside"),
     ):
         p50, p99 = _stats_ms(samples)

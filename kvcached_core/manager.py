@@ -9,24 +9,23 @@ import weakref
 from collections.abc import Iterable, Sequence
 from numbers import Integral
 
-from . import config, fastpath
+from . import config, fastpath, poller
 from . import layout as L
 from .backends import Backend, BackendError, Geometry, make_backend
 from .names import sanitize, segment_path, validate
 from .pages import PageTable
 from .placement import Policy, make_policy, place_draining
+from .poller import HEARTBEAT_INTERVAL_S
 from .prefix_cache import PrefixCache
 from .segment import Identity, SegmentError, SegmentWriter, owned_stale
 
-WATCH_INTERVAL_S = 0.005
 # While traffic keeps draining the pool, the refill thread looks for work every REFILL_POLL_S
 # instead of being woken: waking a thread costs the waker a futex syscall and a GIL hand-off
 # inside alloc (benchmarks/vmm.py: with polling, grow and nogrow p99 agree). After REFILL_LINGER_S
 # without a request it sleeps until an alloc wakes it again.
 REFILL_POLL_S = 0.0005
 REFILL_LINGER_S = 0.25
-HEARTBEAT_INTERVAL_S = 0.25
-RELEASE_CHECK_S = 0.2  # an idle refill thread looks again this often, waiting without holding its manager
+RELEASE_CHECK_S = 5.0  # an idle refill thread looks again this often, waiting without holding its manager
 _IDLE = -1.0  # _refill_step: nothing to do until an alloc asks
 INFLIGHT_WAIT_S = 2.0  # the most a limit waits for the refill thread's batch in flight to land
 
@@ -167,10 +166,11 @@ class KVCacheManager:
         me = weakref.ref(self)  # never a strong reference from a thread: see _refill_loop
         self._threads = [
             threading.Thread(target=_refill_loop, args=(me,), name=f"kvc-refill-{self.name}", daemon=True),
-            threading.Thread(target=_watch_loop, args=(me,), name=f"kvc-watch-{self.name}", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
+        # Controls, idle return and the heartbeat: the process's one poller thread (see kvcached_core.poller).
+        self._watch = poller.register(self, self.segment.wake_token, _watch_tick, _WatchState())
 
     @staticmethod
     def _choose_name(name: str | None, model: str) -> str:
@@ -407,6 +407,7 @@ class KVCacheManager:
             self._fast = None  # it holds the manager: drop the cycle
             self.__dict__.pop("alloc", None)  # the C alloc goes with it
             self._refill_wanted.notify_all()
+        poller.unregister(self._watch)  # no tick of ours runs after this
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=2)
@@ -702,8 +703,8 @@ class KVCacheManager:
         return min(want, self._headroom())
 
     def _watch_step(self, state: _WatchState) -> bool:
-        """One tick of the watcher (see :func:`_watch_loop`): apply controllers' limit and trim requests,
-        keep the heartbeat fresh; False once closed."""
+        """One tick of the process's poller (poked by a controller, or every heartbeat interval): apply
+        controllers' limit and trim requests, return an idle pool, keep the heartbeat fresh; False once closed."""
         if self._closed:
             return False
         # Look without the lock first (plain reads; the control block is the controllers' to
@@ -738,8 +739,9 @@ class _WatchState:
         self.idle_after = config.idle_return_s()
 
 
-# The background threads hold their manager only while a step runs: a manager dropped without
-# close() is then collected like any object (its __del__ closes it), threads, memory and segment too.
+# The background threads (the refill thread, the process's poller) hold their manager only while
+# a step runs: a manager dropped without close() is then collected like any object (its __del__
+# closes it), threads, memory and segment too.
 def _refill_loop(ref: weakref.ref[KVCacheManager]) -> None:
     linger_until = 0.0
     while True:
@@ -766,14 +768,8 @@ def _refill_loop(ref: weakref.ref[KVCacheManager]) -> None:
         del manager
 
 
-def _watch_loop(ref: weakref.ref[KVCacheManager]) -> None:
-    state = _WatchState()
-    while True:
-        time.sleep(WATCH_INTERVAL_S)  # holding nothing: the last reference may go meanwhile
-        manager = ref()
-        if manager is None or not manager._watch_step(state):
-            return
-        del manager
+def _watch_tick(manager: KVCacheManager, state: _WatchState) -> bool:
+    return manager._watch_step(state)
 
 
 __all__ = ["KVCacheManager", "SegmentError"]

@@ -7,6 +7,7 @@ import errno
 import logging
 import mmap
 import os
+import secrets
 import stat
 import time
 from dataclasses import dataclass
@@ -208,13 +209,14 @@ class SegmentWriter:
         self.ident = ident
         size = L.total_size(ident.pages_total, ident.ranks_max)
         self.pid = os.getpid()
+        self.wake_token = secrets.randbits(63) | 1  # unguessable: only those who can read the header poke
         header = L.HEADER.pack(
             L.MAGIC, L.LAYOUT_VERSION, L.HEADER_SIZE, size, ident.pages_total,
             ident.name.encode(), ident.model.encode()[:128], ident.engine.encode()[:32],
             ident.backend.encode()[:16], self.pid, start_time(self.pid), os.getuid(), ident.device,
             ident.tp_rank, ident.tp_world, ident.page_size, ident.block_bytes, ident.num_layers,
             ident.num_kv_buffers, ident.blocks_per_page, ident.num_blocks, time.time_ns(), ident.ranks_max,
-            ident.device_capacity, own_pid_ns(),
+            ident.device_capacity, own_pid_ns(), self.wake_token,
         )
         initial = bytearray(L.PAGE_MAP_OFF)
         initial[:len(header)] = header

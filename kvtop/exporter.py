@@ -44,6 +44,16 @@ class _Seen:
     at: float
 
 
+class _Flight:
+    """One build in progress, and the scrapes waiting for it."""
+
+    __slots__ = ("done", "families")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.families: list[Metric] | None = None
+
+
 class KVCachedCollector(Collector):
     """Builds the metric families from one scan of the segment directory (and one NVML probe)."""
 
@@ -52,15 +62,40 @@ class KVCachedCollector(Collector):
         self.with_nvml = with_nvml
         self._lock = threading.Lock()
         self._seen: dict[tuple[str, int, int], _Seen] = {}
+        self._flight_lock = threading.Lock()
+        self._flight: _Flight | None = None
+        self.builds = 0  # full builds made (scrapes that arrive during one share it)
 
     def collect(self) -> Iterator[Metric]:
-        yield from self.build()
+        yield from self.shared_build()
+
+    def shared_build(self) -> list[Metric]:
+        """:meth:`build`, once for every scrape that arrives while one runs: 50 scrapers at once cost
+        one scan of the directory, not 50 scans fighting for one interpreter."""
+        with self._flight_lock:
+            flight, leader = self._flight, self._flight is None
+            if leader:
+                flight = self._flight = _Flight()
+        assert flight is not None
+        if leader:
+            try:
+                flight.families = self.build()
+            finally:
+                with self._flight_lock:
+                    self._flight = None
+                flight.done.set()
+        else:
+            flight.done.wait()
+        if flight.families is None:
+            raise RuntimeError("the scan this scrape waited for failed")
+        return flight.families
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # families depend on what is running: never collect at registration
 
     def build(self) -> list[Metric]:
         """One full set of metric families, read now."""
+        self.builds += 1
         started = time.monotonic()
         scan = kvcached_core.scan()
         now = time.monotonic()
@@ -279,6 +314,7 @@ def serve(host: str, port: int, registry: CollectorRegistry) -> tuple[WSGIServer
 
     class Server(ThreadingWSGIServer):
         address_family = family
+        request_queue_size = 128  # socketserver's 5 made scrapers beyond it wait out SYN retries (1 s, 3 s, 7 s)
 
     server = make_server(str(sockaddr[0]), port, route(make_wsgi_app(registry)), Server, handler_class=_QuietHandler)
     thread = threading.Thread(target=server.serve_forever, name="kvcached-exporter-http", daemon=True)
@@ -292,7 +328,7 @@ class Exporter:
     def __init__(self, host: str = "127.0.0.1", port: int = 9400, interval: float | None = None,
                  *, with_nvml: bool = True, hostname: str | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        source = KVCachedCollector(hostname, with_nvml=with_nvml)
+        self.source = source = KVCachedCollector(hostname, with_nvml=with_nvml)
         self._refresher = RefreshingCollector(source, interval) if interval else None
         self.registry.register(self._refresher or source)
         try:

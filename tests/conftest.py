@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -37,6 +38,18 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):  # noqa
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(0.01)
     return value
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped: kill() returns before the signal takes effect,
+    and an allocator poked by a controller answers within microseconds."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "T"
+
+    wait_for(stopped, what=f"pid {pid} to stop")
 
 
 def kvctl(*args: str):  # noqa: ANN201 - a click Result

@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from conftest import send, wait_for
+from conftest import freeze, send, wait_for
 
 import kvcached_core as kc
 from kvcached_core import layout as L
@@ -129,7 +129,7 @@ def test_trim_round_trip_returns_the_pool_and_it_stays_returned(spawn_allocator)
 
 def test_a_stopped_allocator_times_out_then_applies_when_it_resumes(spawn_allocator):
     proc = spawn_allocator("frozen")
-    os.kill(proc.pid, signal.SIGSTOP)
+    freeze(proc.pid)
     try:
         with pytest.raises(kc.AckTimeout, match="did not acknowledge the limit within 0.3 s") as info:
             kc.request_limit("frozen", 5 * MiB, wait=0.3)

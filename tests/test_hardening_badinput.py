@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, child_env, send
+from conftest import ROOT, child_env, freeze, send
 from test_hardening_crash import process_state
 
 import kvcached_core as kc
@@ -209,7 +209,7 @@ def test_trim_of_an_upstream_segment(shm_dir):
 
 def test_a_model_that_does_not_acknowledge(spawn_allocator):
     proc = spawn_allocator("slow")
-    os.kill(proc.pid, signal.SIGSTOP)  # alive, heartbeat still fresh for a moment, but not answering
+    freeze(proc.pid)  # alive, heartbeat still fresh for a moment, but not answering
     try:
         with pytest.raises(kc.AckTimeout, match="slow did not acknowledge the limit within 0.3 s") as timeout:
             kc.request_limit("slow", 1 << 20, wait=0.3)

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import child_env, kvctl, wait_for
+from conftest import child_env, freeze, kvctl, wait_for
 
 import kvcached_core as kc
 from kvcached_core import layout as L
@@ -468,7 +468,7 @@ def test_a_torn_limit_record_never_blocks_trims_or_later_limits(spawn_allocator,
 
 def test_a_limit_superseded_by_another_controller_says_so(spawn_allocator):
     proc = spawn_allocator("m1")
-    os.kill(proc.pid, signal.SIGSTOP)  # both requests land before the model looks
+    freeze(proc.pid)  # both requests land before the model looks
     try:
         first = subprocess.Popen([sys.executable, "-m", "kvtop.cli", "limit", "m1", "1MiB", "--wait", "20"],
                                  env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -552,6 +552,8 @@ def kvc_threads() -> int:
 def test_managers_dropped_without_close_release_threads_fds_memory_and_segments(shm_dir, monkeypatch, fastpath):
     """Their threads hold them only while a step runs; the C path's reference cycle goes with the collector."""
     monkeypatch.setenv("KVCACHED_FASTPATH", fastpath)
+    kc.KVCacheManager("first", name="first", **SMALL).close()  # what a process sets up once (the poller's bell)
+    wait_for(lambda: kvc_threads() == 0, what="no allocator threads")
     fds = len(os.listdir("/proc/self/fd"))
     threads = kvc_threads()
     for i in range(20):
@@ -605,3 +607,80 @@ def test_kvtop_logs_a_model_going_late_and_beating_again() -> None:
     (back,) = diff((late,), (on_time,), 2.0)
     assert (back.kind, back.text) == ("live", "beating again")
     assert late.display_status == "late"
+
+
+# -- item 13: one poller per process; controllers poke it --------------------------------------
+
+def test_one_poller_thread_serves_every_allocator_of_a_process(shm_dir):
+    managers = [kc.KVCacheManager(f"many{i}", name=f"many{i}", **SMALL) for i in range(5)]
+    try:
+        names = [t.name for t in threading.enumerate() if t.name.startswith("kvc-")]
+        assert names.count("kvc-poller") == 1 and not [n for n in names if n.startswith("kvc-watch")]
+        for i in range(5):
+            assert kc.request_limit(f"many{i}", (i + 1) * managers[i].bundle_bytes, wait=5).status == "applied"
+    finally:
+        for m in managers:
+            m.close()
+    wait_for(lambda: "kvc-poller" not in [t.name for t in threading.enumerate()], what="the idle poller to end")
+
+
+POKED = textwrap.dedent("""
+    import sys
+    from kvcached_core import poller
+    poller.HEARTBEAT_INTERVAL_S = 3600.0  # no tick but the poke's
+    import kvcached_core as kc
+    m = kc.KVCacheManager("poked", name="poked", num_blocks=64, block_bytes=1 << 16, num_layers=1,
+                          page_size=1 << 18)
+    print("READY", flush=True)
+    sys.stdin.readline()
+    m.close()
+""")
+
+
+def test_a_controller_pokes_the_allocator_instead_of_waiting_for_its_tick(shm_dir):
+    child = subprocess.Popen([sys.executable, "-c", POKED], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=child_env())
+    try:
+        assert child.stdout.readline() == "READY\n"
+        wait_for(lambda: kc.snapshot("poked").applied_revision == 0, what="the segment")
+        assert kc.request_limit("poked", 1 << 20, wait=10).status == "applied"
+        assert kc.request_trim("poked", wait=10).status == "trimmed"
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+
+
+def test_a_request_nobody_poked_is_applied_at_the_next_heartbeat_tick(spawn_allocator, shm_dir):
+    spawn_allocator("quiet")
+    with open(shm_dir / "kvc.quiet", "r+b") as fh:  # what a controller that does not poke leaves
+        fh.seek(L.LIMIT_OFF)
+        fh.write(L.I64.pack(1 << 20) + L.U64.pack(1) + L.U64.pack(L.limit_check(1 << 20, 1)))
+    snap = wait_for(lambda: (s := kc.snapshot("quiet")).applied_revision == 1 and s, what="the tick")
+    assert snap.limit_bytes is not None
+
+
+# -- item 14: the exporter under many scrapers at once --------------------------------------------
+
+def test_fifty_scrapers_at_once_are_all_answered_and_share_reads(spawn_allocator):
+    import urllib.request
+
+    from kvtop.exporter import Exporter
+
+    spawn_allocator("m1")
+    bodies: list[bytes] = []
+    with Exporter(port=0, with_nvml=False) as exporter:
+        assert exporter._server.request_queue_size >= 50  # socketserver's default of 5 dropped SYNs
+        start = threading.Barrier(50)
+
+        def scrape() -> None:
+            start.wait()
+            with urllib.request.urlopen(exporter.url, timeout=60) as response:
+                bodies.append(response.read())
+
+        threads = [threading.Thread(target=scrape) for _ in range(50)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(bodies) == 50 and all(b"kvcached_model_info{" in b and b'model="m1"' in b for b in bodies)
+    assert 1 <= exporter.source.builds <= 50

@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import kvctl, send, wait_for
+from conftest import freeze, kvctl, send, wait_for
 
 from kvcached_core import layout as L
 from kvcached_core import snapshot
@@ -112,7 +112,7 @@ def test_limit_without_waiting_is_pending(spawn_allocator):
 
 def test_no_acknowledgement_in_time_exits_1(spawn_allocator):
     proc = spawn_allocator("m1")
-    os.kill(proc.pid, signal.SIGSTOP)  # alive and (for ~3 s) fresh, but not answering
+    freeze(proc.pid)  # alive and (for ~3 s) fresh, but not answering
     try:
         done = kvctl("limit", "m1", "4MiB", "--wait", "0.3")
     finally:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import child_env, wait_for
+from conftest import child_env, freeze, wait_for
 
 from kvcached_core.backends import BackendError, Geometry
 from kvcached_core.control import AckTimeout, request_limit, request_trim
@@ -134,7 +134,7 @@ def test_trim_is_acknowledged_only_after_every_rank_trimmed(managers) -> None:
     assert m.try_to_reserve(16)  # 4 reserved pages on both ranks
     pids = [s.pid for s in m.backend.ranks]
     full = [rss_anon(pid) for pid in pids]
-    os.kill(pids[1], signal.SIGSTOP)
+    freeze(pids[1])
     try:
         pending = request_trim(m.name, wait=0)
         # Rank 0 gives its memory back at once ...
@@ -155,7 +155,7 @@ def test_limit_is_acknowledged_only_after_every_rank_unmapped(managers) -> None:
     m = managers("tp-lim-ack", 2, timeout=30)
     assert m.try_to_reserve(16)
     pid0 = m.backend.ranks[0].pid
-    os.kill(pid0, signal.SIGSTOP)
+    freeze(pid0)
     try:
         with pytest.raises(AckTimeout):
             request_limit(m.name, m.bundle_bytes, wait=0.3)

@@ -1,6 +1,7 @@
 """Do the allocator's own background threads make the engine's alloc wait? (GPU machine.)
 
-The refill thread looks for work every ``REFILL_POLL_S`` and the watcher every ``WATCH_INTERVAL_S``;
+The refill thread looks for work every ``REFILL_POLL_S`` and the process's poller every
+``HEARTBEAT_INTERVAL_S`` (a variant here makes it look far more often, as the old 5 ms watcher did);
 each look takes the GIL for a moment. An alloc that arrives in that moment sleeps until the GIL
 comes back, and a woken thread may land on another CPU with cold caches. This probe grows a CUDA
 model with 1 ms of GPU work between allocs (as ``benchmarks/vmm.py``'s grow runs) under several
@@ -30,6 +31,7 @@ import vmm  # noqa: E402
 
 from kvcached_core import KVCacheManager  # noqa: E402
 from kvcached_core import manager as manager_module  # noqa: E402
+from kvcached_core import poller as poller_module  # noqa: E402
 
 SIZES = [1, 1, 2, 2, 4, 8, 16]
 LIBC = ctypes.CDLL(None, use_errno=True)
@@ -44,11 +46,11 @@ VARIANTS = {  # name: (refill poll s, watch interval s, pin the engine thread)
 
 def run(pacer: vmm.Pacer, layout: str, variant: str, seed: int) -> dict:
     poll, watch, pin = VARIANTS[variant]
-    saved = manager_module.REFILL_POLL_S, manager_module.WATCH_INTERVAL_S
+    saved = manager_module.REFILL_POLL_S, poller_module.HEARTBEAT_INTERVAL_S
     if poll is not None:
         manager_module.REFILL_POLL_S = poll
-    if watch is not None:
-        manager_module.WATCH_INTERVAL_S = watch
+    if watch is not None:  # the watcher is the process's poller: it wakes when poked and at each heartbeat
+        poller_module.HEARTBEAT_INTERVAL_S = watch
     os.environ["KVCACHED_CUDA_LAYOUT"] = layout
     m = KVCacheManager(f"bg-{layout}-{variant}", num_blocks=64 * 400, block_bytes=32 << 10, num_layers=32,
                        page_size=2 << 20, backend="cuda")
@@ -80,7 +82,7 @@ def run(pacer: vmm.Pacer, layout: str, variant: str, seed: int) -> dict:
             if ids:
                 m.free(ids)
         m.close()
-        manager_module.REFILL_POLL_S, manager_module.WATCH_INTERVAL_S = saved
+        manager_module.REFILL_POLL_S, poller_module.HEARTBEAT_INTERVAL_S = saved
     lat = [r[0] for r in rows]
     top = sorted(rows)[int(0.99 * len(rows)):]
     calm = [r[0] for r in rows if not (r[1] or r[2] or r[3])]

@@ -19,6 +19,7 @@ from kvtop.pagemap import fold
 from kvtop.source import Frame, Source
 from kvtop.view import (
     COLUMNS,
+    RATE_COLUMNS,
     cells_text,
     device_bars,
     device_lines,
@@ -42,7 +43,7 @@ def models_table(models: Sequence, history: History | None = None, width: int = 
     columns: list[tuple[str, str, bool]] = []
     used = 0
     for key, header, _width, right in COLUMNS:
-        if key in ("spark", "rate"):
+        if key in RATE_COLUMNS:
             continue
         need = max([len(header)] + [row[key].cell_len for row in rows]) + (2 if columns else 0)
         if columns and used + need > width:

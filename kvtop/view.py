@@ -36,9 +36,12 @@ COLUMNS = (
     ("name", "model", 12, False), ("status", "status", 9, False), ("mapped", "mapped", 9, True),
     ("limit", "limit", 10, True), ("held", "held", 9, True), ("reserved", "reserved", 9, True),
     ("cached", "cached", 9, True), ("waste", "waste", 6, True), ("rate", "alloc/s", 10, True),
-    ("spark", "mapped history", 16, False), ("engine", "engine", 7, False), ("pid", "pid", 7, True),
+    ("spark", "mapped history", 16, False), ("toks", "tok/s", 7, True), ("reqs", "req/s", 6, True),
+    ("waiting", "wait", 5, True), ("preempt", "preempt", 7, True), ("idle", "idle", 6, True),
+    ("tokspark", "tok/s history", 16, False), ("engine", "engine", 7, False), ("pid", "pid", 7, True),
     ("device", "dev", 3, True),
 )
+RATE_COLUMNS = ("rate", "spark", "toks", "reqs", "tokspark")  # need two reads: not in a one-shot table
 SPARK_WIDTH = 16
 MAX_PER_CELL = 1 << 20
 
@@ -129,9 +132,40 @@ def model_cells(m: ModelSnapshot, history: History | None = None, names: Sequenc
                       style=waste_style(None if legacy else m.waste_ratio)),
         "rate": Text("-" if rate is None else f"{format_bytes(rate)}/s", style="grey50" if not rate else ""),
         "spark": Text(sparkline(history.mapped(m.name)) if history else "", style="cyan"),
+        **traffic_cells(m, history),
         "engine": Text(m.engine),
         "pid": Text(str(m.pid) if m.pid else "-"),
         "device": Text(fmt_device(m)),
+    }
+
+
+def rate_text(rate: float | None, unit: str = "") -> Text:
+    if rate is None:
+        return Text("-", style="grey50")
+    text = f"{rate:.0f}" if rate >= 10 else f"{rate:.1f}"
+    return Text(text + unit, style="" if rate else "grey50")
+
+
+def idle_text(seconds: float | None) -> Text:
+    if seconds is None:
+        return Text("-", style="grey50")
+    if seconds < 60:
+        return Text(f"{seconds:.0f}s")
+    return Text(f"{seconds / 60:.0f}m" if seconds < 3600 else f"{seconds / 3600:.1f}h", style="grey50")
+
+
+def traffic_cells(m: ModelSnapshot, history: History | None) -> dict[str, Text]:
+    """The engine's traffic columns; '-' where it publishes none (the public kvcached, the demo)."""
+    t = m.traffic
+    if t is None:
+        return {key: Text("-", style="grey50") for key in ("toks", "reqs", "waiting", "preempt", "idle", "tokspark")}
+    reqs, toks = history.traffic_rates(m.name) if history else (None, None)
+    return {
+        "toks": rate_text(toks), "reqs": rate_text(reqs),
+        "waiting": Text(str(t.waiting), style="bold yellow" if t.waiting else ""),
+        "preempt": Text(str(t.preemptions), style="yellow" if t.preemptions else "grey50"),
+        "idle": idle_text(t.idle_s),
+        "tokspark": Text(sparkline([int(v) for v in history.tokens(m.name)]) if history else "", style="green"),
     }
 
 

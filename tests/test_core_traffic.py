@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import time
 
 from conftest import kvctl, send, wait_for
 from test_exporter import scrape, value
@@ -54,3 +53,34 @@ def test_traffic_is_null_until_an_engine_publishes_it(spawn_allocator) -> None:
     send(proc, "import time; m.publish_traffic(0, 1, 0, 24, 0, 0, time.time_ns())")
     traffic = wait_for(lambda: snapshot("later").traffic)
     assert traffic.waiting == 1 and traffic.idle_s is not None and traffic.idle_s < 30
+
+
+def test_kvtop_shows_traffic_next_to_memory(spawn_allocator) -> None:
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from kvtop.history import History
+    from kvtop.once import models_table
+    from kvtop.view import model_cells
+
+    spawn_allocator("busy", engine="vllm", script="import time; " + PUBLISH)
+    spawn_allocator("quiet")
+    console = Console(record=True, width=240, force_terminal=False)
+    console.print(models_table([snapshot("busy"), snapshot("quiet")], width=240))
+    out = console.export_text()
+    header, *rows = [line for line in out.splitlines() if line.strip()]
+    assert "wait" in header and "preempt" in header and "idle" in header
+    busy = next(r for r in rows if "busy" in r)
+    end = header.index(" wait") + len(" wait")  # a right-aligned column ends under its header
+    assert busy[end - 5:end].strip() == "2"  # 2 waiting, as published
+    first = snapshot("busy")
+    history = History()
+    history.update([first])
+    later = replace(first, read_ns=first.read_ns + 2_000_000_000,
+                    traffic=replace(first.traffic, generated_tokens=first.traffic.generated_tokens + 600,
+                                    read_ns=first.read_ns + 2_000_000_000))
+    history.update([later])
+    cells = model_cells(later, history)
+    assert cells["toks"].plain == "300" and cells["tokspark"].plain
+    assert model_cells(snapshot("quiet"), history)["toks"].plain == "-"

@@ -324,6 +324,12 @@ class KVCacheManager:
             self._publish()
             return L.LIMIT_STATUS_NAMES[self.limit_status]
 
+    @property
+    def state_seq(self) -> int:
+        """Changes whenever the published state changes (odd while a publish is under way): an engine that
+        asks ``schedulable_blocks`` many times a step can keep the answer until this moves."""
+        return self.segment.current_seq()
+
     def publish_traffic(self, running: int, waiting: int, finished: int, prompt_tokens: int,
                         generated_tokens: int, preemptions: int, last_request_ns: int) -> None:
         """The engine's request figures, for kvtop and kvctl: gauges (running, waiting) and monotonic

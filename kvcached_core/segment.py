@@ -22,6 +22,7 @@ from .removal import inode, remove_verified
 
 _pack_counters = L.COUNTERS.pack_into
 _pack_u64 = L.U64.pack_into
+_unpack_u64 = L.U64.unpack_from
 _pack_traffic = L.TRAFFIC.pack_into
 
 
@@ -256,6 +257,10 @@ class SegmentWriter:
         # layout.counters_checksum, inlined: this runs on every state change of the hot path
         _pack_u64(buf, L.CHECKSUM_OFF, _crc32(self._counters_view) ^ (seq & 0xFFFFFFFF))
         _pack_u64(buf, L.SEQ_OFF, seq)
+
+    def current_seq(self) -> int:
+        """The seqlock sequence as it is in the file (the C path bumps it too): it changes with every publish."""
+        return _unpack_u64(self._buf, L.SEQ_OFF)[0]
 
     def set_rank(self, index: int, rank: int, device: int, pid: int, started: int, mapped: int, acked: int,
                  flags: int = 0) -> None:

@@ -54,10 +54,16 @@ class KvcachedBlockPool(BlockPool):
         self.null_block = self.blocks[ids[0]]
         self.null_block.is_null = True
         self.free_block_queue = FreeKVCacheBlockQueue([])  # the allocator is the one free list
+        self._free_seq, self._free_count = -1, 0  # get_num_free_blocks' answer and the state it was for
 
     # -- what vLLM schedules against -----------------------------------------------------------
     def get_num_free_blocks(self) -> int:
-        return self.manager.schedulable_blocks()
+        # vLLM asks for every request of every step; the answer only moves when the allocator publishes.
+        seq = self.manager.state_seq  # read before the count: a publish in between only forces a recount
+        if seq != self._free_seq:
+            self._free_count = self.manager.schedulable_blocks()
+            self._free_seq = seq if not seq & 1 else -1
+        return self._free_count
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         ids = self._take(num_blocks)

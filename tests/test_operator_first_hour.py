@@ -348,8 +348,8 @@ def test_kvctl_export_ctrl_c_exits_130_as_the_readme_says() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert "It stops on Ctrl-C (exit 130" in " ".join(readme.split())
+    metrics_page = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    assert "It stops on Ctrl-C (exit 130" in " ".join(metrics_page.split())
 
 
 # -- kvtop's trim dialog -------------------------------------------------------------------
@@ -499,13 +499,14 @@ def test_help_text_is_plain_and_says_which_arguments_are_optional() -> None:
     assert kvctl("show", "--help").stdout.startswith("Usage: kvctl show [OPTIONS] MODEL\n")
 
 
-# -- the README against what a newcomer runs -----------------------------------------------
+# -- the README and docs/ against what a newcomer runs -------------------------------------
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = README.parent / "docs"
 
 
-def readme_block(after: str, kind: str) -> str:
-    text = README.read_text()
+def readme_block(after: str, kind: str, page: Path = README) -> str:
+    text = page.read_text()
     start = text.index(f"```{kind}\n", text.index(after)) + len(kind) + 4
     return text[start:text.index("```", start)]
 
@@ -514,7 +515,7 @@ def test_the_readme_screen_is_what_kvtop_demo_shows() -> None:
     from kvtop.app import cli
 
     defaults = {p.name: p.default for p in cli.params}
-    screen = readme_block("At 100×32 it looks like this", "text")
+    screen = readme_block("at 100×32 it looks like this", "text", DOCS / "kvtop.md")
     first = screen.splitlines()[0]
     models = defaults["demo_models"]
     assert f"· {models} models, {models} live · every {defaults['interval']:g} s ·" in first, first
@@ -527,8 +528,8 @@ def test_the_readme_python_and_kvctl_examples_work_against_the_demo(shm_dir: Pat
 
     with DemoFleet(models=4) as fleet:
         assert fleet.wait_ready(30), fleet.failure
-        code = readme_block("## Reading and steering from another process", "python")
-        exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - the README's own example
+        code = readme_block("## From another process", "python", DOCS / "allocator.md")
+        exec(compile(code, "docs/allocator.md", "exec"), {})  # noqa: S102 - the page's own example
         helped = kvctl("--help").stdout
         for line in helped.splitlines():
             words = line.split()
@@ -540,7 +541,7 @@ def test_the_readme_python_and_kvctl_examples_work_against_the_demo(shm_dir: Pat
 
 def test_the_example_and_the_readme_give_the_same_limit_and_it_exhausts_the_cache() -> None:
     example = (README.parent / "examples" / "generate.py").read_text()
-    wanted = {line.split("--limit ")[1].split()[0] for line in (example + README.read_text()).splitlines()
+    wanted = {line.split("--limit ")[1].split()[0] for line in (example + (DOCS / "engines.md").read_text()).splitlines()
               if "examples/generate.py --limit " in line}
     assert len(wanted) == 1, wanted
     done = subprocess.run([sys.executable, str(README.parent / "examples" / "generate.py"), "--limit", wanted.pop()],

@@ -9,7 +9,7 @@ from kvcached_core import layout as L
 from kvtop.cli import Failure, model_argument
 from kvtop.cli.common import emit_json, pick, problem_line, read, warn
 
-JSON_HELP = "Print JSON (the schema is documented in the README) instead of text."
+JSON_HELP = "Print JSON (every key is documented in docs/json.md) instead of text."
 
 
 @click.command("list")

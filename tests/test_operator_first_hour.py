@@ -211,9 +211,11 @@ def test_a_demo_model_whose_parent_is_gone_before_it_starts_ends_at_once(shm_dir
 def test_the_capacity_lock_is_not_left_in_the_segment_directory(shm_dir: Path, spawn_allocator) -> None:
     with kc.KVCacheManager("a", name="a", **SMALL) as a:
         assert a.alloc(8) is not None
-        spawn_allocator("b", script="blocks = m.alloc(8)")  # another process claims capacity too
-        assert LOCK_NAME not in os.listdir(shm_dir)
-    assert sorted(os.listdir(shm_dir)) == ["kvc.b"]
+        b = spawn_allocator("b", script="blocks = m.alloc(8)")  # another process claims capacity too
+        wait_for(lambda: kc.snapshot("b").pages_reserved > 0, 30, "b's warm pool")
+        b.stdin.close()  # b closes its allocator and exits
+        assert b.wait(timeout=30) == 0
+    assert os.listdir(shm_dir) == []  # no lock file, no segment
 
 
 def test_the_capacity_lock_still_excludes_while_it_comes_and_goes(shm_dir: Path) -> None:
@@ -290,7 +292,7 @@ def test_limit_wait_applied_shows_a_live_line_on_a_terminal(spawn_allocator) -> 
     spawn_allocator("m1", script="b = m.alloc(20)")
     primary, secondary = os.openpty()
     try:
-        done = subprocess.run([*KVCTL, "limit", "m1", "2MiB", "--wait-applied", "0.5"], stdout=subprocess.PIPE,
+        done = subprocess.run([*KVCTL, "limit", "m1", "2MiB", "--wait-applied", "2"], stdout=subprocess.PIPE,
                               stderr=secondary, env=child_env(), text=True, timeout=60)
         os.close(secondary)
         seen = b""
@@ -302,7 +304,7 @@ def test_limit_wait_applied_shows_a_live_line_on_a_terminal(spawn_allocator) -> 
     assert done.returncode == 3
     text = seen.decode()
     assert "\rm1: 5.0 MiB in use, 5.0 MiB mapped, limit 2.0 MiB: waiting for pages to empty" in text
-    assert text.endswith("\r\x1b[Kkvctl: m1: limit 2.0 MiB not applied within 0.5 s: 5.0 MiB of pages still in use\r\n")
+    assert text.endswith("\r\x1b[Kkvctl: m1: limit 2.0 MiB not applied within 2 s: 5.0 MiB of pages still in use\r\n")
 
 
 def test_limit_wait_applied_is_documented_with_its_exit_code() -> None:
@@ -417,20 +419,32 @@ def test_the_footer_says_what_space_does_now_and_fits_80_columns() -> None:
 
 
 def test_zooming_past_either_end_says_so() -> None:
-    app = fake_app(model="llama")  # 512 pages: one page per cell after a few z
+    import kvtop.app as kvtop_app
+    from kvtop.source import sample_fleet
+
+    class Told(KvtopApp):
+        """Keeps every notice it gives: toasts vanish after 3 s of wall time, a busy test machine is slower."""
+
+        CSS_PATH = str(Path(kvtop_app.__file__).with_name("kvtop.tcss"))  # resolved beside the app, not here
+        told: list[str] = []
+
+        def notify(self, message: str, **kwargs: object) -> None:  # type: ignore[override]
+            self.told.append(message)
+            super().notify(message, **kwargs)  # type: ignore[arg-type]
+
+    app = Told(sample_fleet(), interval=0.05, model="llama")
 
     async def script(pilot: Pilot) -> None:
         await settled(pilot)
         await pilot.press("Z")
-        assert "whole map on screen: z zooms in" in [n.message for n in app._notifications]
+        assert app.told == ["whole map on screen: z zooms in"]
         for _ in range(20):
             if app.pagemap.per_cell == 1:
                 break
             await pilot.press("z")
-        said = "one page per cell: Z zooms out"
-        assert said not in [n.message for n in app._notifications]
+        assert app.pagemap.per_cell == 1 and len(app.told) == 1
         await pilot.press("z", "z", "z")
-        assert [n.message for n in app._notifications].count(said) == 1  # said once, not once per key
+        assert app.told[1:] == ["one page per cell: Z zooms out"]  # said once, not once per key
 
     drive(app, script)
 

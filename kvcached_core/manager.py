@@ -27,7 +27,8 @@ REFILL_POLL_S = 0.0005
 REFILL_LINGER_S = 0.25
 RELEASE_CHECK_S = 5.0  # an idle refill thread looks again this often, waiting without holding its manager
 _IDLE = -1.0  # _refill_step: nothing to do until an alloc asks
-INFLIGHT_WAIT_S = 2.0  # the most a limit waits for the refill thread's batch in flight to land
+INFLIGHT_WAIT_S = 1.0  # the most a limit waits for the refill thread's batch in flight to land
+# (the process's poller serves the other allocators only after this: it stays well under a late heartbeat)
 
 
 class KVCacheManager:

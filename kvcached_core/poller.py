@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 HEARTBEAT_INTERVAL_S = 0.25
+UNREGISTER_WAIT_S = 5.0  # the most unregister waits for a tick of its allocator to end
 _WAKE_PREFIX = b"\0kvcached-wake-"
 
 
@@ -57,6 +58,7 @@ class Poller:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: list[_Entry] = []
+        self._retired: list[_Entry] = []
         self._thread: threading.Thread | None = None
         self._selector: selectors.BaseSelector | None = None
         self._bell_r, self._bell_w = socket.socketpair()  # wakes the thread when entries change
@@ -83,12 +85,27 @@ class Poller:
 
     def unregister(self, entry: _Entry) -> None:
         """Stop serving ``entry``; returns once no tick of it runs (at once from inside one)."""
-        with entry.lock:
-            entry.removed = True
+        held = entry.lock.acquire(timeout=UNREGISTER_WAIT_S)  # bounded: a lock inherited held across fork()
+        entry.removed = True
+        if held:
+            entry.lock.release()
         with self._lock:
             if entry in self._entries:
                 self._entries.remove(entry)
+            self._retired.append(entry)  # the thread closes its socket (it may be listening on it)
+            if self._thread is None:
+                self._close_retired(None)
         self._ring()
+
+    def _close_retired(self, selector: selectors.BaseSelector | None) -> None:
+        """Close the sockets of unregistered entries (called with ``self._lock`` held)."""
+        for entry in self._retired:
+            if entry.sock is not None:
+                fd = entry.sock.fileno()  # -1 once closed
+                if selector is not None and fd >= 0 and fd in selector.get_map():
+                    selector.unregister(entry.sock)
+                entry.sock.close()
+        self._retired.clear()
 
     def _ring(self) -> None:
         with contextlib.suppress(OSError):
@@ -96,12 +113,12 @@ class Poller:
 
     def _sync(self, selector: selectors.BaseSelector, entries: list[_Entry]) -> None:
         """Listen on the sockets of ``entries`` and of nothing else (closing the sockets of removed ones)."""
-        wanted = {e.sock.fileno(): e for e in entries if e.sock is not None}
+        with self._lock:
+            self._close_retired(selector)
+        wanted = {e.sock.fileno(): e for e in entries if e.sock is not None and not e.removed}
         for key in list(selector.get_map().values()):
-            if key.data is None:
-                continue  # the bell
-            if key.fd not in wanted or wanted[key.fd] is not key.data:
-                selector.unregister(key.fileobj)
+            if key.data is not None and wanted.get(key.fd) is not key.data:
+                selector.unregister(key.fileobj)  # removed by its tick (the manager went away)
                 key.data.sock.close()
         registered = selector.get_map()
         for fd, entry in wanted.items():
@@ -118,6 +135,7 @@ class Poller:
                     entries = list(self._entries)
                     if not entries:
                         self._thread = None
+                        self._close_retired(selector)
                         return
                 self._sync(selector, entries)
                 timeout = 0.0 if any(e.poked for e in entries) else max(0.0, next_beat - time.monotonic())

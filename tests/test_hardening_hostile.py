@@ -445,7 +445,9 @@ def test_a_limit_is_not_applied_while_the_refill_maps_past_it(monkeypatch):
         wait_for(lambda: m.pages.inflight > 0, what="a batch in flight")
         status = m.set_limit(m.bundle_bytes)
         resident = m.pages.mapped_pages + m.pages.inflight
-        assert (status, resident) == ("applied", 1)  # the old code said applied with the batch still mapping
+        # applied means it fits (the old code said applied with the 60-page batch still mapping);
+        # a batch that takes longer than the wait (a loaded machine) leaves it deferred meanwhile
+        assert (status, resident) == ("applied", 1) or (status == "deferred" and m.pages.inflight)
 
 
 # -- item 7: a controller that died mid-write leaves no torn request behind ---------------------

@@ -404,6 +404,8 @@ def test_the_footer_says_what_space_does_now_and_fits_80_columns() -> None:
 
     async def script(pilot: Pilot) -> None:
         await settled(pilot)
+        await until(pilot, lambda: footer_keys(app), "the footer's keys")  # composed once bindings are ready
+        await pilot.pause(0.1)
         keys = footer_keys(app)
         assert "space Pause" in keys and "space Resume" not in keys
         bottom = "".join(seg.text for seg in app.screen._compositor.render_strips()[-1])
@@ -561,3 +563,13 @@ def test_the_example_and_the_readme_give_the_same_limit_and_it_exhausts_the_cach
     done = subprocess.run([sys.executable, str(README.parent / "examples" / "generate.py"), "--limit", wanted.pop()],
                           capture_output=True, text=True, env=child_env(), timeout=300)
     assert done.returncode == 1 and "exhausted" in done.stderr, done.stderr
+
+
+def test_every_column_of_the_model_table_is_shown_when_there_is_room() -> None:
+    from kvtop.view import COLUMNS
+    from kvtop.widgets.models import choose_columns
+
+    widths = {key: 5 for key, *_ in COLUMNS}
+    assert choose_columns(widths, 10_000) == COLUMNS  # in their order, none forgotten by the priority list
+    narrow = [key for key, *_ in choose_columns(widths, 30)]
+    assert narrow == ["name", "status", "mapped", "limit"]  # 1 + 5 + 3 x (2 + 5) = 27 of 30 columns

@@ -32,7 +32,7 @@ def choose_columns(widths: dict[str, int], width: int) -> tuple[tuple[str, str, 
     """The columns that fit ``width``, taken by :data:`PRIORITY` (a narrow one may pass a wide one)."""
     chosen: set[str] = set()
     used = 1
-    for key in PRIORITY:
+    for key in PRIORITY + tuple(c[0] for c in COLUMNS if c[0] not in PRIORITY):  # a new column still shows
         need = widths[key] + (GAP if chosen else 0)
         if not chosen or used + need <= width:
             chosen.add(key)

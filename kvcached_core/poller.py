@@ -67,12 +67,13 @@ class Poller:
 
     def register(self, manager: Any, token: int, tick: Callable[[Any, Any], bool], state: Any) -> _Entry:
         """Serve ``manager`` (held weakly); ``tick`` returns False once the manager is closed."""
-        sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        new = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock: socket.socket | None = new
         try:
-            sock.setblocking(False)
-            sock.bind(wake_address(token))
+            new.setblocking(False)
+            new.bind(wake_address(token))
         except OSError:  # the name is taken: no pokes, the heartbeat tick still serves it
-            sock.close()
+            new.close()
             sock = None
         entry = _Entry(weakref.ref(manager), sock, (tick, state))
         with self._lock:
@@ -122,7 +123,7 @@ class Poller:
                 key.data.sock.close()
         registered = selector.get_map()
         for fd, entry in wanted.items():
-            if fd not in registered:
+            if fd not in registered and entry.sock is not None:
                 selector.register(entry.sock, selectors.EVENT_READ, entry)
 
     def _run(self) -> None:

@@ -1,6 +1,6 @@
 """Run every benchmark, print one table, and write BENCHMARKS.md.
 
-    python -m benchmarks [--quick] [--only NAME[,NAME...]] [--output PATH] [--no-write]
+    python -m benchmarks [--quick] [--only NAME[,NAME...]] [--skip NAME[,NAME...]] [--output PATH] [--no-write]
 
 Each module runs in a child process of its own (a crash, a hang or a leaked thread stays
 there); a module that fails is reported in the table and the run goes on. Modules that need a
@@ -178,8 +178,9 @@ def _cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(outcomes: list[Outcome], info: dict[str, str], quick: bool, elapsed: float) -> str:
-    command = "python -m benchmarks" + (" --quick" if quick else "")
+def markdown(outcomes: list[Outcome], info: dict[str, str], quick: bool, elapsed: float,
+             skipped: tuple[str, ...] = ()) -> str:
+    command = "python -m benchmarks" + (" --quick" if quick else "") + (f" --skip {','.join(skipped)}" if skipped else "")
     out = [
         "# Benchmarks",
         "",
@@ -240,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", metavar="NAME", help="comma-separated modules to run (BENCHMARKS.md is not written)")
     parser.add_argument("--output", type=Path, help="write the markdown here (default: BENCHMARKS.md at the "
                         "repository root, only when every module ran)")
+    parser.add_argument("--skip", metavar="NAME", help="comma-separated modules to leave out; BENCHMARKS.md is still "
+                        "written, naming them (for a module another run is measuring on this machine)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--timeout", type=float, help="seconds per module (default 120 quick, 1200 full)")
     args = parser.parse_args(argv)
@@ -252,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unknown benchmark {', '.join(unknown)}: choose from {', '.join(modules)}", file=sys.stderr)
             return 2
         modules = wanted
+    skipped = tuple(name.strip() for name in (args.skip or "").split(",") if name.strip())
+    unknown = [name for name in skipped if name not in modules]
+    if unknown:
+        print(f"unknown benchmark {', '.join(unknown)}: choose from {', '.join(modules)}", file=sys.stderr)
+        return 2
     timeout = args.timeout or (120.0 if args.quick else 1200.0)
     info = machine()
     print(f"# {describe(info)}; {info['date']}", flush=True)
@@ -259,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = []
     with private_segments():  # children inherit a private KVCACHED_SHM_DIR: no stray segments
         for module in modules:
+            if module in skipped:
+                outcomes.append(Outcome(module, _title(module), 0.0, skipped="left out of this run (--skip)"))
+                continue
             print(f"# running {module} ...", file=sys.stderr, flush=True)
             outcomes.append(run_module(module, args.quick, timeout))
     elapsed = time.monotonic() - started
@@ -266,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {len(modules)} benchmarks in {elapsed:.1f} s", flush=True)
     target = args.output or (None if args.only or args.no_write else ROOT / "BENCHMARKS.md")
     if target is not None and not args.no_write:
-        target.write_text(markdown(outcomes, info, args.quick, elapsed))
+        target.write_text(markdown(outcomes, info, args.quick, elapsed, skipped))
         print(f"# wrote {target}", flush=True)
     return 1 if any(o.error for o in outcomes) else 0
 

@@ -1,0 +1,65 @@
+"""BENCHMARKS.md's headline table is what benchmarks/_headline.py makes of the same file's detail rows.
+
+So the headline cannot be edited by hand, cannot mix a C figure with a Python peer unnoticed
+(each pair names its two rows), and follows a renamed row or a new run.
+"""
+
+from __future__ import annotations
+
+import re
+
+from conftest import ROOT
+
+from benchmarks._headline import PAIRS, Figures, headline
+
+BENCHMARKS = ROOT / "BENCHMARKS.md"
+
+
+def sections(text: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            current = line[3:].strip()
+            out[current] = []
+        elif current is not None:
+            out[current].append(line)
+    return out
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+
+
+def figures_in(parts: dict[str, list[str]]) -> Figures:
+    """The detail rows of every module section, as the run produced them."""
+    figures: Figures = {}
+    for module, lines in parts.items():
+        for line in lines:
+            row = cells(line) if line.startswith("| ") else []
+            if module == "fragmentation" and len(row) == 11 and row[4].endswith("x"):
+                workload = row[0].removesuffix(" (tuned on)")
+                figures[(module, f"fragmentation [{workload}] {row[1]}: idle pinned / packed floor")] = (
+                    float(row[4][:-1]), "x")
+            elif len(row) == 4 and row[0] not in ("figure", "---"):
+                try:
+                    figures[(module, row[0])] = (float(row[1].replace(",", "")), row[2])
+                except ValueError:
+                    continue
+    return figures
+
+
+def test_headline_is_computed_from_the_rows_below_it():
+    parts = sections(BENCHMARKS.read_text())
+    assert list(parts)[0] == "Headline", "the headline table comes first"
+    shown = [line for line in parts["Headline"] if line.startswith("|")]
+    expected = [line for line in headline(figures_in(parts), ROOT / "benchmarks" / "results") if line.startswith("|")]
+    assert shown == expected
+
+
+def test_every_pair_names_two_rows_with_the_same_unit():
+    figures = figures_in(sections(BENCHMARKS.read_text()))
+    for pair in PAIRS:
+        ours, peer = figures.get((pair.module, pair.ours)), figures.get((pair.module, pair.peer))
+        assert ours and peer, f"{pair.what}: {pair.ours!r} or {pair.peer!r} is not a row of {pair.module}"
+        assert ours[1] == peer[1], f"{pair.what}: {ours[1]} against {peer[1]}"

@@ -22,7 +22,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, ThreadingWSGIServer, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
 import kvcached_core
@@ -44,16 +44,6 @@ class _Seen:
     at: float
 
 
-class _Flight:
-    """One build in progress, and the scrapes waiting for it."""
-
-    __slots__ = ("done", "families")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.families: list[Metric] | None = None
-
-
 class KVCachedCollector(Collector):
     """Builds the metric families from one scan of the segment directory (and one NVML probe)."""
 
@@ -62,33 +52,10 @@ class KVCachedCollector(Collector):
         self.with_nvml = with_nvml
         self._lock = threading.Lock()
         self._seen: dict[tuple[str, int, int], _Seen] = {}
-        self._flight_lock = threading.Lock()
-        self._flight: _Flight | None = None
-        self.builds = 0  # full builds made (scrapes that arrive during one share it)
+        self.builds = 0  # full builds made
 
     def collect(self) -> Iterator[Metric]:
-        yield from self.shared_build()
-
-    def shared_build(self) -> list[Metric]:
-        """:meth:`build`, once for every scrape that arrives while one runs: 50 scrapers at once cost
-        one scan of the directory, not 50 scans fighting for one interpreter."""
-        with self._flight_lock:
-            flight, leader = self._flight, self._flight is None
-            if leader:
-                flight = self._flight = _Flight()
-        assert flight is not None
-        if leader:
-            try:
-                flight.families = self.build()
-            finally:
-                with self._flight_lock:
-                    self._flight = None
-                flight.done.set()
-        else:
-            flight.done.wait()
-        if flight.families is None:
-            raise RuntimeError("the scan this scrape waited for failed")
-        return flight.families
+        yield from self.build()
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # families depend on what is running: never collect at registration
@@ -287,6 +254,41 @@ INDEX = (b"<!doctype html><title>kvcached exporter</title><h1>kvcached exporter<
 WSGIApp = Callable[[dict, Callable[..., Any]], Iterable[bytes]]
 
 
+class SharedPage:
+    """The metrics page, made once for every scrape that arrives while it is being made: 50 scrapers
+    at once cost one read of the segments and one encoding, not 50 fighting for one interpreter."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._lock = threading.Lock()
+        self._making: tuple[threading.Event, list[bytes]] | None = None
+
+    def get(self) -> bytes:
+        with self._lock:
+            making, leader = self._making, self._making is None
+            if leader:
+                making = self._making = (threading.Event(), [])
+        assert making is not None
+        done, page = making
+        if leader:
+            try:
+                page.append(generate_latest(self.registry))
+            finally:
+                with self._lock:
+                    self._making = None
+                done.set()
+        else:
+            done.wait()
+        if not page:
+            raise RuntimeError("the read this scrape waited for failed")
+        return page[0]
+
+    def __call__(self, environ: dict, start_response: Callable[..., Any]) -> Iterable[bytes]:
+        body = self.get()
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))])
+        return [body]
+
+
 def route(metrics: WSGIApp) -> WSGIApp:
     """``/metrics`` serves the metrics, ``/`` a small index that links there, anything else 404."""
 
@@ -316,7 +318,7 @@ def serve(host: str, port: int, registry: CollectorRegistry) -> tuple[WSGIServer
         address_family = family
         request_queue_size = 128  # socketserver's 5 made scrapers beyond it wait out SYN retries (1 s, 3 s, 7 s)
 
-    server = make_server(str(sockaddr[0]), port, route(make_wsgi_app(registry)), Server, handler_class=_QuietHandler)
+    server = make_server(str(sockaddr[0]), port, route(SharedPage(registry)), Server, handler_class=_QuietHandler)
     thread = threading.Thread(target=server.serve_forever, name="kvcached-exporter-http", daemon=True)
     thread.start()
     return server, thread

@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-HEARTBEAT_INTERVAL_S = 0.25
+HEARTBEAT_INTERVAL_S = 0.5  # a sixth of the 3 s after which a heartbeat is late
 UNREGISTER_WAIT_S = 5.0  # the most unregister waits for a tick of its allocator to end
 _WAKE_PREFIX = b"\0kvcached-wake-"
 

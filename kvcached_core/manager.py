@@ -66,6 +66,7 @@ class KVCacheManager:
         tp_strategy: str | None = None,
         tp_timeout: float | None = None,
         policy: str | Policy | None = None,
+        refill_linger_s: float | None = None,
     ) -> None:
         page_size = config.page_size_bytes() if page_size is None else page_size
         for label, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes),
@@ -96,6 +97,11 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.blocks_per_page = bpp
         self.block_tokens = block_tokens
+        # How long the refill thread keeps polling after traffic (REFILL_LINGER_S); 0: it sleeps until an
+        # alloc wakes it, for engines whose steps are long next to a wake-up (vLLM's scheduler).
+        if refill_linger_s is not None and (not isinstance(refill_linger_s, (int, float)) or refill_linger_s < 0):
+            raise ValueError(f"refill_linger_s must be a number of seconds >= 0, got {refill_linger_s!r}")
+        self.refill_linger_s = REFILL_LINGER_S if refill_linger_s is None else refill_linger_s
         pages_total = -(-num_blocks // bpp)
         if pages_total > L.MAX_PAGES:
             raise ValueError(f"{num_blocks} blocks of {block_bytes} bytes make {pages_total} pages of {page_size} bytes, "
@@ -639,7 +645,7 @@ class KVCacheManager:
             else:
                 asked = self.pages.take_unmapped(self._refill_need())
                 self._refill_requested = False
-                linger_until = time.monotonic() + REFILL_LINGER_S
+                linger_until = time.monotonic() + self.refill_linger_s
         if asked is None:
             time.sleep(REFILL_POLL_S)
             return linger_until

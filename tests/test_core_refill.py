@@ -42,3 +42,17 @@ def test_a_refill_after_the_thread_went_back_to_sleep(monkeypatch: pytest.Monkey
         wait_for(lambda: not m._refill_polling, what="the refill thread to stop polling")
         assert m.alloc(32) is not None  # the two pool pages go: the thread must be woken
         assert settled_pool(m) == 2 and m.pages.pages_inuse == 3
+
+
+def test_without_lingering_the_refill_thread_sleeps_until_an_alloc_wakes_it() -> None:
+    with KVCacheManager("nolinger", refill_linger_s=0.0, **MODEL) as m:
+        for _ in range(3):
+            assert m.alloc(32) is not None  # takes the pool's pages (or maps on the spot): the pool is short
+            assert settled_pool(m) == 2
+            wait_for(lambda: not m._refill_polling, what="the refill thread to sleep")  # never polls after a refill
+
+
+@pytest.mark.parametrize("bad", [-1, "0.1", None.__class__])
+def test_a_bad_refill_linger_is_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="refill_linger_s"):
+        KVCacheManager("badlinger", refill_linger_s=bad, **MODEL)  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ from conftest import child_env, send
 from rich.console import Console
 
 from kvcached_core import layout as L
+from kvcached_core import nvml
 from kvcached_core.snapshot import Problem
 from kvtop.events import diff
 from kvtop.history import History
@@ -217,7 +218,13 @@ def test_without_a_terminal_kvtop_prints_one_snapshot(spawn_allocator) -> None:
     send(proc, "m.set_limit(3 * 1024 * 1024)")  # 3 pages in use: applied
     result = run_kvtop()  # stdout is a pipe: --once by itself
     assert result.returncode == 0, result.stderr
-    assert "served" in result.stdout and "host backend" in result.stdout
+    assert "served" in result.stdout
+    gpus = nvml.probe()  # the device panel is what NVML reports on this host: GPU bars, or the host bar and why
+    if gpus:
+        assert all(f"GPU {gpu.index}" in result.stdout for gpu in gpus) and "no NVIDIA GPU" not in result.stdout
+    else:
+        assert "no NVIDIA GPU: host backend" in result.stdout
+        assert (nvml.unavailable_reason() if not nvml.available() else "NVML reports no GPU") in result.stdout
     assert "\x1b[" not in result.stdout  # no colour codes into a pipe
     result = run_kvtop("--once", "--model", "serv")
     assert result.returncode == 0, result.stderr

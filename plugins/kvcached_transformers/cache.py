@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -35,6 +36,9 @@ from kvcached_core import KVCacheManager
 from kvcached_core.engines import alloc_blocks
 
 from .pools import kv_pool
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_MAX_TOKENS = 1 << 16  # virtual capacity: address space only, nothing is committed until used
@@ -166,7 +170,7 @@ class PagedKVCache(Cache):
         committed page by page as it is used. The backend is ``cuda`` for a model on a GPU,
         ``host`` otherwise. The manager publishes a segment named after the model (``name``).
         """
-        config = model.config.get_text_config(decoder=True)
+        config = cast("PreTrainedConfig", model.config).get_text_config(decoder=True)
         layers = config.num_hidden_layers
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -289,15 +293,17 @@ class PagedKVCache(Cache):
         return StepPlan(
             batch=batch, query_len=q, width=width, attention_mask=mask.to(dev), position_ids=positions.to(dev),
             write_rows=put(rows), write_cols=put(cols),
-            write_page=put(torch.cat(wp)) if wp else torch.zeros(0, dtype=torch.long, device=dev),
-            write_tok=put(torch.cat(wt)) if wt else torch.zeros(0, dtype=torch.long, device=dev),
+            write_page=(torch.cat(wp).to(dev, non_blocking=True) if wp
+                       else torch.zeros(0, dtype=torch.long, device=dev)),
+            write_tok=(torch.cat(wt).to(dev, non_blocking=True) if wt
+                       else torch.zeros(0, dtype=torch.long, device=dev)),
             read_page=read_page.to(dev), read_tok=read_tok.to(dev),
             new_width=max((s.length for s in self._seqs), default=0),
         )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        return cast(PagedLayer, self.layers[layer_idx]).update(key_states, value_states, *args, **kwargs)
 
     def _update_layer(self, layer: PagedLayer, key_states: torch.Tensor, value_states: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -394,7 +400,7 @@ class PagedKVCache(Cache):
 
     def _set_width(self) -> None:
         width = max((s.length for s in self._seqs), default=0)
-        for layer in self.layers:
+        for layer in cast("list[PagedLayer]", self.layers):
             layer.width = width
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -26,7 +28,8 @@ def tiny_llama(*, seed: int = 0, device: str | torch.device = "cpu", dtype: torc
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    return model.to(device=device, dtype=dtype).eval()
+    # Module.to, called as transformers wraps it (mypy reads the wrapped method as unbound).
+    return cast(LlamaForCausalLM, cast(torch.nn.Module, model).to(device=device, dtype=dtype).eval())
 
 
 def random_prompts(count: int, *, seed: int = 0, min_len: int = 3, max_len: int = 40,

@@ -43,7 +43,7 @@ class KvcachedBlockPool(BlockPool):
                  **kwargs: object) -> None:
         if num_gpu_blocks != manager.num_blocks:
             raise ValueError(f"vLLM asks for {num_gpu_blocks} blocks, the allocator holds {manager.num_blocks}")
-        super().__init__(num_gpu_blocks, enable_caching, hash_block_size, **kwargs)  # type: ignore[arg-type]
+        super().__init__(num_gpu_blocks, enable_caching, hash_block_size, **kwargs)
         self.manager = manager
         # vLLM popped block 0 as its placeholder; take the placeholder from the allocator instead, so
         # the page it sits on is mapped (vLLM may point block tables at it) and shows as in use.
@@ -51,7 +51,7 @@ class KvcachedBlockPool(BlockPool):
         if ids is None:
             raise NoRoom(f"no room for a single block in {manager.name!r} (limit or device full)")
         self.null_block.is_null = False
-        self.null_block = self.blocks[ids[0]]
+        self.null_block: KVCacheBlock = self.blocks[ids[0]]
         self.null_block.is_null = True
         self.free_block_queue = FreeKVCacheBlockQueue([])  # the allocator is the one free list
         self._free_seq, self._free_count = -1, 0  # get_num_free_blocks' answer and the state it was for

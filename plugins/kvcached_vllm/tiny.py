@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, cast
 
 VOCAB = 512
 SPECIAL = ("<pad>", "<s>", "</s>", "<unk>")
@@ -30,14 +31,17 @@ def build_tiny_llama(directory: str | Path, *, seed: int = 0, layers: int = 4, h
     if marker.is_file() and json.loads(marker.read_text()) == stamp:
         return out
     out.mkdir(parents=True, exist_ok=True)
+    legacy_dtype: dict[str, Any] = {"torch_dtype": "bfloat16"}  # a key the config accepts but its signature omits
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
         max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        tie_word_embeddings=False, torch_dtype="bfloat16",
+        tie_word_embeddings=False, **legacy_dtype,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model = LlamaForCausalLM(config)
+    # Module.to, called as transformers wraps it (mypy reads the wrapped method as unbound).
+    model = cast(LlamaForCausalLM, cast(torch.nn.Module, model).to(torch.bfloat16).eval())
     model.save_pretrained(out)
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
     vocab.update({f"w{i}": i for i in range(len(SPECIAL), VOCAB)})

@@ -105,11 +105,11 @@ def clean_cmd(dry_run: bool) -> None:
     doomed: list[tuple[str, str, os.stat_result, Callable[[int], bool]]] = []  # + its re-check
     for m in read().models:
         if m.status != "stale":
+            if m.late and m.uid == os.getuid():
+                warn(f"kept {m.path}: process {m.pid} still runs (its heartbeat is late)")
             continue
         try:
             owner = os.lstat(m.path).st_uid
-            if m.late and m.uid == os.getuid():
-                warn(f"kept {m.path}: process {m.pid} still runs (its heartbeat is late)")
         except FileNotFoundError:
             continue  # went away on its own
         if owner != os.getuid():

@@ -15,31 +15,21 @@ from __future__ import annotations
 import os
 import time
 
-from .procinfo import MAX_PID
+from .procinfo import MAX_PID, stat_fields
 
 INIT_PID_NS_INO = 0xEFFFFFFC  # the kernel's fixed inode number of the initial pid namespace
 REUSE_SLACK_NS = 1_000_000_000  # clock-tick start times against file times: a second of doubt
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: int | str) -> list[bytes]:
-    """Fields 3.. of /proc/PID/stat (state first); [] if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return []
-    return data[data.rfind(b")") + 2:].split()
-
-
 def _pgrp(pid: int | str) -> int:
-    rest = _stat(pid)
+    rest = stat_fields(pid)
     return int(rest[2]) if len(rest) > 2 else 0  # field 5, pgrp
 
 
 def _leader_start_ns(pgid: int) -> int | None:
     """Wall-clock start of process ``pgid`` when it still leads group ``pgid``; None otherwise."""
-    rest = _stat(pgid)
+    rest = stat_fields(pgid)
     try:
         if int(rest[2]) != pgid:
             return None

@@ -7,7 +7,7 @@ import os
 MAX_PID = 2**22  # the kernel's ceiling (pid_max); larger values come from a damaged header
 
 
-def _stat_fields(pid: int) -> list[bytes]:
+def stat_fields(pid: int | str) -> list[bytes]:
     """Fields 3.. of /proc/PID/stat (state first); [] if unknown."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
@@ -20,7 +20,7 @@ def _stat_fields(pid: int) -> list[bytes]:
 
 def start_time(pid: int) -> int:
     """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat); 0 if unknown."""
-    rest = _stat_fields(pid)
+    rest = stat_fields(pid)
     try:
         return int(rest[19])
     except (IndexError, ValueError):
@@ -53,7 +53,7 @@ def is_alive(pid: int, started: int, uid: int | None = None) -> bool:
         return False
     except PermissionError:
         pass  # exists, owned by someone else
-    rest = _stat_fields(pid)
+    rest = stat_fields(pid)
     if rest[:1] in ([b"Z"], [b"X"]):
         return False  # exited, not yet reaped by its parent: a crash looks like this until then
     if uid is not None and uid not in _uids(pid)[:2]:

@@ -4,11 +4,12 @@ One file per model, ``<KVCACHED_SHM_DIR>/kvc.<name>``, mode 0600, little-endian:
 
     offset  size  region      written by     contents
     0       512   HEADER      allocator      magic, layout version, sizes, identity (once)
-    512     64    CONTROL     controllers    limit bytes + revision + check, trim request seq
+    512     64    CONTROL     controllers    limit bytes + revision + check, trim request seq, sleep request
     576     64    LIVENESS    allocator      heartbeat (ns), claimed bytes (capacity ledger)
     640     8     SEQ         allocator      seqlock sequence (odd while a publish is under way)
     648     176   COUNTERS    allocator      counters, acknowledgements, page-map sum, checksum
     896     64    TRAFFIC     engine         requests running/waiting, finished, tokens, preemptions
+    960     64    SLEEP       allocator      sleep state, policy, bytes released, acknowledged revision
     1024    4*N   PAGE MAP    allocator      one u32 per page (see ``PAGE_*``)
     ...     R*64  RANKS       allocator      tensor-parallel ranks: pid, device, mapped bytes
 
@@ -47,6 +48,13 @@ LIMIT_REV_OFF = CONTROL_OFF + 8
 LIMIT_CHECK_OFF = CONTROL_OFF + 16
 TRIM_REQ_OFF = CONTROL_OFF + 24
 
+# The sleep request, in the CONTROL block after the limit: revision, action, after-idle policy, check.
+SLEEP_CTL = struct.Struct("<QQqQ")
+SLEEP_CTL_OFF = CONTROL_OFF + CONTROL.size
+SLEEP_POLICY_ONLY, SLEEP_SOON, SLEEP_NOW, SLEEP_WAKE = 0, 1, 2, 3  # actions: SOON lets running requests finish
+SLEEP_IDLE_KEEP, SLEEP_IDLE_OFF = -2, -1  # after_idle_ms: leave the policy as it is, remove it
+assert SLEEP_CTL_OFF + SLEEP_CTL.size <= 576
+
 LIVENESS_OFF = 576
 HEARTBEAT_OFF = LIVENESS_OFF       # u64 ns, CLOCK_REALTIME
 CLAIMED_OFF = LIVENESS_OFF + 8     # u64 bytes this process holds against the device capacity
@@ -77,6 +85,22 @@ TRAFFIC_FIELDS = ("published", "running", "waiting", "finished", "prompt_tokens"
                   "preemptions", "last_request_ns")
 TRAFFIC_OFF = 896
 assert CHECKSUM_OFF + 8 <= TRAFFIC_OFF and TRAFFIC_OFF + TRAFFIC.size <= PAGE_MAP_OFF
+
+# SLEEP: the allocator's answer, plain aligned words (written at each change; ``acked_revision`` last).
+# ``capable`` is 0 until an engine that can sleep registers its handler; after_idle_ms -1: no policy.
+SLEEP = struct.Struct("<QQQqQQ")
+SLEEP_FIELDS = ("capable", "state", "acked_revision", "after_idle_ms", "slept_bytes", "took_ns")
+SLEEP_OFF = TRAFFIC_OFF + 64
+assert SLEEP_OFF + SLEEP.size <= PAGE_MAP_OFF
+SLEEP_AWAKE, SLEEP_DRAINING, SLEEP_ASLEEP = 0, 1, 2
+SLEEP_STATE_NAMES = {SLEEP_AWAKE: "awake", SLEEP_DRAINING: "draining", SLEEP_ASLEEP: "asleep"}
+
+
+def sleep_check(action: int, after_idle_ms: int, revision: int) -> int:
+    """Ties a sleep request to its revision so a half-written one is never acted on."""
+    raw = U64.pack(action) + I64.pack(after_idle_ms) + U64.pack(revision)
+    return (zlib.crc32(raw) | (revision << 32)) & 0xFFFFFFFFFFFFFFFF
+
 
 RANK = struct.Struct("<iiqQQQQQQ")  # rank, device, pid, start_time, mapped_bytes, acked_seq, flags, 2 spare
 RANK_FIELDS = ("rank", "device", "pid", "start_time", "mapped_bytes", "acked_seq", "flags")

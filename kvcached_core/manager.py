@@ -18,6 +18,7 @@ from .placement import Policy, make_policy, place_draining
 from .poller import HEARTBEAT_INTERVAL_S
 from .prefix_cache import PrefixCache
 from .segment import Identity, SegmentError, SegmentWriter, owned_stale
+from .sleep import SleepControl, SleepHandler
 
 # While traffic keeps draining the pool, the refill thread looks for work every REFILL_POLL_S
 # instead of being woken: waking a thread costs the waker a futex syscall and a GIL hand-off
@@ -156,6 +157,7 @@ class KVCacheManager:
         self._map_error: BackendError | None = None  # see _raise_map_error
         self._refill_requested = False  # set by traffic; a trim or an idle model stays trimmed
         self._refill_polling = False  # the refill thread looks by itself: no need to wake it
+        self.sleep = SleepControl(self)  # sleep and wake (kvcached_core.sleep)
         self._publish()
         try:
             self._fast, self.fastpath_reason = fastpath.attach(self, self.policy, fast_mode)
@@ -330,6 +332,29 @@ class KVCacheManager:
             self._apply_limit(limit_bytes)
             self._publish()
             return L.LIMIT_STATUS_NAMES[self.limit_status]
+
+    def set_sleep_handler(self, handler: SleepHandler | None) -> None:
+        """Declare that this engine can sleep (see :mod:`kvcached_core.sleep`); None withdraws it."""
+        self.sleep.set_handler(handler)
+
+    def backend_mapped_bytes(self) -> int:
+        """Bytes mapped now (every mapped page bundle)."""
+        return self.pages.mapped_pages * self.bundle_bytes
+
+    def release_all(self) -> int:
+        """Unmap every page no block is on and return the backend's pool: what sleep does once the engine
+        holds nothing. Returns the bytes unmapped."""
+        with self._lock:
+            self._check_open()
+            self._refill_requested = False
+            freed = self._unmap_reserved(len(self.pages.reserved))
+            deadline = time.monotonic() + INFLIGHT_WAIT_S  # a refill batch in flight lands, then goes too
+            while self.pages.inflight and not self._closed and time.monotonic() < deadline:
+                self._mapping_done.wait(max(0.0, deadline - time.monotonic()))
+                freed += self._unmap_reserved(len(self.pages.reserved))
+            self.backend.trim_pool(0)
+            self._publish()
+            return freed
 
     @property
     def state_seq(self) -> int:
@@ -709,6 +734,8 @@ class KVCacheManager:
         self._publish()
 
     def _refill_need(self) -> int:
+        if self.sleep.state != L.SLEEP_AWAKE:  # draining or asleep: nothing is mapped ahead of need
+            return 0
         pool = len(self.pages.reserved) + self.pages.inflight
         want = self.min_reserved - pool
         if want > 0:  # a batch when the backend asks for one, never past the pool's maximum
@@ -733,6 +760,7 @@ class KVCacheManager:
                                          or request.trim_seq > self.trim_ack_seq)
         if idle or asked:
             self._serve_controls(idle)
+        self.sleep.tick(now - state.active_at)
         now = time.monotonic()
         if now - state.last_beat >= HEARTBEAT_INTERVAL_S * 0.9:  # every tick: ticks come at the interval
             self.segment.heartbeat()

@@ -18,7 +18,7 @@ from .liveness import judge, writer_alive
 from .names import SEGMENT_PREFIX, InvalidName, segment_path
 from .pgroups import GroupJudge
 from .procinfo import is_alive
-from .snapshot import ModelSnapshot, Problem, RankInfo, Scan, Traffic
+from .snapshot import ModelSnapshot, Problem, RankInfo, Scan, SleepInfo, Traffic
 
 HEARTBEAT_STALE_S = liveness.HEARTBEAT_STALE_S
 READ_RETRIES = 32
@@ -240,8 +240,16 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
         heartbeat_ns=heartbeat, read_ns=now_ns, start_time=header["start_time"],
         late=status == "live" and verdict.late, pid_ns=header["pid_ns"],
         tp_world=header["tp_world"], ranks=ranks, pages=pages,
-        device_capacity=header["device_capacity"], traffic=_traffic(body, now_ns),
+        device_capacity=header["device_capacity"], traffic=_traffic(body, now_ns), sleep=_sleep(body),
     )
+
+
+def _sleep(body: bytes) -> SleepInfo:
+    """The allocator's sleep words."""
+    v = dict(zip(L.SLEEP_FIELDS, L.SLEEP.unpack_from(body, L.SLEEP_OFF), strict=True))
+    return SleepInfo(bool(v["capable"]), L.SLEEP_STATE_NAMES.get(v["state"], "unknown"), v["acked_revision"],
+                     None if v["after_idle_ms"] < 0 else v["after_idle_ms"] / 1000, v["slept_bytes"],
+                     v["took_ns"] / 1e9)
 
 
 def _traffic(body: bytes, now_ns: int) -> Traffic | None:

@@ -43,6 +43,22 @@ class Traffic:
 
 
 @dataclass(frozen=True)
+class SleepInfo:
+    """The model's sleep state and policy (``layout.SLEEP``)."""
+
+    capable: bool  # its engine registered a sleep handler
+    state: str  # awake, draining, asleep
+    acked_revision: int
+    after_idle_s: float | None  # None: no after-idle policy
+    slept_bytes: int  # released by the last sleep
+    took_s: float  # how long the last sleep took, from the request to every page unmapped
+
+    def to_dict(self) -> dict:
+        return {"state": self.state, "after_idle_s": self.after_idle_s, "slept_bytes": self.slept_bytes,
+                "capable": self.capable}
+
+
+@dataclass(frozen=True)
 class ModelSnapshot:
     """One model at one instant. ``status`` is live, stale or legacy."""
 
@@ -94,6 +110,7 @@ class ModelSnapshot:
     late: bool = False  # live, but its heartbeat is late: the process exists and is stopped or overloaded
     pid_ns: int = 0  # the writer's pid namespace (0: not recorded); pid means nothing outside it
     traffic: Traffic | None = None  # None: the engine publishes no traffic figures (never invented zeros)
+    sleep: SleepInfo | None = None  # None: unknown (upstream segments)
     pages: array | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -187,6 +204,7 @@ class ModelSnapshot:
             "ranks": [{"rank": r.rank, "device": r.device, "pid": r.pid,
                        "mapped_bytes": r.mapped_bytes, "alive": r.alive} for r in self.ranks],
             "traffic": None if self.traffic is None else self.traffic.to_dict(),
+            "sleep": None if self.sleep is None else self.sleep.to_dict(),
         }
 
 

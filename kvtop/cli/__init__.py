@@ -27,6 +27,8 @@ COMMANDS: dict[str, str] = {
     "frag": "kvtop.cli.listing:frag_cmd",
     "limit": "kvtop.cli.control:limit_cmd",
     "trim": "kvtop.cli.control:trim_cmd",
+    "sleep": "kvtop.cli.sleep:sleep_cmd",
+    "wake": "kvtop.cli.sleep:wake_cmd",
     "watch": "kvtop.cli.watch:watch_cmd",
     "clean": "kvtop.cli.clean:clean_cmd",
     "demo": "kvtop.cli.demo:demo_cmd",
@@ -215,7 +217,9 @@ class KvctlGroup(click.Group):
             silence_stdout()
             return ExitCode.OK
         except Exception as exc:  # noqa: BLE001 - a bug still ends in one line, unless debugging
-            if os.environ.get("KVCTL_DEBUG"):
+            from kvcached_core.settings import settings
+
+            if settings().kvctl_debug:
                 raise
             click.echo(f"{prog_name}: internal error: {type(exc).__name__}: {_one_line(str(exc))} "
                        "(set KVCTL_DEBUG=1 for the traceback)", err=True)

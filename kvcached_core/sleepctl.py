@@ -1,0 +1,87 @@
+"""The controller's side of sleep and wake: write a sleep request, wait for the model's answer.
+
+Requests are revisioned like limits: the later of two controllers wins, and the earlier one is
+answered ``superseded`` with what the model did instead.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from pathlib import Path
+
+from . import layout as L
+from .control import DEFAULT_WAIT_S, Ack, ControlError, _lock, _open_for_control, _target, _wait, _wake
+from .snapshot import ModelSnapshot
+
+ACTIONS = {"sleep": L.SLEEP_SOON, "sleep_now": L.SLEEP_NOW, "wake": L.SLEEP_WAKE, "policy": L.SLEEP_POLICY_ONLY}
+
+
+def sleep_problem(model: ModelSnapshot) -> str | None:
+    """Why ``model`` cannot be put to sleep or woken; None when it can."""
+    if model.legacy or model.sleep is None:
+        return f"{model.name} is an upstream kvcached segment: it cannot sleep"
+    if model.status != "live":
+        return f"{model.name} is {model.status}: its process is gone, nothing would sleep"
+    if not model.sleep.capable:
+        return f"{model.name} cannot sleep: its engine ({model.engine or 'unknown'}) registered no sleep handler"
+    return None
+
+
+def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float | None | bool = False,
+                  wait: float = DEFAULT_WAIT_S, until_done: bool = False) -> Ack:
+    """Ask a model to sleep (``sleep``, ``sleep_now``), wake (``wake``) or only change its after-idle
+    policy (``policy``). ``after_idle_s``: seconds, None to remove the policy, False to leave it.
+
+    Returns once the model took the request (``until_done``: once it is asleep or awake), with status
+    the model's state then (``superseded`` when a later request replaced this one). ``wait=0`` returns
+    ``pending`` at once. Raises ControlError, AckTimeout, ModelNotFound.
+    """
+    code = ACTIONS[action]
+    model = _target(name)
+    problem = sleep_problem(model)
+    if problem is not None:
+        raise ControlError(problem)
+    if after_idle_s is False:
+        idle_ms = L.SLEEP_IDLE_KEEP
+    elif after_idle_s is None:
+        idle_ms = L.SLEEP_IDLE_OFF
+    else:
+        idle_ms = round(float(after_idle_s) * 1000)
+        if idle_ms < 0:
+            raise ControlError("an after-idle time cannot be negative")
+    started = time.monotonic()
+    fd, mm = _open_for_control(Path(model.path))
+    try:
+        _lock(fd, Path(model.path))
+        try:
+            revision = L.SLEEP_CTL.unpack_from(mm, L.SLEEP_CTL_OFF)[0] + 1
+            L.SLEEP_CTL.pack_into(mm, L.SLEEP_CTL_OFF, 0, code, idle_ms, L.sleep_check(code, idle_ms, revision))
+            L.U64.pack_into(mm, L.SLEEP_CTL_OFF, revision)  # last: the allocator keys on it
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        _wake(mm)
+    finally:
+        mm.close()
+        os.close(fd)
+    pending = Ack(model.name, action, "pending", revision)
+    if wait <= 0:
+        return pending
+    target = {"sleep": "asleep", "sleep_now": "asleep", "wake": "awake"}.get(action)
+
+    def done(snap: ModelSnapshot) -> Ack | None:
+        info = snap.sleep
+        if info is None or info.acked_revision < revision:
+            return None
+        if info.acked_revision > revision:
+            return Ack(snap.name, action, "superseded", revision, bytes_returned=info.slept_bytes,
+                       latency_s=time.monotonic() - started, superseded_by=info.acked_revision,
+                       superseding_status=info.state)
+        if until_done and target is not None and info.state != target:
+            return None
+        return Ack(snap.name, action, info.state, revision, bytes_returned=info.slept_bytes,
+                   latency_s=info.took_s if info.state == "asleep" and target == "asleep"
+                   else time.monotonic() - started)
+
+    return _wait(model, done, wait, action.replace("_", " "), pending, started)

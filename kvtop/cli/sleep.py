@@ -1,0 +1,136 @@
+"""``kvctl sleep`` and ``kvctl wake``: a model gives back its whole KV memory, and takes it again."""
+
+from __future__ import annotations
+
+import re
+
+import click
+
+from kvcached_core import ControlError, ModelSnapshot
+from kvcached_core.control import AckTimeout
+from kvcached_core.reader import ModelNotFound, resolve
+from kvtop import textfmt as T
+from kvtop.cli import Failure, model_argument
+from kvtop.cli.common import emit_json, read
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+TIMEOUT_HELP = "With --wait: the most seconds to wait."
+
+
+class DurationType(click.ParamType):
+    """``250ms``, ``30s``, ``5m``, ``1h``, a plain number of seconds, or ``off``."""
+
+    name = "duration"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float | None:
+        text = str(value).strip().lower()
+        if text == "off":
+            return None
+        match = _DURATION.match(text)
+        if match is None:
+            self.fail(f"{value!r} is not a duration (like 30s, 5m, 1h, or off)", param, ctx)
+        return float(match.group(1)) * _UNIT_S[match.group(2) or "s"]
+
+
+def _model(name: str) -> ModelSnapshot:
+    try:
+        return resolve(name, list(read().models))
+    except ModelNotFound as exc:
+        raise Failure(str(exc)) from None
+
+
+def _answer(ack_dict: dict, text: str, as_json: bool) -> None:
+    if as_json:
+        emit_json(ack_dict)
+    else:
+        click.echo(text)
+
+
+def _run(m: ModelSnapshot, action: str, after_idle: float | None | bool, wait: bool, timeout: float) -> dict:
+    from kvcached_core.sleepctl import request_sleep
+
+    try:
+        ack = request_sleep(m, action, after_idle_s=after_idle, wait=timeout if wait else 2.0, until_done=wait)
+    except (ControlError, AckTimeout, OSError) as exc:
+        raise Failure(str(exc)) from None
+    out = {"name": ack.name, "action": action, "state": ack.status, "revision": ack.revision,
+           "slept_bytes": ack.bytes_returned, "took_s": round(ack.latency_s, 6)}
+    if ack.status == "superseded":
+        out["superseded_by"] = ack.superseded_by
+        out["state"] = ack.superseding_status
+        out["superseded"] = True
+    return out
+
+
+@click.command("sleep")
+@model_argument()
+@click.option("--now", is_flag=True, help="Preempt running requests instead of letting them finish (they run again after waking).")
+@click.option("--after-idle", "after_idle", type=DurationType(), default=None, metavar="DURATION|off",
+              help="Set the policy instead of sleeping now: sleep after this long without a request (off removes it).")
+@click.option("--wait", is_flag=True, help="Wait until the model is asleep (every page unmapped).")
+@click.option("--timeout", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="SEC", help=TIMEOUT_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+@click.pass_context
+def sleep_cmd(ctx: click.Context, model: str, now: bool, after_idle: float | None, wait: bool, timeout: float,
+              as_json: bool) -> None:
+    """Put a model's KV cache to sleep: every KV page is unmapped and its memory returned.
+
+    New requests wait in the engine's own queue (none rejected, none lost); running requests
+    finish first (--now preempts them, to be recomputed after waking); the prefix cache is
+    dropped. Sleep applies to the KV cache only: the weights stay where they are. The first
+    request after the sleep, or kvctl wake, wakes the model.
+
+    \b
+    Examples:
+      kvctl sleep llama-3-8b --wait
+      kvctl sleep llama-3-8b --after-idle 5m
+      kvctl sleep llama-3-8b --after-idle off
+    """
+    policy = ctx.get_parameter_source("after_idle") is not click.core.ParameterSource.DEFAULT
+    m = _model(model)
+    if policy:
+        if now:
+            raise click.UsageError("--now sleeps at once; --after-idle sets a policy: give one of them", ctx)
+        out = _run(m, "policy", after_idle, False, timeout)
+        policy_text = "removed" if after_idle is None else f"sleep after {after_idle:g} s idle"
+        _answer(out | {"after_idle_s": after_idle}, f"{m.name}: after-idle policy {policy_text}", as_json)
+        return
+    if m.sleep is not None and m.sleep.state == "asleep":
+        _answer({"name": m.name, "action": "sleep", "state": "asleep", "revision": m.sleep.acked_revision,
+                 "slept_bytes": m.sleep.slept_bytes, "already": True},
+                f"{m.name}: already asleep (nothing changed)", as_json)
+        return
+    out = _run(m, "sleep_now" if now else "sleep", False, wait, timeout)
+    if out.get("superseded"):
+        text = f"{m.name}: a later request (revision {out['superseded_by']}) replaced this one; the model is {out['state']}"
+    elif out["state"] == "asleep":
+        text = f"{m.name}: asleep, released {T.fmt_bytes(out['slept_bytes'])} in {out['took_s'] * 1000:.1f} ms"
+    else:
+        text = f"{m.name}: {out['state']} (running requests finish first; kvctl sleep --wait waits for it)"
+    _answer(out, text, as_json)
+
+
+@click.command("wake")
+@model_argument()
+@click.option("--wait", is_flag=True, help="Wait until the model is awake.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="SEC", help=TIMEOUT_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+def wake_cmd(model: str, wait: bool, timeout: float, as_json: bool) -> None:
+    """Wake a sleeping model: its engine schedules again and maps pages as requests need them.
+
+    \b
+    Examples:
+      kvctl wake llama-3-8b --wait
+    """
+    m = _model(model)
+    if m.sleep is not None and m.sleep.state == "awake" and m.sleep.capable:
+        _answer({"name": m.name, "action": "wake", "state": "awake", "revision": m.sleep.acked_revision,
+                 "already": True}, f"{m.name}: already awake (nothing changed)", as_json)
+        return
+    out = _run(m, "wake", False, wait, timeout)
+    if out.get("superseded"):
+        text = f"{m.name}: a later request (revision {out['superseded_by']}) replaced this one; the model is {out['state']}"
+    else:
+        text = f"{m.name}: {out['state']}"
+    _answer(out, text, as_json)

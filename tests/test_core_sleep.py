@@ -1,0 +1,105 @@
+"""Sleep and wake: a controller in this process, an allocator with a sleep handler in a child process."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import kvctl, send, wait_for
+
+from kvcached_core import snapshot
+from kvcached_core.sleepctl import request_sleep
+
+# The child's "engine": it holds blocks; asked to sleep it frees them and says ready, asked to wake it
+# takes its blocks again. "hold" keeps the blocks (running requests) until the test lets them go.
+ENGINE = """
+import threading
+held = m.alloc(8)
+log = []
+hold = threading.Event()
+def handler(action):
+    global held
+    log.append(action)
+    if action.startswith("sleep"):
+        def drain():
+            global held
+            if action == "sleep":
+                hold.wait()
+            m.free(held)
+            held = []
+            m.sleep.ready()
+        threading.Thread(target=drain).start()
+    else:
+        held = m.alloc(8)
+m.set_sleep_handler(handler)
+"""
+
+
+def test_sleep_unmaps_every_page_and_wake_lifts_it(spawn_allocator) -> None:
+    proc = spawn_allocator("eng", script=ENGINE)
+    before = snapshot("eng")
+    assert before.mapped_bytes > 0 and before.sleep.state == "awake" and before.sleep.capable
+    send(proc, "hold.set()")
+    ack = request_sleep("eng", "sleep", wait=10, until_done=True)
+    assert ack.status == "asleep" and ack.bytes_returned >= before.mapped_bytes  # the warm pool goes too
+    m = snapshot("eng", with_pages=True)
+    assert m.mapped_bytes == 0 and m.blocks_used == 0 and not any(p & (1 << 31) for p in m.pages)
+    shown = json.loads(kvctl("show", "eng", "--json").stdout)["sleep"]
+    assert shown == {"state": "asleep", "after_idle_s": None, "slept_bytes": ack.bytes_returned, "capable": True}
+    again = kvctl("sleep", "eng")
+    assert again.exit_code == 0 and "already asleep" in again.stdout
+    woke = kvctl("wake", "eng", "--wait", "--json")
+    assert woke.exit_code == 0 and json.loads(woke.stdout)["state"] == "awake"
+    assert wait_for(lambda: snapshot("eng").blocks_used == 8)
+
+
+def test_sleep_waits_for_running_requests_and_now_does_not(spawn_allocator) -> None:
+    proc = spawn_allocator("eng", script=ENGINE)
+    ack = request_sleep("eng", "sleep", wait=5)
+    assert ack.status == "draining"  # the engine holds its blocks until its requests finish
+    assert snapshot("eng").blocks_used == 8
+    send(proc, "hold.set()")
+    assert wait_for(lambda: snapshot("eng").sleep.state == "asleep")
+    request_sleep("eng", "wake", wait=5, until_done=True)
+    send(proc, "hold.clear()")
+    result = kvctl("sleep", "eng", "--now", "--wait", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["state"] == "asleep" and snapshot("eng").mapped_bytes == 0
+
+
+def test_after_idle_policy_sleeps_an_idle_model(spawn_allocator) -> None:
+    proc = spawn_allocator("eng", script=ENGINE)
+    send(proc, "hold.set()")
+    result = kvctl("sleep", "eng", "--after-idle", "200ms")
+    assert result.exit_code == 0, result.stderr
+    assert wait_for(lambda: snapshot("eng").sleep.after_idle_s == 0.2)
+    assert wait_for(lambda: snapshot("eng").sleep.state == "asleep", timeout=15)
+    assert snapshot("eng").mapped_bytes == 0
+    send(proc, "m.sleep.wake()")  # the engine's first request wakes it
+    assert snapshot("eng").sleep.state == "awake" and snapshot("eng").blocks_used == 8
+    assert kvctl("sleep", "eng", "--after-idle", "off").exit_code == 0
+    assert wait_for(lambda: snapshot("eng").sleep.after_idle_s is None)
+
+
+def test_the_later_of_two_sleep_requests_wins(spawn_allocator) -> None:
+    proc = spawn_allocator("eng", script=ENGINE)
+    send(proc, "m._watch.lock.acquire()")  # the poller waits: both requests land before it looks
+    first = request_sleep("eng", "sleep_now", wait=0)
+    second = request_sleep("eng", "wake", wait=0)
+    assert second.revision == first.revision + 1
+    send(proc, "m._watch.lock.release()")
+    late = request_sleep("eng", "policy", after_idle_s=False, wait=5)
+    assert late.status == "awake"
+    assert snapshot("eng").sleep.acked_revision == late.revision and snapshot("eng").blocks_used == 8
+
+
+def test_kvctl_sleep_refuses_what_cannot_sleep(spawn_allocator) -> None:
+    spawn_allocator("plain")
+    before = snapshot("plain")
+    result = kvctl("sleep", "plain")
+    assert result.exit_code == 1 and "cannot sleep" in result.stderr and result.stderr.count("\n") == 1
+    assert snapshot("plain").sleep.acked_revision == before.sleep.acked_revision == 0
+    missing = kvctl("sleep", "nosuch")
+    assert missing.exit_code == 1 and missing.stderr.count("\n") == 1
+    bad = kvctl("sleep", "plain", "--after-idle", "soon")
+    assert bad.exit_code == 2 and "not a duration" in bad.stderr
+    assert kvctl("wake", "plain").exit_code == 1

@@ -217,9 +217,7 @@ class KvctlGroup(click.Group):
             silence_stdout()
             return ExitCode.OK
         except Exception as exc:  # noqa: BLE001 - a bug still ends in one line, unless debugging
-            from kvcached_core.settings import settings
-
-            if settings().kvctl_debug:
+            if os.environ.get("KVCTL_DEBUG"):
                 raise
             click.echo(f"{prog_name}: internal error: {type(exc).__name__}: {_one_line(str(exc))} "
                        "(set KVCTL_DEBUG=1 for the traceback)", err=True)

@@ -1,40 +1,22 @@
-"""Environment settings, read once per call so tests can change them."""
+"""Settings by topic, from :func:`kvcached_core.settings.settings` (declared and parsed there)."""
 
 from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 
-from .sizes import SizeError, parse_size
+from .settings import ConfigError as ConfigError
+from .settings import MiB as MiB
+from .settings import ReserveBounds as ReserveBounds
+from .settings import settings
 
-MiB = 1024 * 1024
-DEFAULT_PAGE_SIZE_MB = 2
-DEFAULT_MIN_RESERVED = 5
-DEFAULT_MAX_RESERVED = 10
-DEFAULT_MAX_CACHED_TOKENS = 16000
 HOST_CAPACITY_FRACTION = 0.5
-DEFAULT_IDLE_RETURN_S = 10.0
-
-
-class ConfigError(ValueError):
-    """An environment variable holds a value we cannot use."""
-
-
-def _int_env(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
 
 
 def shm_dir() -> Path:
     """Where segments live: ``KVCACHED_SHM_DIR`` or /dev/shm."""
-    return Path(os.environ.get("KVCACHED_SHM_DIR") or "/dev/shm")
+    return settings().shm_dir
 
 
 def shm_dir_problem(directory: Path | None = None, *, writable: bool = False) -> str | None:
@@ -44,7 +26,7 @@ def shm_dir_problem(directory: Path | None = None, *, writable: bool = False) ->
     allocators could create segments there.
     """
     path = directory or shm_dir()
-    named = f"KVCACHED_SHM_DIR={path}" if directory is None and os.environ.get("KVCACHED_SHM_DIR") else str(path)
+    named = f"KVCACHED_SHM_DIR={path}" if directory is None and "KVCACHED_SHM_DIR" in settings().given else str(path)
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -61,34 +43,19 @@ def shm_dir_problem(directory: Path | None = None, *, writable: bool = False) ->
 
 
 def page_size_bytes() -> int:
-    mb = _int_env("KVCACHED_PAGE_SIZE_MB", DEFAULT_PAGE_SIZE_MB)
-    if mb <= 0 or mb % 2:
-        raise ConfigError(f"KVCACHED_PAGE_SIZE_MB={mb} must be a positive multiple of 2")
-    return mb * MiB
-
-
-@dataclass(frozen=True)
-class ReserveBounds:
-    min_pages: int
-    max_pages: int
+    return settings().page_size_bytes
 
 
 def reserve_bounds() -> ReserveBounds:
-    lo = _int_env("KVCACHED_MIN_RESERVED_PAGES", DEFAULT_MIN_RESERVED)
-    hi = _int_env("KVCACHED_MAX_RESERVED_PAGES", DEFAULT_MAX_RESERVED)
-    if lo < 0 or hi < lo:
-        raise ConfigError(
-            f"reserve bounds need 0 <= KVCACHED_MIN_RESERVED_PAGES ({lo}) <= KVCACHED_MAX_RESERVED_PAGES ({hi})"
-        )
-    return ReserveBounds(lo, hi)
+    return settings().reserve
 
 
 def max_cached_blocks(block_tokens: int) -> int | None:
     """Prefix-cache budget in blocks; None means unlimited, 0 means the cache is off."""
-    if os.environ.get("KVCACHED_MAX_CACHED_BLOCKS", "").strip():
-        blocks = _int_env("KVCACHED_MAX_CACHED_BLOCKS", 0)
+    blocks = settings().max_cached_blocks
+    if blocks is not None:
         return None if blocks < 0 else blocks
-    tokens = _int_env("KVCACHED_MAX_CACHED_TOKENS", DEFAULT_MAX_CACHED_TOKENS)
+    tokens = settings().max_cached_tokens
     if tokens < 0:
         return None
     if tokens == 0:
@@ -98,15 +65,7 @@ def max_cached_blocks(block_tokens: int) -> int | None:
 
 def host_capacity_bytes() -> int:
     """Host backend capacity shared by every model: ``KVCACHED_HOST_CAPACITY`` or half of RAM."""
-    raw = os.environ.get("KVCACHED_HOST_CAPACITY")
-    if raw:
-        try:
-            value = parse_size(raw, percent_of=total_ram_bytes())
-        except SizeError as exc:
-            raise ConfigError(f"KVCACHED_HOST_CAPACITY: {exc}") from None
-        assert value is not None
-        return value
-    return int(total_ram_bytes() * HOST_CAPACITY_FRACTION)
+    return settings().host_capacity_bytes
 
 
 def _meminfo(field: str) -> int:
@@ -128,32 +87,15 @@ def available_ram_bytes() -> int:
     return _meminfo("MemAvailable")
 
 
-def float_env(name: str, default: float) -> float:
-    """A number of seconds (or any float) from the environment; a clear ConfigError otherwise."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
-
-
 def tristate_env(name: str) -> str:
-    """``auto`` (unset too), ``on`` (1/on/true/yes) or ``off`` (0/off/false/no); a ConfigError otherwise."""
-    raw = os.environ.get(name, "").strip().lower() or "auto"
-    table = {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on",
-             "0": "off", "off": "off", "false": "off", "no": "off"}
-    if raw not in table:
-        raise ConfigError(f"{name}={raw!r} must be auto, 1 or 0")
-    return table[raw]
+    """``auto``, ``on`` or ``off`` for a native part's variable (``KVCACHED_FASTPATH``, ``KVCACHED_CUDA_NATIVE``)."""
+    return settings().mode(name)
 
 
 def idle_return_s() -> float | None:
     """Seconds without traffic after which a model unmaps its warm pool (``KVCACHED_IDLE_RETURN_S``, default 10; < 0 never)."""
-    value = float_env("KVCACHED_IDLE_RETURN_S", DEFAULT_IDLE_RETURN_S)
-    return None if value < 0 else value
+    return settings().idle_return_s
 
 
 def ipc_name_override() -> str | None:
-    return os.environ.get("KVCACHED_IPC_NAME") or None
+    return settings().ipc_name

@@ -32,11 +32,11 @@ its lock and publishes them.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from .pages import PageTable
 from .prefix_cache import PrefixCache
+from .settings import default_of, settings
 
 EmptyPage = Callable[[], "int | None"]
 
@@ -208,7 +208,7 @@ def place_draining(pages: PageTable, n: int, taken: list[int]) -> bool:
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FirstFit, Policy, Affinity)}
-DEFAULT_POLICY = Affinity.name
+DEFAULT_POLICY = default_of("KVCACHED_POLICY")
 
 
 def make_policy(policy: str | Policy | None) -> Policy:
@@ -216,7 +216,7 @@ def make_policy(policy: str | Policy | None) -> Policy:
     if isinstance(policy, Policy):
         return policy
     if policy is None:
-        policy = os.environ.get("KVCACHED_POLICY") or DEFAULT_POLICY
+        policy = settings().policy
     try:
         return POLICIES[policy]()
     except KeyError:

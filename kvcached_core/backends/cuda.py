@@ -42,7 +42,6 @@ while the engine's thread keeps allocating. torch is optional: :meth:`CudaBacken
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 import time
 import warnings
@@ -51,57 +50,32 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import native
-from ..config import ConfigError, reserve_bounds
+from ..settings import CUDA_LAYOUTS, settings
 from .base import Backend, BackendError, BackendUnavailable, Geometry
 from .cuda_native import NATIVE_ENV, NativeVmm, native_mode_from_env
 from .cuda_native import load as load_native
 
-LAYOUTS = ("layer", "page")
+LAYOUTS = CUDA_LAYOUTS
 LAYOUT_ENV = "KVCACHED_CUDA_LAYOUT"
 POOL_ENV = "KVCACHED_CUDA_POOL_PAGES"
 ASYNC_ENV = "KVCACHED_CUDA_ASYNC_UNMAP"
 DELAY_ENV = "KVCACHED_CUDA_UNMAP_DELAY_MS"
-DEFAULT_UNMAP_DELAY_MS = 20.0
 
 
 def layout_from_env() -> str:
-    raw = os.environ.get(LAYOUT_ENV, "").strip().lower() or "layer"
-    if raw not in LAYOUTS:
-        raise ConfigError(f"{LAYOUT_ENV}={raw!r} is not a layout: choose one of {', '.join(LAYOUTS)}")
-    return raw
+    return settings().cuda_layout
 
 
 def pool_pages_from_env() -> int:
-    raw = os.environ.get(POOL_ENV, "").strip()
-    if not raw:
-        return reserve_bounds().max_pages
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{POOL_ENV}={raw!r} is not an integer") from None
-    if value < 0:
-        raise ConfigError(f"{POOL_ENV}={value} cannot be negative")
-    return value
+    return settings().cuda_pool_pages
 
 
 def async_unmap_from_env() -> bool:
-    raw = os.environ.get(ASYNC_ENV, "").strip().lower() or "1"
-    if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-        raise ConfigError(f"{ASYNC_ENV}={raw!r} is not a boolean (1 or 0)")
-    return raw in ("1", "true", "yes", "on")
+    return settings().cuda_async_unmap
 
 
 def unmap_delay_from_env() -> float:
-    raw = os.environ.get(DELAY_ENV, "").strip()
-    if not raw:
-        return DEFAULT_UNMAP_DELAY_MS / 1000
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{DELAY_ENV}={raw!r} is not a number of milliseconds") from None
-    if not 0 <= value <= 60_000:
-        raise ConfigError(f"{DELAY_ENV}={raw} must be between 0 and 60000 milliseconds")
-    return value / 1000
+    return settings().cuda_unmap_delay_s
 
 
 def runs(pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:

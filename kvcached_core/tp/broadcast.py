@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from .. import layout as L
 from ..backends import Backend, BackendError, Geometry
 from ..backends.host import HostCapacityLedger
-from ..config import float_env, host_capacity_bytes
+from ..config import host_capacity_bytes
+from ..settings import TP_STRATEGIES, default_of, settings
 from . import protocol as P
 
-STRATEGIES = ("sequential", "concurrent")
-DEFAULT_STRATEGY = "concurrent"
-DEFAULT_TIMEOUT_S = 10.0
+STRATEGIES = TP_STRATEGIES
+DEFAULT_STRATEGY = default_of("KVCACHED_TP_STRATEGY")
 DEFAULT_CONNECT_TIMEOUT_S = 60.0  # a cuda worker initialises its device on HELLO
 CLOSE_TIMEOUT_S = 5.0
 MAX_CAPACITY = 1 << 62
@@ -70,17 +70,11 @@ class RankState:
 
 
 def default_strategy() -> str:
-    value = os.environ.get("KVCACHED_TP_STRATEGY", "").strip() or DEFAULT_STRATEGY
-    if value not in STRATEGIES:
-        raise ValueError(f"KVCACHED_TP_STRATEGY={value!r}: choose one of {', '.join(STRATEGIES)}")
-    return value
+    return settings().tp_strategy
 
 
 def default_timeout() -> float:
-    value = float_env("KVCACHED_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S)
-    if value <= 0:
-        raise ValueError(f"KVCACHED_TP_TIMEOUT_S={value!r} must be positive")
-    return value
+    return settings().tp_timeout_s
 
 
 class BroadcastBackend(Backend):

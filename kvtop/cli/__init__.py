@@ -217,7 +217,9 @@ class KvctlGroup(click.Group):
             silence_stdout()
             return ExitCode.OK
         except Exception as exc:  # noqa: BLE001 - a bug still ends in one line, unless debugging
-            if os.environ.get("KVCTL_DEBUG"):
+            from kvcached_core.settings import settings
+
+            if settings().kvctl_debug:
                 raise
             click.echo(f"{prog_name}: internal error: {type(exc).__name__}: {_one_line(str(exc))} "
                        "(set KVCTL_DEBUG=1 for the traceback)", err=True)

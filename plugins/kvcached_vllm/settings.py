@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
-from kvcached_core.config import ConfigError
+from kvcached_core.settings import settings
 
 SUPPORTED_VLLM = "0.32.0"
 ENABLE_ENV = "ENABLE_KVCACHED"  # the variable users of the public kvcached already set
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
 
 
 def enabled() -> bool:
     """``ENABLE_KVCACHED``: true/1/yes/on takes over vLLM's KV cache; unset or false leaves vLLM alone."""
-    raw = os.environ.get(ENABLE_ENV, "").strip().lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ConfigError(f"{ENABLE_ENV}={raw!r}: use true or false")
+    return settings().enable_kvcached
 
 
 def check_version(found: str) -> None:

@@ -1,0 +1,368 @@
+"""Every environment variable the project reads: declared once here, parsed and validated once.
+
+:data:`VARIABLES` names each variable with its default, type and meaning (docs/environment.md
+is generated from it: ``python -m kvcached_core.settings``). :func:`settings` returns the
+:class:`Settings` for the current environment, parsed once and kept until a variable changes
+(so a launcher or a test may set one per process). A bad value is one :class:`ConfigError`
+naming the variable, raised when that setting is used, so a command that does not need it
+still runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+MiB = 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """An environment variable holds a value we cannot use."""
+
+
+@dataclass(frozen=True)
+class Var:
+    """One environment variable: ``default`` is the raw value used when it is unset or empty
+    (None: no value), ``shown`` the default as the reference writes it when it is not that."""
+
+    name: str
+    default: str | None
+    type: str
+    meaning: str
+    shown: str | None = None
+
+    @property
+    def default_text(self) -> str:
+        if self.shown is not None:
+            return self.shown
+        return "unset" if self.default is None else f"`{self.default}`"
+
+
+POLICIES = ("first-fit", "best-fit", "affinity")  # placement.POLICIES, in its order
+CUDA_LAYOUTS = ("layer", "page")
+TP_STRATEGIES = ("sequential", "concurrent")
+_TRISTATE = {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on",
+             "0": "off", "off": "off", "false": "off", "no": "off"}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+VARIABLES: tuple[Var, ...] = (
+    Var("KVCACHED_SHM_DIR", "/dev/shm", "path",
+        "where segments live; every reader and writer on a host must agree on it (a missing or "
+        "non-directory path fails every kvctl command and `kvtop --once`, exit 1)"),
+    Var("KVCACHED_PAGE_SIZE_MB", "2", "integer", "page size in MiB (a positive multiple of 2)"),
+    Var("KVCACHED_MIN_RESERVED_PAGES", "5", "integer",
+        "the reserve pool is refilled up to this by a background thread (the CUDA page layout maps "
+        "four page ids per refill, up to the maximum)"),
+    Var("KVCACHED_MAX_RESERVED_PAGES", "10", "integer", "freed pages beyond this are unmapped at once"),
+    Var("KVCACHED_MAX_CACHED_TOKENS", "16000", "integer",
+        "prefix-cache budget: `<0` unlimited, `0` off, `>0` cap (at least one block)"),
+    Var("KVCACHED_MAX_CACHED_BLOCKS", None, "integer", "the same budget in blocks; wins when set"),
+    Var("KVCACHED_HOST_CAPACITY", None, "size",
+        "host backend capacity shared by all models (`8GiB`, `25%`)", shown="half of RAM"),
+    Var("KVCACHED_POLICY", "affinity", "choice",
+        "placement and eviction policy: `affinity`, `best-fit` (the public kvcached's) or `first-fit`"),
+    Var("KVCACHED_IDLE_RETURN_S", "10", "number",
+        "seconds without traffic after which a model unmaps its warm pool (`<0` never)"),
+    Var("KVCACHED_IPC_NAME", None, "name",
+        "segment name override (the public kvcached's segments are found by their struct whatever their name)",
+        shown="the model name"),
+    Var("KVCACHED_CUDA_LAYOUT", "layer", "choice",
+        "CUDA backend: `layer` (one single-stride tensor per layer and buffer) or `page` (one handle per "
+        "page id, much faster growth: [cuda.md](cuda.md))"),
+    Var("KVCACHED_CUDA_POOL_PAGES", None, "integer",
+        "CUDA backend: page ids' worth of unmapped physical handles kept for regrowth",
+        shown="`KVCACHED_MAX_RESERVED_PAGES`"),
+    Var("KVCACHED_CUDA_ASYNC_UNMAP", "1", "boolean",
+        "CUDA backend: unmap in a backend thread (`0`: in the caller)"),
+    Var("KVCACHED_CUDA_UNMAP_DELAY_MS", "20", "number",
+        "CUDA backend: how long a freed page waits before it is unmapped (taken back for free meanwhile)"),
+    Var("KVCACHED_CUDA_NATIVE", "auto", "auto/1/0",
+        "CUDA backend: map page ids with the C loop built at install, in both layouts (`0` never, `1` required)"),
+    Var("KVCACHED_FASTPATH", "auto", "auto/1/0",
+        "`alloc` and `free` in C (built at install; `0` never, `1` required): the same blocks and bytes "
+        "as the Python path (speed: `python -m benchmarks --only hotpath`)"),
+    Var("KVCACHED_TP_STRATEGY", "concurrent", "choice",
+        "tensor parallel: send to every rank, then collect (`sequential`: one rank after another)"),
+    Var("KVCACHED_TP_TIMEOUT_S", "10", "number",
+        "tensor parallel: a rank that does not answer a map or unmap within this is lost"),
+    Var("KVCTL_DEBUG", None, "flag", "kvctl: show the traceback of an internal error instead of its one line"),
+    Var("ENABLE_KVCACHED", None, "boolean",
+        "the vLLM plugin: `true` (or `1`, `yes`, `on`) lets kvcached hold vLLM's KV cache; unset or "
+        "false leaves vLLM alone ([engines.md](engines.md#vllm))"),
+)
+BY_NAME: dict[str, Var] = {v.name: v for v in VARIABLES}
+
+
+def default_of(name: str) -> str:
+    """The declared default of a variable that has one."""
+    value = BY_NAME[name].default
+    if value is None:
+        raise KeyError(f"{name} has no default value")
+    return value
+
+
+@dataclass(frozen=True)
+class ReserveBounds:
+    min_pages: int
+    max_pages: int
+
+
+class _Bad:
+    """Stands in a :class:`Settings` field whose value was refused; reading the field raises."""
+
+    def __init__(self, error: ConfigError) -> None:
+        self.error = error
+
+    def __repr__(self) -> str:
+        return f"<refused: {self.error}>"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The parsed environment. Reading a field whose variable holds a bad value raises its ConfigError."""
+
+    shm_dir: Path
+    page_size_bytes: int
+    reserve: ReserveBounds
+    max_cached_tokens: int
+    max_cached_blocks: int | None  # as set; None when unset
+    host_capacity_bytes: int
+    policy: str
+    idle_return_s: float | None  # None: never
+    ipc_name: str | None
+    cuda_layout: str
+    cuda_pool_pages: int
+    cuda_async_unmap: bool
+    cuda_unmap_delay_s: float
+    cuda_native: str  # auto / on / off
+    fastpath: str  # auto / on / off
+    tp_strategy: str
+    tp_timeout_s: float
+    kvctl_debug: bool
+    enable_kvcached: bool
+    given: frozenset[str] = field(default=frozenset())  # the variables set to a non-empty value
+
+    def __getattribute__(self, name: str) -> Any:
+        value = object.__getattribute__(self, name)
+        if isinstance(value, _Bad):
+            raise value.error
+        return value
+
+    def mode(self, name: str) -> str:
+        """The auto/on/off setting of a native part, by its variable's name."""
+        return {"KVCACHED_FASTPATH": self.fastpath, "KVCACHED_CUDA_NATIVE": self.cuda_native}[name]
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        raw = {v.name: env.get(v.name) for v in VARIABLES}
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name == "given":
+                continue
+            try:
+                values[f.name] = _PARSERS[f.name](raw, values)
+            except ConfigError as exc:
+                values[f.name] = _Bad(exc)
+        given = frozenset(name for name, value in raw.items() if value)
+        return cls(**values, given=given)
+
+
+_cache: tuple[tuple[str | None, ...], Settings] | None = None
+
+
+def settings() -> Settings:
+    """The settings of the current environment: parsed once, again only after a variable changed."""
+    global _cache
+    key = tuple(os.environ.get(v.name) for v in VARIABLES)
+    cached = _cache
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    parsed = Settings.from_env()
+    _cache = (key, parsed)
+    return parsed
+
+
+# -- parsers: raw values by name, and the fields parsed so far ------------------------------------
+
+Raw = Mapping[str, "str | None"]
+
+
+def _value(raw: Raw, name: str) -> str:
+    """The stripped value, or the declared default when it is unset or blank."""
+    return (raw[name] or "").strip() or (BY_NAME[name].default or "")
+
+
+def _int(raw: Raw, name: str) -> int:
+    value = raw[name]
+    if value is None or not value.strip():
+        value = BY_NAME[name].default or ""
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={raw[name]!r} is not an integer") from None
+
+
+def _float(raw: Raw, name: str, what: str = "a number") -> float:
+    value = _value(raw, name)
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not {what}") from None
+
+
+def _choice(raw: Raw, name: str, choices: tuple[str, ...], message: str, *, lower: bool = False) -> str:
+    value = _value(raw, name).lower() if lower else _value(raw, name)
+    if value not in choices:
+        raise ConfigError(message.format(value=value, choices=", ".join(choices)))
+    return value
+
+
+def _page_size(raw: Raw, done: dict[str, Any]) -> int:
+    mb = _int(raw, "KVCACHED_PAGE_SIZE_MB")
+    if mb <= 0 or mb % 2:
+        raise ConfigError(f"KVCACHED_PAGE_SIZE_MB={mb} must be a positive multiple of 2")
+    return mb * MiB
+
+
+def _reserve(raw: Raw, done: dict[str, Any]) -> ReserveBounds:
+    lo = _int(raw, "KVCACHED_MIN_RESERVED_PAGES")
+    hi = _int(raw, "KVCACHED_MAX_RESERVED_PAGES")
+    if lo < 0 or hi < lo:
+        raise ConfigError(
+            f"reserve bounds need 0 <= KVCACHED_MIN_RESERVED_PAGES ({lo}) <= KVCACHED_MAX_RESERVED_PAGES ({hi})"
+        )
+    return ReserveBounds(lo, hi)
+
+
+def _cached_blocks(raw: Raw, done: dict[str, Any]) -> int | None:
+    if not (raw["KVCACHED_MAX_CACHED_BLOCKS"] or "").strip():
+        return None
+    return _int(raw, "KVCACHED_MAX_CACHED_BLOCKS")
+
+
+def _host_capacity(raw: Raw, done: dict[str, Any]) -> int:
+    from .config import HOST_CAPACITY_FRACTION, total_ram_bytes
+    from .sizes import SizeError, parse_size
+
+    value = raw["KVCACHED_HOST_CAPACITY"]
+    if value:
+        try:
+            parsed = parse_size(value, percent_of=total_ram_bytes())
+        except SizeError as exc:
+            raise ConfigError(f"KVCACHED_HOST_CAPACITY: {exc}") from None
+        assert parsed is not None
+        return parsed
+    return int(total_ram_bytes() * HOST_CAPACITY_FRACTION)
+
+
+def _policy(raw: Raw, done: dict[str, Any]) -> str:
+    value = raw["KVCACHED_POLICY"] or BY_NAME["KVCACHED_POLICY"].default or ""
+    if value not in POLICIES:
+        raise ConfigError(f"KVCACHED_POLICY: unknown placement policy {value!r}: use one of {', '.join(POLICIES)}")
+    return value
+
+
+def _idle(raw: Raw, done: dict[str, Any]) -> float | None:
+    value = _float(raw, "KVCACHED_IDLE_RETURN_S")
+    return None if value < 0 else value
+
+
+def _pool_pages(raw: Raw, done: dict[str, Any]) -> int:
+    name = "KVCACHED_CUDA_POOL_PAGES"
+    value = (raw[name] or "").strip()
+    if not value:
+        reserve = done["reserve"]
+        if isinstance(reserve, _Bad):
+            raise reserve.error
+        return int(reserve.max_pages)
+    try:
+        pages = int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not an integer") from None
+    if pages < 0:
+        raise ConfigError(f"{name}={pages} cannot be negative")
+    return pages
+
+
+def _async_unmap(raw: Raw, done: dict[str, Any]) -> bool:
+    name = "KVCACHED_CUDA_ASYNC_UNMAP"
+    value = _value(raw, name).lower()
+    if value not in _TRUE + _FALSE:
+        raise ConfigError(f"{name}={value!r} is not a boolean (1 or 0)")
+    return value in _TRUE
+
+
+def _unmap_delay(raw: Raw, done: dict[str, Any]) -> float:
+    name = "KVCACHED_CUDA_UNMAP_DELAY_MS"
+    value = _float(raw, name, "a number of milliseconds")
+    if not 0 <= value <= 60_000:
+        raise ConfigError(f"{name}={_value(raw, name)} must be between 0 and 60000 milliseconds")
+    return value / 1000
+
+
+def _tristate(name: str) -> Callable[[Raw, dict[str, Any]], str]:
+    def parse(raw: Raw, done: dict[str, Any]) -> str:
+        value = _value(raw, name).lower()
+        if value not in _TRISTATE:
+            raise ConfigError(f"{name}={value!r} must be auto, 1 or 0")
+        return _TRISTATE[value]
+    return parse
+
+
+def _tp_timeout(raw: Raw, done: dict[str, Any]) -> float:
+    value = _float(raw, "KVCACHED_TP_TIMEOUT_S")
+    if value <= 0:
+        raise ConfigError(f"KVCACHED_TP_TIMEOUT_S={value!r} must be positive")
+    return value
+
+
+def _enable(raw: Raw, done: dict[str, Any]) -> bool:
+    value = (raw["ENABLE_KVCACHED"] or "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in ("",) + _FALSE:
+        return False
+    raise ConfigError(f"ENABLE_KVCACHED={value!r}: use true or false")
+
+
+_PARSERS: dict[str, Callable[[Raw, dict[str, Any]], Any]] = {
+    "shm_dir": lambda raw, done: Path(raw["KVCACHED_SHM_DIR"] or BY_NAME["KVCACHED_SHM_DIR"].default or ""),
+    "page_size_bytes": _page_size,
+    "reserve": _reserve,
+    "max_cached_tokens": lambda raw, done: _int(raw, "KVCACHED_MAX_CACHED_TOKENS"),
+    "max_cached_blocks": _cached_blocks,
+    "host_capacity_bytes": _host_capacity,
+    "policy": _policy,
+    "idle_return_s": _idle,
+    "ipc_name": lambda raw, done: raw["KVCACHED_IPC_NAME"] or None,
+    "cuda_layout": lambda raw, done: _choice(
+        raw, "KVCACHED_CUDA_LAYOUT", CUDA_LAYOUTS, "KVCACHED_CUDA_LAYOUT={value!r} is not a layout: choose one of {choices}",
+        lower=True),
+    "cuda_pool_pages": _pool_pages,
+    "cuda_async_unmap": _async_unmap,
+    "cuda_unmap_delay_s": _unmap_delay,
+    "cuda_native": _tristate("KVCACHED_CUDA_NATIVE"),
+    "fastpath": _tristate("KVCACHED_FASTPATH"),
+    "tp_strategy": lambda raw, done: _choice(
+        raw, "KVCACHED_TP_STRATEGY", TP_STRATEGIES, "KVCACHED_TP_STRATEGY={value!r}: choose one of {choices}"),
+    "tp_timeout_s": _tp_timeout,
+    "kvctl_debug": lambda raw, done: bool(raw["KVCTL_DEBUG"]),
+    "enable_kvcached": _enable,
+}
+
+
+def markdown_table() -> str:
+    """The variables as docs/environment.md lists them."""
+    rows = ["| variable | default | type | meaning |", "|---|---|---|---|"]
+    rows += [f"| `{v.name}` | {v.default_text} | {v.type} | {v.meaning} |" for v in VARIABLES]
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table())

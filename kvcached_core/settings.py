@@ -122,7 +122,7 @@ class _Bad:
         return f"<refused: {self.error}>"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Settings:
     """The parsed environment. Reading a field whose variable holds a bad value raises its ConfigError."""
 
@@ -152,6 +152,10 @@ class Settings:
         if isinstance(value, _Bad):
             raise value.error
         return value
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={object.__getattribute__(self, f.name)!r}" for f in fields(self))
+        return f"Settings({shown})"
 
     def mode(self, name: str) -> str:
         """The auto/on/off setting of a native part, by its variable's name."""

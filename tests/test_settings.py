@@ -48,6 +48,7 @@ def test_a_bad_value_is_one_config_error_on_its_own_field(name, bad, field, word
     message = str(caught.value)
     assert name in message and words in message and "\n" not in message
     assert isinstance(caught.value, ValueError)
+    assert "refused" in repr(parsed)  # the object still shows itself
     others = [f for _, _, f, _ in BAD if f != field and not (field == "reserve" and f == "cuda_pool_pages")]
     for other in others:
         getattr(parsed, other)  # every other setting still reads

@@ -125,6 +125,10 @@ class KVCachedCollector(Collector):
         running = gauge("requests_running", "Requests the engine is running now (engines that publish traffic).")
         waiting = gauge("requests_waiting", "Requests waiting in the engine's queue (engines that publish traffic).")
         idle = gauge("idle_seconds", "Seconds since the engine's last request arrived.")
+        sleep_state = gauge("sleep_state", "1 for the model's sleep state (awake, draining, asleep), 0 for the others.",
+                            ("state",))
+        after_idle = gauge("sleep_after_idle_seconds", "The after-idle sleep policy; absent when there is none.")
+        slept = gauge("slept_bytes", "Bytes the model's last sleep released.")
         traffic_counters = [
             (field, CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=MODEL_LABELS))
             for field, name, doc in (
@@ -175,6 +179,12 @@ class KVCachedCollector(Collector):
                     idle.add_metric(labels, m.traffic.idle_s)
                 for field, family in traffic_counters:
                     family.add_metric(labels, getattr(m.traffic, field))
+            if m.sleep is not None:
+                for name in ("awake", "draining", "asleep"):
+                    sleep_state.add_metric([*labels, name], 1 if m.sleep.state == name else 0)
+                if m.sleep.after_idle_s is not None:
+                    after_idle.add_metric(labels, m.sleep.after_idle_s)
+                slept.add_metric(labels, m.sleep.slept_bytes)
             for r in m.ranks:
                 rank_row = [m.name, str(r.rank), str(r.device), str(r.pid), self.host]
                 rank_mapped.add_metric(rank_row, r.mapped_bytes)
@@ -182,7 +192,7 @@ class KVCachedCollector(Collector):
         self._forget_vanished(models)
         return [info, mapped, held, pinned, reserved, cached, capacity, limit, requested, status, waste,
                 pages, alloc_rate, free_rate, allocs, frees, age, stale, rank_mapped, rank_up, running, waiting, idle,
-                *(family for _, family in traffic_counters)]
+                *(family for _, family in traffic_counters), sleep_state, after_idle, slept]
 
     # -- the scan itself and the devices -----------------------------------------------------
     def _scan_families(self, scan: kvcached_core.Scan, seconds: float) -> list[Metric]:

@@ -103,3 +103,28 @@ def test_kvctl_sleep_refuses_what_cannot_sleep(spawn_allocator) -> None:
     bad = kvctl("sleep", "plain", "--after-idle", "soon")
     assert bad.exit_code == 2 and "not a duration" in bad.stderr
     assert kvctl("wake", "plain").exit_code == 1
+
+
+def test_sleep_state_reaches_watch_and_the_exporter(spawn_allocator) -> None:
+    import csv
+    import io
+
+    from test_exporter import scrape, value
+
+    from kvtop.exporter import Exporter
+
+    proc = spawn_allocator("eng", script=ENGINE)
+    spawn_allocator("plain")
+    send(proc, "hold.set()")
+    request_sleep("eng", "sleep", wait=10, until_done=True)
+    assert kvctl("sleep", "eng", "--after-idle", "5m").exit_code == 0
+    watched = kvctl("watch", "--format", "csv", "--count", "1", "--interval", "0.05")
+    records = {r["name"]: r for r in csv.DictReader(io.StringIO(watched.stdout))}
+    assert records["eng"]["sleep_state"] == "asleep" and records["eng"]["sleep_after_idle_s"] == "300.0"
+    assert records["plain"]["sleep_state"] == "awake" and records["plain"]["sleep_after_idle_s"] == ""
+    with Exporter("127.0.0.1", 0) as exporter:
+        samples = scrape(exporter.url)
+        assert value(samples, "kvcached_sleep_state", model="eng", state="asleep") == 1
+        assert value(samples, "kvcached_sleep_state", model="eng", state="awake") == 0
+        assert value(samples, "kvcached_sleep_after_idle_seconds", model="eng") == 300
+        assert value(samples, "kvcached_slept_bytes", model="eng") == snapshot("eng").sleep.slept_bytes > 0

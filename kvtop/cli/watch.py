@@ -25,6 +25,8 @@ CSV_FIELDS = (
 )
 # Then the engine's traffic (the "traffic" object of to_dict), empty where the engine publishes none.
 TRAFFIC_FIELDS = ("running", "waiting", "finished", "prompt_tokens", "generated_tokens", "preemptions", "idle_s")
+# Then the sleep state and policy (the "sleep" object), prefixed; empty where unknown.
+SLEEP_FIELDS = ("state", "after_idle_s", "slept_bytes")
 CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -37,7 +39,7 @@ class Printer:
         self.tty = T.want_rich(self.out)
         self.csv = csv.writer(self.out, lineterminator="\n") if fmt == "csv" else None
         if self.csv is not None:
-            self.csv.writerow(("time", "tick", *CSV_FIELDS, *TRAFFIC_FIELDS))
+            self.csv.writerow(("time", "tick", *CSV_FIELDS, *TRAFFIC_FIELDS, *(f"sleep_{k}" for k in SLEEP_FIELDS)))
 
     def tick(self, tick: int, now: float, models: list[ModelSnapshot]) -> None:
         if self.fmt == "json":
@@ -49,8 +51,10 @@ class Printer:
             for m in models:
                 row = m.to_dict()
                 traffic = row["traffic"] or {}
+                asleep = row["sleep"] or {}
                 self.csv.writerow((f"{now:.3f}", tick, *("" if row[k] is None else row[k] for k in CSV_FIELDS),
-                                   *("" if traffic.get(k) is None else traffic[k] for k in TRAFFIC_FIELDS)))
+                                   *("" if traffic.get(k) is None else traffic[k] for k in TRAFFIC_FIELDS),
+                                   *("" if asleep.get(k) is None else asleep[k] for k in SLEEP_FIELDS)))
         else:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
             title = f"kvctl watch  every {self.interval:g} s  {stamp}  tick {tick}"

@@ -177,13 +177,18 @@ class Settings:
         return cls(**values, given=given)
 
 
-_cache: tuple[tuple[str | None, ...], Settings] | None = None
+_cache: tuple[tuple[object, ...], Settings] | None = None
+_ENCODED_NAMES = tuple(os.fsencode(v.name) for v in VARIABLES)
 
 
 def settings() -> Settings:
     """The settings of the current environment: parsed once, again only after a variable changed."""
     global _cache
-    key = tuple(os.environ.get(v.name) for v in VARIABLES)
+    data = getattr(os.environ, "_data", None)  # the encoded mapping behind os.environ: 20x cheaper to look at
+    if isinstance(data, dict) and os.name == "posix":
+        key = tuple(map(data.get, _ENCODED_NAMES))
+    else:
+        key = tuple(os.environ.get(v.name) for v in VARIABLES)
     cached = _cache
     if cached is not None and cached[0] == key:
         return cached[1]

@@ -77,6 +77,8 @@ def test_settings_are_parsed_once_until_a_variable_changes(monkeypatch):
     assert "KVCACHED_PAGE_SIZE_MB" in changed.given
     monkeypatch.setenv("UNRELATED_VARIABLE_FOR_THIS_TEST", "1")
     assert settings() is changed
+    monkeypatch.delenv("KVCACHED_PAGE_SIZE_MB")
+    assert settings().page_size_bytes == 2 * S.MiB
 
 
 def test_the_environment_reference_is_the_generated_table():

@@ -18,9 +18,9 @@ from typing import Protocol
 
 import kvcached_core as kc
 from kvcached_core import config, nvml
-from kvcached_core import layout as L
 from kvcached_core.legacy import limit_status as legacy_limit_status
 from kvcached_core.nvml import GpuInfo
+from kvcached_core.pagemap import count_pages, page_entry
 from kvcached_core.reader import read_segment
 from kvcached_core.snapshot import ModelSnapshot, Problem
 
@@ -143,9 +143,9 @@ def fake_pages(total: int, *, inuse: int, reserved: int, bpp: int, cached_pages:
         if i < inuse:
             used = max(1, min(bpp, round(rng.gauss(fill, 0.3) * bpp)))
             cached = used if i < cached_pages else 0
-            pages[page] = L.page_entry(True, used, cached)
+            pages[page] = page_entry(True, used, cached)
         else:
-            pages[page] = L.page_entry(True, 0, 0)
+            pages[page] = page_entry(True, 0, 0)
     return pages
 
 
@@ -169,16 +169,8 @@ def fake_model(name: str, *, pages: array | None = None, pages_total: int = 512,
     bpp = page_size // block_bytes
     if pages is None:
         pages = array("I", bytes(4 * pages_total))
-    inuse = reserved = used = cached = 0
-    for entry in pages:
-        if entry & L.PAGE_MAPPED:
-            u = entry & L.PAGE_FIELD_MASK
-            if u:
-                inuse += 1
-                used += u
-                cached += (entry >> L.PAGE_CACHED_SHIFT) & L.PAGE_FIELD_MASK
-            else:
-                reserved += 1
+    counts = count_pages(pages)
+    inuse, reserved, used, cached = counts.inuse, counts.reserved, counts.blocks_used, counts.blocks_cached
     bundle = page_size * num_layers * 2
     status_name = limit_status or ("none" if limit_bytes is None else "applied")
     return ModelSnapshot(

@@ -6,18 +6,17 @@ non-interactive snapshot does not pay for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from rich.table import Table
 from rich.text import Text
 
-from kvcached_core import format_bytes
-from kvcached_core import layout as L
+from kvcached_core import format_bytes, pagemap
 from kvcached_core.frag import fragmentation
 from kvcached_core.snapshot import ModelSnapshot
 from kvtop.history import History
-from kvtop.pagemap import GLYPHS, Cell, mapped_flags
+from kvtop.pagemap import GLYPHS, Cell
 from kvtop.source import Frame
 from kvtop.textfmt import fmt_device
 
@@ -299,33 +298,8 @@ def cells_text(cells: Sequence[Cell]) -> Text:
 
 
 def evictable_pages(m: ModelSnapshot) -> int:
-    """In-use pages whose used blocks are all cached (evicting them empties the page).
-
-    Walks only the mapped pages when the map is sparse, so a 65,536-page model that maps a few
-    hundred costs a few hundred steps, not 65,536.
-    """
-    pages = m.pages
-    if pages is None:
-        return 0
-    mask, shift = L.PAGE_FIELD_MASK, L.PAGE_CACHED_SHIFT
-    flags = mapped_flags(pages)
-    if flags is None or flags.count(1) * 4 > len(pages):
-        candidates: Iterable[int] = (e for e in pages if e & L.PAGE_MAPPED)
-    else:
-        candidates = (pages[i] for i in _mapped_indices(flags))
-    count = 0
-    for entry in candidates:
-        used = entry & mask
-        if used and used == (entry >> shift) & mask:
-            count += 1
-    return count
-
-
-def _mapped_indices(flags: bytes) -> Iterator[int]:
-    i = flags.find(1)
-    while i >= 0:
-        yield i
-        i = flags.find(1, i + 1)
+    """In-use pages whose used blocks are all cached (evicting them empties the page)."""
+    return pagemap.evictable_pages(m.pages)
 
 
 def frag_table(m: ModelSnapshot | None) -> Table | Text:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from kvcached_core import fragmentation
-from kvcached_core import layout as L
+from kvcached_core.pagemap import decoded
 from kvtop.cli import Failure, model_argument
 from kvtop.cli.common import emit_json, pick, problem_line, read, warn
 
@@ -70,7 +70,7 @@ def show_cmd(model: str, as_json: bool, width: int, rows: int) -> None:
     if as_json:
         out = snap.to_dict()
         out["fragmentation"] = None if snap.legacy else frag.to_dict()  # upstream publishes no page map
-        out["pages"] = [[int(mapped), used, cached] for mapped, used, cached in map(L.decode_page, snap.page_entries())]
+        out["pages"] = [[int(mapped), used, cached] for mapped, used, cached in decoded(snap.page_entries())]
         emit_json(out)
         return
     from kvtop import textfmt as T

@@ -13,6 +13,7 @@ the model sleeps by itself; the engine wakes it when a request arrives (:meth:`w
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -40,18 +41,23 @@ class SleepControl:
         self.took_ns = 0
         self._started = 0
         self._mapped_at_start = 0
+        self._awake_since = time.monotonic()  # the idle clock restarts at each wake
+        self._published_ack = 0
+        self._lock = threading.RLock()  # the poller and the engine's thread both move the state
         self._write()
 
     def _write(self) -> None:
         seg = self._m.segment
-        L.SLEEP.pack_into(seg._buf, L.SLEEP_OFF, int(self.handler is not None), self.state, 0,
+        L.SLEEP.pack_into(seg._buf, L.SLEEP_OFF, int(self.handler is not None), self.state, self._published_ack,
                           -1 if self.after_idle_s is None else round(self.after_idle_s * 1000),
                           self.slept_bytes, self.took_ns)
         L.U64.pack_into(seg._buf, L.SLEEP_OFF + 16, self.acked_revision)  # last: controllers key on it
+        self._published_ack = self.acked_revision
 
     def set_handler(self, handler: SleepHandler | None) -> None:
-        self.handler = handler
-        self._write()
+        with self._lock:
+            self.handler = handler
+            self._write()
 
     def read_request(self) -> tuple[int, int, int] | None:
         """(revision, action, after_idle_ms) of a controller's request not yet taken; None when there is none
@@ -63,6 +69,10 @@ class SleepControl:
 
     def tick(self, idle_s: float) -> None:
         """From the poller: take a controller's request, or sleep by the policy after ``idle_s`` without traffic."""
+        with self._lock:
+            self._tick(min(idle_s, time.monotonic() - self._awake_since))
+
+    def _tick(self, idle_s: float) -> None:
         request = self.read_request()
         if request is not None:
             revision, action, after_idle_ms = request
@@ -84,36 +94,40 @@ class SleepControl:
 
     def sleep(self, *, now: bool = False) -> None:
         """Start sleeping: the engine drains, then calls :meth:`ready` (at once when nothing is in use)."""
-        handler = self.handler
-        if handler is None:
-            raise RuntimeError(f"{self._m.name}: no sleep handler registered: its engine cannot sleep")
-        if self.state == L.SLEEP_ASLEEP:
-            self._write()
-            return
-        if self.state == L.SLEEP_AWAKE:
-            self._started = time.monotonic_ns()
-            self._mapped_at_start = self._m.backend_mapped_bytes()
-            self.state = L.SLEEP_DRAINING
-            self._write()
-        handler("sleep_now" if now else "sleep")
+        with self._lock:
+            handler = self.handler
+            if handler is None:
+                raise RuntimeError(f"{self._m.name}: no sleep handler registered: its engine cannot sleep")
+            if self.state == L.SLEEP_ASLEEP:
+                self._write()
+                return
+            if self.state == L.SLEEP_AWAKE:
+                self._started = time.monotonic_ns()
+                self._mapped_at_start = self._m.backend_mapped_bytes()
+                self.state = L.SLEEP_DRAINING
+                self._write()
+            handler("sleep_now" if now else "sleep")
 
     def ready(self) -> int:
         """The engine holds no block: unmap every page; returns the bytes released since the sleep began."""
-        if self.state != L.SLEEP_DRAINING:
-            return 0
-        self._m.release_all()
-        self.slept_bytes = max(0, self._mapped_at_start - self._m.backend_mapped_bytes())
-        self.took_ns = time.monotonic_ns() - self._started
-        self.state = L.SLEEP_ASLEEP
-        self._write()
-        return self.slept_bytes
+        with self._lock:
+            if self.state != L.SLEEP_DRAINING:
+                return 0
+            self._m.release_all()
+            self.slept_bytes = max(0, self._mapped_at_start - self._m.backend_mapped_bytes())
+            self.took_ns = time.monotonic_ns() - self._started
+            self.state = L.SLEEP_ASLEEP
+            self._write()
+            return self.slept_bytes
 
     def wake(self) -> None:
         """Lift sleep (a controller's wake, or the engine's first request after it): the engine schedules again."""
-        if self.state == L.SLEEP_AWAKE:
+        with self._lock:
+            self._awake_since = time.monotonic()
+            if self.state == L.SLEEP_AWAKE:
+                self._write()
+                return
+            self.state = L.SLEEP_AWAKE
             self._write()
-            return
-        self.state = L.SLEEP_AWAKE
-        self._write()
-        if self.handler is not None:
-            self.handler("wake")
+            if self.handler is not None:
+                self.handler("wake")

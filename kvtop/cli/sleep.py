@@ -74,7 +74,7 @@ def _run(m: ModelSnapshot, action: str, after_idle: float | None | bool, wait: b
 @click.pass_context
 def sleep_cmd(ctx: click.Context, model: str, now: bool, after_idle: float | None, wait: bool, timeout: float,
               as_json: bool) -> None:
-    """Put a model's KV cache to sleep: every KV page is unmapped and its memory returned.
+    """Put a model's KV cache to sleep (weights stay): every KV page is unmapped, its memory returned.
 
     New requests wait in the engine's own queue (none rejected, none lost); running requests
     finish first (--now preempts them, to be recomputed after waking); the prefix cache is

@@ -80,6 +80,24 @@ def _timed(fn, count: int) -> dict[str, float]:  # noqa: ANN001
     return summary_us(samples)
 
 
+def _sum_every_read(name: str, map_raw: bytes, pages) -> int:  # noqa: ANN001, ARG001
+    """The reader's page-map check as it was before ``reader.page_sum``: a sum over every page, every read."""
+    return sum(pages) & 0xFFFFFFFFFFFFFFFF
+
+
+def _baseline(fn):  # noqa: ANN001, ANN202
+    """``fn`` run on the previous reader path (the page map summed on every read), for a like-for-like row."""
+    from kvcached_core import reader
+
+    def run() -> object:
+        kept, reader.page_sum = reader.page_sum, _sum_every_read
+        try:
+            return fn()
+        finally:
+            reader.page_sum = kept
+    return run
+
+
 def run(quick: bool) -> list[dict]:
     from kvcached_core.frag import fragmentation
     from kvcached_core.reader import list_models, snapshot
@@ -97,6 +115,8 @@ def run(quick: bool) -> list[dict]:
                 f"list_models(), {MODELS} models": _timed(list_models, count),
                 f"list_models(with_pages=True), {MODELS} models x {PAGES} pages": _timed(
                     lambda: list_models(with_pages=True), count),
+                f"list_models(with_pages=True), {MODELS} models x {PAGES} pages, previous reader (sum every read)":
+                    _timed(_baseline(lambda: list_models(with_pages=True)), count),
                 f"snapshot(name), one of {MODELS} models, with its page map": _timed(
                     lambda: snapshot("bench-31"), count),
                 f"fragmentation(snapshot), {PAGES} pages": _timed(lambda: fragmentation(one), count),

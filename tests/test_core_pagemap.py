@@ -6,9 +6,8 @@ import ast
 from pathlib import Path
 
 import kvcached_core as kc
-from kvcached_core import KVCacheManager
+from kvcached_core import KVCacheManager, pagemap
 from kvcached_core import layout as L
-from kvcached_core import pagemap
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONT_ENDS = [ROOT / "kvtop"]  # kvtop, kvctl (kvtop/cli) and the exporter
@@ -72,3 +71,39 @@ def test_evictable_pages_walks_sparse_and_dense_maps_alike() -> None:
     assert pagemap.evictable_pages(dense) == pagemap.evictable_pages(list(dense)) == 4
     assert pagemap.evictable_pages(sparse) == pagemap.evictable_pages(list(sparse)) == 1
     assert pagemap.evictable_pages(None) == 0
+
+
+def test_a_page_map_changed_behind_the_writer_is_caught_after_a_good_read(shm_dir: Path) -> None:
+    """The reader reuses the last page-map sum only for byte-identical maps: a flipped entry is still refused."""
+    import os
+
+    import pytest
+
+    from kvcached_core.names import segment_path
+    from kvcached_core.reader import SegmentCorrupt, read_segment
+    from kvcached_core.segment import Identity, SegmentWriter
+
+    ident = Identity(name="memo", model="memo", engine="test", backend="host", device=0, page_size=1 << 18,
+                     block_bytes=1 << 16, num_layers=1, num_kv_buffers=2, blocks_per_page=4, num_blocks=64,
+                     pages_total=16)
+    writer = SegmentWriter(ident)  # no threads: nothing publishes behind the test's back
+    try:
+        writer.begin()
+        writer.set_page(0, L.page_entry(True, 3, 0))
+        fields = dict.fromkeys(L.COUNTER_FIELDS[:-1], 0)
+        fields.update(pages_inuse=1, blocks_used=3, updated_ns=1, effective_limit=-1, requested_limit=-1,
+                      ranks_active=1)
+        writer.publish(tuple(fields.values()))
+        path = segment_path("memo")
+        good = read_segment(path, with_pages=True)
+        assert good.pages is not None and good.blocks_used == 3
+        assert read_segment(path, with_pages=True).pages == good.pages  # the same map read twice
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.pwrite(fd, (good.pages[0] ^ 1).to_bytes(4, "little"), L.PAGE_MAP_OFF)
+        finally:
+            os.close(fd)
+        with pytest.raises(SegmentCorrupt):
+            read_segment(path, with_pages=True)
+    finally:
+        writer.close()

@@ -6,6 +6,10 @@ which must trust what it counts, also asks that the file's owner runs that proce
 (another pid namespace, e.g. a container sharing /dev/shm, or no start time recorded) is judged
 by its heartbeat alone and is taken for gone only when the heartbeat is :data:`HEARTBEAT_GONE_S`
 old. A heartbeat from the future is never fresh.
+
+Removal asks more than "gone" (:func:`removable`): a segment whose heartbeat is fresh is never
+removed, whatever its pid says (a writer that just died leaves nothing to hurry for, and one
+whose pid we misjudge, e.g. a namespace we cannot see, would lose a live segment).
 """
 
 from __future__ import annotations
@@ -45,12 +49,18 @@ def identifiable(pid: int, start_time: int, pid_ns: int) -> bool:
     return start_time != 0 and pid_ns in (0, own_pid_ns())
 
 
+def heartbeat_late(heartbeat_ns: int, now_ns: int) -> bool:
+    """Whether a heartbeat read at ``now_ns`` is late: older than HEARTBEAT_STALE_S, or from the future."""
+    age = now_ns - heartbeat_ns
+    return age < -FUTURE_SLACK_S * _NS or age >= HEARTBEAT_STALE_S * _NS
+
+
 def judge(pid: int, start_time: int, pid_ns: int, heartbeat_ns: int, now_ns: int,
           owner_uid: int | None = None) -> Verdict:
     """The verdict on a writer from its header fields and heartbeat, read at ``now_ns`` (CLOCK_REALTIME)."""
     age = now_ns - heartbeat_ns
     future = age < -FUTURE_SLACK_S * _NS
-    late = future or age >= HEARTBEAT_STALE_S * _NS
+    late = heartbeat_late(heartbeat_ns, now_ns)
     if identifiable(pid, start_time, pid_ns):
         return Verdict(is_alive(pid, start_time, owner_uid), late, True)
     return Verdict(not future and age < HEARTBEAT_GONE_S * _NS, late, False)
@@ -61,3 +71,11 @@ def writer_alive(header: dict, body: bytes, owner_uid: int | None = None) -> boo
     heartbeat = L.U64.unpack_from(body, L.HEARTBEAT_OFF)[0] if len(body) >= L.HEARTBEAT_OFF + 8 else 0
     return judge(header["pid"], header["start_time"], header.get("pid_ns", 0), heartbeat, time.time_ns(),
                  owner_uid).alive
+
+
+def removable(header: dict, body: bytes, owner_uid: int | None = None) -> bool:
+    """Whether ``kvctl clean`` may remove the segment: its writer is gone and its heartbeat is not fresh."""
+    heartbeat = L.U64.unpack_from(body, L.HEARTBEAT_OFF)[0] if len(body) >= L.HEARTBEAT_OFF + 8 else 0
+    verdict = judge(header["pid"], header["start_time"], header.get("pid_ns", 0), heartbeat, time.time_ns(),
+                    owner_uid)
+    return not verdict.alive and verdict.late

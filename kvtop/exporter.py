@@ -16,18 +16,17 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, ThreadingWSGIServer, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
 import kvcached_core
 from kvcached_core import nvml
 from kvcached_core.snapshot import ModelSnapshot
+from kvtop.http_page import Page, PageServer
 
 PREFIX = "kvcached"
 MODEL_LABELS = ("model", "engine", "device", "pid", "host")
@@ -261,77 +260,19 @@ class RefreshingCollector(Collector):
 
 INDEX = (b"<!doctype html><title>kvcached exporter</title><h1>kvcached exporter</h1>"
          b'<p>Prometheus metrics of every kvcached model on this host: <a href="/metrics">/metrics</a></p>\n')
-WSGIApp = Callable[[dict, Callable[..., Any]], Iterable[bytes]]
 
 
-class SharedPage:
-    """The metrics page, made once for every scrape that arrives while it is being made: 50 scrapers
-    at once cost one read of the segments and one encoding, not 50 fighting for one interpreter."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-        self._lock = threading.Lock()
-        self._making: tuple[threading.Event, list[bytes]] | None = None
-
-    def get(self) -> bytes:
-        with self._lock:
-            making, leader = self._making, self._making is None
-            if leader:
-                making = self._making = (threading.Event(), [])
-        assert making is not None
-        done, page = making
-        if leader:
-            try:
-                page.append(generate_latest(self.registry))
-            finally:
-                with self._lock:
-                    self._making = None
-                done.set()
-        else:
-            done.wait()
-        if not page:
-            raise RuntimeError("the read this scrape waited for failed")
-        return page[0]
-
-    def __call__(self, environ: dict, start_response: Callable[..., Any]) -> Iterable[bytes]:
-        body = self.get()
-        start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))])
-        return [body]
+def pages(registry: CollectorRegistry) -> dict[str, Page]:
+    """``/metrics`` serves the metrics, ``/`` a small index that links there (anything else is 404).
+    Scrapes that arrive together share one making of the page (:class:`kvtop.http_page.PageServer`):
+    50 scrapers at once cost one or two reads of the segments, not 50."""
+    return {
+        "/metrics": Page("200 OK", CONTENT_TYPE_LATEST, lambda: generate_latest(registry)),
+        "/": Page("200 OK", "text/html; charset=utf-8", lambda: INDEX),
+    }
 
 
-def route(metrics: WSGIApp) -> WSGIApp:
-    """``/metrics`` serves the metrics, ``/`` a small index that links there, anything else 404."""
-
-    def app(environ: dict, start_response: Callable[..., Any]) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO") or "/"
-        if path == "/metrics":
-            return metrics(environ, start_response)
-        if path == "/":
-            start_response("200 OK", [("Content-Type", "text/html; charset=utf-8")])
-            return [INDEX]
-        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-        return [b"not found: the metrics are at /metrics\n"]
-
-    return app
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-        """Scrapes are not logged."""
-
-
-def serve(host: str, port: int, registry: CollectorRegistry) -> tuple[WSGIServer, threading.Thread]:
-    """Serve ``registry`` (see :func:`route`) on ``host:port`` from a daemon thread."""
-    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-
-    class Server(ThreadingWSGIServer):
-        address_family = family
-        request_queue_size = 128  # socketserver's 5 made scrapers beyond it wait out SYN retries (1 s, 3 s, 7 s)
-
-    server = make_server(str(sockaddr[0]), port, route(SharedPage(registry)), Server, handler_class=_QuietHandler)
-    thread = threading.Thread(target=server.serve_forever, name="kvcached-exporter-http", daemon=True)
-    thread.start()
-    return server, thread
+NOT_FOUND = Page("404 Not Found", "text/plain; charset=utf-8", lambda: b"not found: the metrics are at /metrics\n")
 
 
 class Exporter:
@@ -344,13 +285,14 @@ class Exporter:
         self._refresher = RefreshingCollector(source, interval) if interval else None
         self.registry.register(self._refresher or source)
         try:
-            self._server, self._thread = serve(host, port, self.registry)
+            self._server = PageServer(host, port, pages(self.registry), NOT_FOUND)
         except BaseException:
             if self._refresher:
                 self._refresher.stop()
             raise
         self.host = host
-        self.port = self._server.server_port
+        self.port = self._server.port
+        self.backlog = self._server.backlog
 
     @property
     def url(self) -> str:
@@ -358,8 +300,7 @@ class Exporter:
         return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.close()
         if self._refresher:
             self._refresher.stop()
 

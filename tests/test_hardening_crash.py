@@ -11,7 +11,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import child_env, send
+from conftest import child_env, send, wait_heartbeat_late
 
 import kvcached_core as kc
 from kvcached_core.segment import SegmentError
@@ -193,6 +193,7 @@ def test_kvctl_and_kvtop_show_the_crash_and_kvctl_clean_removes_it(spawn_allocat
     rows = {line.split()[1]: line for line in once.stdout.splitlines() if line.split()[1:2] in (["alive"], ["victim"])}
     assert "stale" in rows["victim"] and "live" in rows["alive"]
 
+    wait_heartbeat_late(shm_dir / "kvc.victim")  # clean keeps a segment whose heartbeat is fresh
     cleaned = tool("kvctl", "clean")
     assert cleaned.returncode == 0, cleaned.stderr
     assert f"removed {shm_dir / 'kvc.victim'}" in cleaned.stdout

@@ -271,6 +271,18 @@ def test_a_writer_in_another_pid_namespace_is_judged_by_its_heartbeat(spawn_allo
     assert done.exit_code == 0 and path.exists() is not cleaned
 
 
+def test_a_segment_whose_heartbeat_is_fresh_is_never_cleaned_even_with_its_pid_gone(spawn_allocator):
+    path = dead_segment(spawn_allocator, "justdied")
+    forge(path, heartbeat_ns=time.time_ns())  # its process is gone, its heartbeat says it beat just now
+    (snap,) = kc.list_models()
+    assert snap.status == "stale"
+    done = kvctl("clean")
+    assert done.exit_code == 0 and path.exists()
+    assert "kept" in done.stderr and "heartbeat is fresh" in done.stderr
+    forge(path, heartbeat_ns=time.time_ns() - 10 * 10**9)  # a few seconds on: gone and quiet
+    assert kvctl("clean").exit_code == 0 and not path.exists()
+
+
 # -- item 10: forged segments ------------------------------------------------------------------
 
 @pytest.fixture
@@ -671,7 +683,7 @@ def test_fifty_scrapers_at_once_are_all_answered_and_share_reads(spawn_allocator
     spawn_allocator("m1")
     bodies: list[bytes] = []
     with Exporter(port=0, with_nvml=False) as exporter:
-        assert exporter._server.request_queue_size >= 50  # socketserver's default of 5 dropped SYNs
+        assert exporter.backlog >= 50  # socketserver's default of 5 dropped SYNs
         start = threading.Barrier(50)
 
         def scrape() -> None:

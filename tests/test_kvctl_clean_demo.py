@@ -11,14 +11,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, child_env, kvctl
+from conftest import ROOT, child_env, kvctl, wait_heartbeat_late
 
 
 def stale(spawn_allocator, name: str) -> Path:
     proc = spawn_allocator(name)
     proc.kill()
     proc.wait()
-    return Path(os.environ["KVCACHED_SHM_DIR"]) / f"kvc.{name}"
+    path = Path(os.environ["KVCACHED_SHM_DIR"]) / f"kvc.{name}"
+    wait_heartbeat_late(path)  # a segment whose heartbeat is fresh is kept
+    return path
 
 
 def segments(directory: Path) -> list[str]:

@@ -13,7 +13,7 @@ from kvcached_core import ModelSnapshot
 from kvcached_core import layout as L
 from kvcached_core.config import shm_dir
 from kvcached_core.legacy import dead_segment
-from kvcached_core.liveness import writer_alive
+from kvcached_core.liveness import heartbeat_late, removable
 from kvcached_core.procinfo import is_alive
 from kvcached_core.reader import parse_header
 from kvcached_core.removal import inode, remove_verified
@@ -47,7 +47,7 @@ def _dead_segment(m: ModelSnapshot) -> Callable[[int], bool]:
         header = parse_header(body)
         if (header["pid"], header["start_time"]) != (m.pid, m.start_time):
             return False  # replaced by a newer process since we listed it
-        return not writer_alive(header, body)
+        return removable(header, body)
     return check
 
 
@@ -92,7 +92,7 @@ def clean_cmd(dry_run: bool) -> None:
     group is gone or was reused after the file was last written.
 
     Never touches a live segment, a segment whose process still runs (even with a late
-    heartbeat), another user's segment (one warning line each), an upstream segment whose
+    heartbeat), a segment whose heartbeat is fresh (its process just ended: clean again later), another user's segment (one warning line each), an upstream segment whose
     name carries no process group (``KVCACHED_IPC_NAME``) or whose group may live in another
     pid namespace, or any file that is not a valid segment. Exit 0 also when there is
     nothing to clean.
@@ -119,6 +119,10 @@ def clean_cmd(dry_run: bool) -> None:
             dead = dead_segment(Path(m.path))
             if dead is not None:
                 doomed.append((m.path, f"upstream kvcached segment, process group {m.pid} gone", *dead))
+            continue
+        if not heartbeat_late(m.heartbeat_ns, m.read_ns):
+            warn(f"kept {m.path}: process {m.pid} is gone but its heartbeat is fresh; "
+                 "run kvctl clean again in a few seconds")
             continue
         checked = _still_dead(m)
         if checked is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -40,7 +41,9 @@ def export_cmd(host: str, port: int, interval: float | None) -> None:
     try:
         exporter = Exporter(host, port, interval)
     except OSError as exc:
-        raise Failure(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+        # asyncio rewords a bind error around its strerror; name resolution errors have negative codes
+        reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else (exc.strerror or str(exc))
+        raise Failure(f"cannot serve on {host}:{port}: {reason}") from None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     click.echo(f"kvctl export: serving {exporter.url} (Ctrl-C stops)", err=True)

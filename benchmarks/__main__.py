@@ -236,6 +236,11 @@ def markdown(outcomes: list[Outcome], info: dict[str, str], quick: bool, elapsed
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["multimodel"]:  # real vLLM engines: its own command, never part of the suite
+        from . import multimodel
+
+        return multimodel.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions: the whole run in under a minute")
     parser.add_argument("--only", metavar="NAME", help="comma-separated modules to run (BENCHMARKS.md is not written)")

@@ -23,6 +23,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -391,19 +392,20 @@ def main(argv: list[str] | None = None) -> int:
                     "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
                     "versions": versions(), "loadavg_start": [round(x, 2) for x in load0]}
     runs: dict[str, dict] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="kvcached-multimodel-"))  # kept on failure: the engines' logs
     try:
-        with tempfile.TemporaryDirectory(prefix="kvcached-multimodel-") as tmp:
-            for config in ("static", "elastic"):
-                workdir = Path(tmp) / config
-                workdir.mkdir()
-                runs[config] = run_config(config == "elastic", trace, models, workdir)
-                report[config] = runs[config]["summary"]
+        for config in ("static", "elastic"):
+            workdir = tmp / config
+            workdir.mkdir()
+            runs[config] = run_config(config == "elastic", trace, models, workdir)
+            report[config] = runs[config]["summary"]
     except KeyboardInterrupt:
-        print("interrupted: every engine was stopped", file=sys.stderr)
+        print(f"interrupted: every engine was stopped (logs in {tmp})", file=sys.stderr)
         return 1
     except RuntimeError as exc:
-        print(f"multimodel: {exc}", file=sys.stderr)
+        print(f"multimodel: {exc} (logs in {tmp})", file=sys.stderr)
         return 1
+    shutil.rmtree(tmp, ignore_errors=True)
     s, e = report["static"]["total"], report["elastic"]["total"]
     report["ttft_p99_ratio"] = s["ttft_p99_s"] / e["ttft_p99_s"] if e["ttft_p99_s"] else float("nan")
     report["throughput_ratio"] = (e["throughput_tok_s"] / s["throughput_tok_s"] if s["throughput_tok_s"]

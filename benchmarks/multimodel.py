@@ -133,7 +133,7 @@ def engine_env(workdir: Path, elastic: bool, core: int, capacity: int) -> dict[s
                 "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
                 "VLLM_CPU_OMP_THREADS_BIND": str(core % max(1, os.cpu_count() or 1))})
     if elastic:
-        env.update({"ENABLE_KVCACHED": "true", "KVCACHED_HOST_CAPACITY": str(capacity),
+        env.update({"ENABLE_KVCACHED": "true", "KVCACHED_HOST_CAPACITY": f"{capacity}B",
                     "KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_MAX_RESERVED_PAGES": "1",
                     "KVCACHED_IDLE_RETURN_S": "1"})
     return env

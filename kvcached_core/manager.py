@@ -12,6 +12,7 @@ from numbers import Integral
 from . import config, fastpath, poller
 from . import layout as L
 from .backends import Backend, BackendError, Geometry, make_backend
+from .compact import CompactHandler, CompactResult, plan
 from .names import sanitize, segment_path, validate
 from .pages import PageTable
 from .placement import Policy, make_policy, place_draining
@@ -158,6 +159,7 @@ class KVCacheManager:
         self._refill_requested = False  # set by traffic; a trim or an idle model stays trimmed
         self._refill_polling = False  # the refill thread looks by itself: no need to wake it
         self.sleep = SleepControl(self)  # sleep and wake (kvcached_core.sleep)
+        self._compact_handler: CompactHandler | None = None  # the engine's copy (see compact)
         self._publish()
         try:
             self._fast, self.fastpath_reason = fastpath.attach(self, self.policy, fast_mode)
@@ -399,6 +401,58 @@ class KVCacheManager:
             evicted = self._pack()
             self._publish()
             return evicted
+
+    def set_compact_handler(self, handler: CompactHandler | None) -> None:
+        """The engine's copy for :meth:`compact` (see :mod:`kvcached_core.compact`); None removes it."""
+        with self._lock:
+            self._compact_handler = handler
+
+    def compact(self) -> CompactResult:
+        """Move cached blocks out of sparse pages into holes of dense ones and unmap the pages emptied.
+
+        The engine's handler gets the remap list, copies the KV data and returns the moves it
+        completed; it must also rewrite its own block ids. Only confirmed sources are freed; a
+        destination it did not confirm is released again. A handler that raises changes nothing.
+        """
+        with self._lock:
+            self._check_open()
+            handler = self._compact_handler
+            if handler is None:
+                raise RuntimeError("no compaction handler: the engine must call set_compact_handler first")
+            moves = plan(self.pages, self.cache)
+            if not moves:
+                return CompactResult((), 0, 0, 0)
+            for _, dst in moves:
+                self.pages.take_block(dst)
+            try:
+                done = [tuple(m) for m in handler(list(moves))]
+            except BaseException:
+                self._release_blocks([dst for _, dst in moves])
+                self._publish()
+                raise
+            planned = dict(moves)
+            confirmed = [(s, d) for s, d in done if planned.get(s) == d]
+            if len(set(confirmed)) != len(confirmed):
+                confirmed = list(dict.fromkeys(confirmed))
+            ok = {s for s, _ in confirmed}
+            self._release_blocks([d for s, d in moves if s not in ok])
+            for src, dst in confirmed:
+                self.cache.remove(src)
+                self.cache.add(dst)
+                self._dirty.update((src // self.blocks_per_page, dst // self.blocks_per_page))
+            mapped_before = self.pages.mapped_pages
+            self._release_blocks([s for s, _ in confirmed])
+            emptied = {s // self.blocks_per_page for s, _ in confirmed}
+            pool = [p for p in self.pages.reserved if p in emptied]
+            if pool:
+                self.pages.reserved[:] = [p for p in self.pages.reserved if p not in emptied]
+                self.backend.unmap_pages(pool)
+                self.pages.mark_unmapped(pool)
+                self._dirty.update(pool)
+            returned = (mapped_before - self.pages.mapped_pages) * self.bundle_bytes
+            copied = len(confirmed) * self.block_bytes * self.num_layers * self.num_kv_buffers * self.tp_world
+            self._publish()
+            return CompactResult(tuple(confirmed), len(moves), copied, returned)
 
     def reuse(self, ids: Iterable[int]) -> None:
         """A prefix hit: cached blocks go back into active use."""

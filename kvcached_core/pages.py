@@ -116,6 +116,24 @@ class PageTable:
             self._list(page, cap - before - count)
         return ids
 
+    def take_block(self, block: int) -> None:
+        """Use one chosen free slot of a mapped page (a compaction destination)."""
+        page = block // self.bpp
+        slots = self.slots[page]
+        assert slots is not None and not self.block_used[block]
+        before, cap = self.used[page], self.cap[page]
+        if before == 0:
+            self.pages_inuse += 1
+        else:
+            self._unlist(page, cap - before)
+        slots.remove(block - page * self.bpp)
+        self.block_used[block] = 1
+        self.touched.add(page)
+        self.used[page] = before + 1
+        self.blocks_used += 1
+        if cap > before + 1:
+            self._list(page, cap - before - 1)
+
     def free_blocks(self, blocks) -> dict[int, int]:  # noqa: ANN001 - any iterable of ints
         """Return blocks' slots; returns {page: blocks freed there}. A page with ``used == 0`` emptied."""
         bpp, flags, slots = self.bpp, self.block_used, self.slots

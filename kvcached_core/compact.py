@@ -1,0 +1,81 @@
+"""Compaction: move relocatable blocks out of sparse pages into holes of dense ones.
+
+A block is relocatable when it is cached and no running request holds it. ``plan`` picks moves
+(source block -> free destination slot) that empty whole pages, sparsest first; the engine copies
+the KV data for the moves it accepts and confirms them; only confirmed sources are freed, so a
+block the engine did not confirm never moves. This module plans and copies; the allocator
+(:meth:`kvcached_core.manager.KVCacheManager.compact`) holds its lock and does the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .pages import PageTable
+from .prefix_cache import PrefixCache
+
+Move = tuple[int, int]  # (source block, destination block)
+# The engine's copy: given the remap list, copy each source block's KV data to its destination
+# (every layer, every KV buffer) and return the moves it completed; the rest stay where they are.
+CompactHandler = Callable[[list[Move]], Sequence[Move]]
+
+
+@dataclass(frozen=True)
+class CompactResult:
+    """What one compaction did: the confirmed remap list and the bytes copied and returned."""
+
+    moves: tuple[Move, ...]
+    planned: int
+    bytes_copied: int
+    bytes_returned: int
+
+
+def plan(pages: PageTable, cache: PrefixCache) -> list[Move]:
+    """Moves that empty in-use pages holding only cached blocks, sparsest first, into the densest holes.
+
+    A page is emptied only when all its blocks fit holes on pages that stay; no move is planned
+    that leaves its source page in use.
+    """
+    used, cap, bpp = pages.used, pages.cap, pages.bpp
+    movable = [p for p, on_page in cache.by_page.items() if len(on_page) == used[p] and used[p] > 0]
+    movable.sort(key=lambda p: (used[p], p))
+    sources: set[int] = set()
+    holes = sum(cap[p] - used[p] for p in range(len(used)) if used[p] > 0)
+    for page in movable:  # sparsest first; a source's own holes are no destination
+        need = used[page]
+        if holes - (cap[page] - used[page]) - need < 0:
+            break
+        holes -= (cap[page] - used[page]) + need
+        sources.add(page)
+    if not sources:
+        return []
+    targets = [p for p in range(len(used)) if used[p] > 0 and p not in sources and used[p] < cap[p]]
+    targets.sort(key=lambda p: (-used[p], p))  # densest first: the page that fills up stays
+    free_slots: list[int] = []
+    flags = pages.block_used
+    for page in targets:
+        base = page * bpp
+        free_slots.extend(base + s for s in range(cap[page]) if not flags[base + s])
+    moves: list[Move] = []
+    slot = iter(free_slots)
+    for page in sorted(sources, key=lambda p: (used[p], p)):
+        for block in cache.by_page[page]:
+            moves.append((block, next(slot)))
+    return moves
+
+
+def host_copy(backend: object, block_bytes: int, moves: Sequence[Move]) -> list[Move]:
+    """Copy each move's KV data between the host backend's mapped regions (memmove in every range)."""
+    geometry = backend.geometry  # type: ignore[attr-defined]
+    base: int = backend._base  # type: ignore[attr-defined]  # noqa: SLF001 - the host backend's mapping
+    bpp = geometry.page_size // block_bytes
+    ranges = geometry.num_layers * geometry.num_kv_buffers
+    for src, dst in moves:
+        s_off = (src // bpp) * geometry.page_size + (src % bpp) * block_bytes
+        d_off = (dst // bpp) * geometry.page_size + (dst % bpp) * block_bytes
+        for r in range(ranges):
+            start = base + r * geometry.range_bytes
+            ctypes.memmove(start + d_off, start + s_off, block_bytes)
+    return list(moves)

@@ -1,0 +1,127 @@
+"""Compaction on real host mmap memory: confirmed moves carry their bytes, emptied pages return their RSS."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvcached_core import KVCacheManager
+from kvcached_core.compact import Move, host_copy
+
+MiB = 1024 * 1024
+# 2 MiB pages x 8 layers x K/V: one page id costs 32 MiB; 8 blocks a page.
+MODEL = dict(num_blocks=16 * 8, block_bytes=256 * 1024, num_layers=8, page_size=2 * MiB)
+BUNDLE = 32 * MiB
+BPP = 8
+
+
+def rss() -> int:
+    with open(f"/proc/{os.getpid()}/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS line")
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+
+
+def pattern(block: int, layer: int, kv: int) -> bytes:
+    return bytes([(block * 7 + layer * 3 + kv + 1) % 251]) * MODEL["block_bytes"]
+
+
+def write(m: KVCacheManager, block: int, data_of: int) -> None:
+    size = m.block_bytes
+    for layer in range(m.num_layers):
+        for kv in range(m.num_kv_buffers):
+            off = (block // BPP) * m.page_size + (block % BPP) * size
+            m.buffer(layer, kv)[off:off + size] = pattern(data_of, layer, kv)
+
+
+def holds(m: KVCacheManager, block: int, data_of: int) -> bool:
+    size = m.block_bytes
+    off = (block // BPP) * m.page_size + (block % BPP) * size
+    return all(bytes(m.buffer(layer, kv)[off:off + size]) == pattern(data_of, layer, kv)
+               for layer in range(m.num_layers) for kv in range(m.num_kv_buffers))
+
+
+def scattered(m: KVCacheManager) -> list[int]:
+    """Pages 0-3 keep 6 of 8 blocks, pages 4-7 keep 2; every kept block cached and holding its pattern."""
+    ids = [m.alloc(1)[0] for _ in range(8 * BPP)]  # type: ignore[index]
+    assert sorted(b // BPP for b in ids) == sorted(list(range(8)) * BPP)
+    for block in ids:
+        write(m, block, block)
+    drop = [b for b in ids if (b // BPP < 4 and b % BPP < 2) or (b // BPP >= 4 and b % BPP >= 2)]
+    m.free(drop)
+    kept = [b for b in ids if b not in drop]
+    assert m.mark_cached(kept) == []
+    return kept
+
+
+def test_compaction_moves_the_bytes_and_returns_the_emptied_pages_rss() -> None:
+    with KVCacheManager("compact", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+        kept = scattered(m)
+        assert m.pages.pages_inuse == 8
+        m.set_compact_handler(lambda moves: host_copy(m.backend, m.block_bytes, moves))
+        before = rss()
+        result = m.compact()
+        after = rss()
+        assert len(result.moves) == result.planned == 8
+        assert result.bytes_returned == 4 * BUNDLE
+        assert result.bytes_copied == 8 * m.block_bytes * m.num_layers * m.num_kv_buffers
+        assert m.pages.pages_inuse == 4 and m.pages.mapped_pages == 4
+        assert before - after >= 0.95 * 4 * BUNDLE, f"RSS fell by {(before - after) / MiB:.0f} MiB only"
+        remap = dict(result.moves)
+        assert all(src // BPP >= 4 and dst // BPP < 4 for src, dst in remap.items())
+        for block in kept:
+            where = remap.get(block, block)
+            assert where in m.cache.blocks and m.pages.is_used(where)
+            assert holds(m, where, block), f"block {block} moved to {where} lost its bytes"
+        assert m.compact().moves == ()  # dense now: nothing more to move
+
+
+def test_only_confirmed_moves_happen() -> None:
+    with KVCacheManager("compact-part", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+        kept = scattered(m)
+
+        def half(moves: list[Move]) -> list[Move]:
+            done = host_copy(m.backend, m.block_bytes, moves[:4])
+            return done + [(moves[5][0], moves[4][1])]  # a move never planned is not taken as confirmed
+
+        m.set_compact_handler(half)
+        result = m.compact()
+        assert result.planned == 8 and len(result.moves) == 4
+        assert m.pages.blocks_used == len(kept) == len(m.cache)
+        remap = dict(result.moves)
+        for block in kept:
+            where = remap.get(block, block)
+            assert m.pages.is_used(where) and holds(m, where, block)
+        assert m.pages.pages_inuse == 6
+
+
+def test_a_failing_handler_changes_nothing() -> None:
+    with KVCacheManager("compact-fail", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+        kept = scattered(m)
+
+        def boom(moves: list[Move]) -> list[Move]:
+            raise OSError("copy failed")
+
+        m.set_compact_handler(boom)
+        used = list(m.pages.used)
+        with pytest.raises(OSError):
+            m.compact()
+        assert list(m.pages.used) == used and sorted(m.cache.blocks) == sorted(kept)
+        assert all(holds(m, b, b) for b in kept)
+
+
+def test_without_a_handler_compact_refuses() -> None:
+    with KVCacheManager("compact-none", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+        scattered(m)
+        with pytest.raises(RuntimeError, match="set_compact_handler"):
+            m.compact()
+        assert m.pages.pages_inuse == 8

@@ -11,6 +11,7 @@ import mmap
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +87,25 @@ def _lock(fd: int, path: Path) -> None:
         raise ControlError(f"{path.name}: another controller holds its lock ({exc})") from None
 
 
+
+def write_request(path: Path, write: Callable[[mmap.mmap], int]) -> int:
+    """Run ``write(mm)`` on the segment under the controllers' lock, then wake the allocator.
+
+    ``write`` writes one request record (its revision word last) and returns that revision.
+    """
+    fd, mm = _open_for_control(path)
+    try:
+        _lock(fd, path)
+        try:
+            revision = write(mm)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        _wake(mm)
+    finally:
+        mm.close()
+        os.close(fd)
+    return revision
+
 def _target(name_or_snapshot: str | ModelSnapshot) -> ModelSnapshot:
     if isinstance(name_or_snapshot, ModelSnapshot):
         return name_or_snapshot
@@ -140,21 +160,15 @@ def request_limit(name: str | ModelSnapshot, limit_bytes: int | None, *, wait: f
     if model.status != "live":
         raise ControlError(f"{model.name} is {model.status}: its process is gone, nothing would apply the limit")
     started = time.monotonic()
-    fd, mm = _open_for_control(Path(model.path))
-    try:
-        _lock(fd, Path(model.path))
-        try:
-            revision = L.U64.unpack_from(mm, L.LIMIT_REV_OFF)[0] + 1
-            value = -1 if limit_bytes is None else limit_bytes
-            L.I64.pack_into(mm, L.LIMIT_OFF, value)
-            L.U64.pack_into(mm, L.LIMIT_CHECK_OFF, L.limit_check(value, revision))
-            L.U64.pack_into(mm, L.LIMIT_REV_OFF, revision)  # last: the allocator keys on it
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        _wake(mm)
-    finally:
-        mm.close()
-        os.close(fd)
+    def write(mm: mmap.mmap) -> int:
+        revision = L.U64.unpack_from(mm, L.LIMIT_REV_OFF)[0] + 1
+        value = -1 if limit_bytes is None else limit_bytes
+        L.I64.pack_into(mm, L.LIMIT_OFF, value)
+        L.U64.pack_into(mm, L.LIMIT_CHECK_OFF, L.limit_check(value, revision))
+        L.U64.pack_into(mm, L.LIMIT_REV_OFF, revision)  # last: the allocator keys on it
+        return revision
+
+    revision = write_request(Path(model.path), write)
     pending = Ack(model.name, "limit", "pending", revision, limit_bytes)
     if wait <= 0:
         return pending
@@ -180,18 +194,12 @@ def request_trim(name: str | ModelSnapshot, *, wait: float = DEFAULT_WAIT_S) -> 
     if model.status != "live":
         raise ControlError(f"{model.name} is {model.status}: its process is gone, nothing to trim")
     started = time.monotonic()
-    fd, mm = _open_for_control(Path(model.path))
-    try:
-        _lock(fd, Path(model.path))
-        try:
-            seq = L.U64.unpack_from(mm, L.TRIM_REQ_OFF)[0] + 1
-            L.U64.pack_into(mm, L.TRIM_REQ_OFF, seq)
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        _wake(mm)
-    finally:
-        mm.close()
-        os.close(fd)
+    def write(mm: mmap.mmap) -> int:
+        seq = L.U64.unpack_from(mm, L.TRIM_REQ_OFF)[0] + 1
+        L.U64.pack_into(mm, L.TRIM_REQ_OFF, seq)
+        return seq
+
+    seq = write_request(Path(model.path), write)
     pending = Ack(model.name, "trim", "pending", seq)
     if wait <= 0:
         return pending

@@ -132,23 +132,14 @@ def fold(entries: Sequence[int] | array, blocks_per_page: int, cells: int, start
     per = pages_per_cell or max(1, -(-total // cells))
     bpp = max(1, blocks_per_page)
     out: list[Cell] = []
-    mapped_bit, mask, shift = L.PAGE_MAPPED, L.PAGE_FIELD_MASK, L.PAGE_CACHED_SHIFT
     flags = mapped_flags(entries)
     for first in range(start, min(len(entries), start + per * cells), per):
         if flags is not None and flags.find(1, first, first + per) < 0:  # nothing mapped: free
             out.append(Cell(first, min(per, len(entries) - first), FREE, 0, 0, 0, 0, 0.0))
             continue
-        inuse = reserved = used_sum = cached_sum = 0
-        for entry in entries[first:first + per]:
-            if not entry & mapped_bit:
-                continue
-            used = entry & mask
-            if used:
-                inuse += 1
-                used_sum += used
-                cached_sum += (entry >> shift) & mask
-            else:
-                reserved += 1
+        counted = count_pages(entries[first:first + per])
+        inuse, reserved = counted.inuse, counted.reserved
+        used_sum, cached_sum = counted.blocks_used, counted.blocks_cached
         count = min(per, len(entries) - first)
         if inuse:
             occ = used_sum / (inuse * bpp)

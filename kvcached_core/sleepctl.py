@@ -6,13 +6,12 @@ answered ``superseded`` with what the model did instead.
 
 from __future__ import annotations
 
-import fcntl
-import os
+import mmap
 import time
 from pathlib import Path
 
 from . import layout as L
-from .control import DEFAULT_WAIT_S, Ack, ControlError, _lock, _open_for_control, _target, _wait, _wake
+from .control import DEFAULT_WAIT_S, Ack, ControlError, _target, _wait, write_request
 from .snapshot import ModelSnapshot
 
 ACTIONS = {"sleep": L.SLEEP_SOON, "sleep_now": L.SLEEP_NOW, "wake": L.SLEEP_WAKE, "policy": L.SLEEP_POLICY_ONLY}
@@ -52,19 +51,13 @@ def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float
         if idle_ms < 0:
             raise ControlError("an after-idle time cannot be negative")
     started = time.monotonic()
-    fd, mm = _open_for_control(Path(model.path))
-    try:
-        _lock(fd, Path(model.path))
-        try:
-            revision = L.SLEEP_CTL.unpack_from(mm, L.SLEEP_CTL_OFF)[0] + 1
-            L.SLEEP_CTL.pack_into(mm, L.SLEEP_CTL_OFF, 0, code, idle_ms, L.sleep_check(code, idle_ms, revision))
-            L.U64.pack_into(mm, L.SLEEP_CTL_OFF, revision)  # last: the allocator keys on it
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        _wake(mm)
-    finally:
-        mm.close()
-        os.close(fd)
+    def write(mm: mmap.mmap) -> int:
+        revision = L.SLEEP_CTL.unpack_from(mm, L.SLEEP_CTL_OFF)[0] + 1
+        L.SLEEP_CTL.pack_into(mm, L.SLEEP_CTL_OFF, 0, code, idle_ms, L.sleep_check(code, idle_ms, revision))
+        L.U64.pack_into(mm, L.SLEEP_CTL_OFF, revision)  # last: the allocator keys on it
+        return revision
+
+    revision = write_request(Path(model.path), write)
     pending = Ack(model.name, action, "pending", revision)
     if wait <= 0:
         return pending

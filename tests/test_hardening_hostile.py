@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import child_env, freeze, kvctl, wait_for
+from conftest import child_env, freeze, kvctl, wait_for, wait_heartbeat_late
 
 import kvcached_core as kc
 from kvcached_core import layout as L
@@ -111,6 +111,7 @@ def swapper(tmp_path: Path, a: Path, b: Path, *, move: bool = False) -> subproce
 def test_clean_never_deletes_a_file_swapped_in_while_it_works(spawn_allocator, shm_dir, tmp_path):
     """A user's file is exchanged with a stale segment over and over while kvctl clean runs."""
     dead = dead_segment(spawn_allocator, "dead")
+    wait_heartbeat_late(dead)  # clean keeps a segment whose heartbeat is fresh
     template = dead.read_bytes()
     precious = shm_dir / "precious.txt"
     precious.write_bytes(b"a user's file")

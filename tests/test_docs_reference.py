@@ -205,3 +205,48 @@ def test_every_kvtop_binding_is_in_the_key_table():
     shown = {KEY_NAMES.get(key, arrows.get(key, key))
              for binding in KvtopApp.BINDINGS for key in binding.key.split(",")}  # type: ignore[union-attr]
     assert shown <= documented, f"kvtop keys without a row in docs/kvtop.md: {sorted(shown - documented)}"
+
+
+# -- kvctl's commands and kvtop's options: docs/kvctl.md and docs/kvtop.md against click -----------
+
+OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def long_options(command) -> set[str]:  # noqa: ANN001 - a click.Command
+    import click
+
+    return {opt for p in command.params if isinstance(p, click.Option)
+            for opt in (*p.opts, *p.secondary_opts) if opt.startswith("--") and opt != "--help"}
+
+
+def test_the_command_table_has_every_kvctl_command_and_option():
+    import click
+
+    from kvtop.cli import COMMANDS, main
+
+    documented: dict[str, set[str]] = {}
+    for row in table(DOCS / "kvctl.md", "command"):
+        for usage in names(row[0]):
+            words = usage.split()
+            assert words[0] == "kvctl", f"docs/kvctl.md: {usage!r} is not a kvctl command line"
+            documented.setdefault(words[1], set()).update(OPTION.findall(usage.removeprefix("kvctl " + words[1])))
+    group = documented.pop("--version", None)
+    assert group is not None and {"--version", *group} == long_options(main), "kvctl --version [--verbose]: a row"
+    assert set(documented) == set(COMMANDS), (
+        f"commands without a row in docs/kvctl.md: {sorted(set(COMMANDS) - set(documented))}; "
+        f"rows for no command: {sorted(set(documented) - set(COMMANDS))}")
+    ctx = click.Context(main)
+    for name in COMMANDS:
+        command = main.get_command(ctx, name)
+        assert documented[name] == long_options(command), (
+            f"kvctl {name}: options {sorted(long_options(command))}, its row names {sorted(documented[name])}")
+
+
+def test_the_options_table_has_every_kvtop_option():
+    from kvtop.app import cli
+
+    documented = {opt for row in table(DOCS / "kvtop.md", "mode or option") for usage in names(row[0])
+                  for opt in OPTION.findall(usage)}
+    assert documented == long_options(cli), (
+        f"kvtop options without a row: {sorted(long_options(cli) - documented)}; "
+        f"documented, not an option: {sorted(documented - long_options(cli))}")

@@ -250,3 +250,59 @@ def test_the_options_table_has_every_kvtop_option():
     assert documented == long_options(cli), (
         f"kvtop options without a row: {sorted(long_options(cli) - documented)}; "
         f"documented, not an option: {sorted(documented - long_options(cli))}")
+
+
+# -- kvctl frag / limit / trim --json: docs/json.md's tables against live kvctl output -------------
+
+def key_table(heading: str) -> dict[str, str]:
+    """key -> documented type, from the table under ``heading`` in docs/json.md."""
+    text = (DOCS / "json.md").read_text()
+    section = text[text.index(f"\n## {heading}"):]
+    section = section[:section.find("\n## ", 1)] if "\n## " in section[1:] else section
+    rows = []
+    for line in section.split("| key |", 1)[1].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(split_row(line))
+    return {name: row[1] for row in rows for name in names(row[0])}
+
+
+def assert_documented(produced: dict[str, object], documented: dict[str, str], what: str) -> None:
+    assert set(documented) == set(produced), (
+        f"{what}: keys without a row in docs/json.md: {sorted(set(produced) - set(documented))}; "
+        f"rows it does not produce: {sorted(set(documented) - set(produced))}")
+    for key, value in produced.items():
+        allowed = tuple(TYPES[t.strip()] for t in documented[key].split("|"))
+        assert type(value) in allowed, f"{what} {key}: documented {documented[key]!r}, it gives {value!r}"
+
+
+def test_frag_and_acknowledgement_tables_are_what_kvctl_prints(spawn_allocator):
+    import json
+
+    from conftest import kvctl
+
+    spawn_allocator("docs", engine="vllm", script="b = m.alloc(9); m.mark_cached(b[:3])")
+    frag = kvctl("frag", "docs", "--json")
+    assert frag.exit_code == 0, frag.stderr
+    produced = flatten(json.loads(frag.stdout))
+    assert produced["worst_pages"], "a page in use: worst_pages has an object to check"
+    assert_documented(produced, key_table("Fragmentation"), "kvctl frag --json")
+
+    documented = key_table("Acknowledgements")
+    for args in (("limit", "docs", "64MiB"), ("limit", "docs", "none"), ("trim", "docs")):
+        done = kvctl(*args, "--json")
+        assert done.exit_code == 0, done.stderr
+        [ack] = json.loads(done.stdout)
+        assert_documented(ack, documented, f"kvctl {args[0]} --json")
+
+
+def test_every_command_that_takes_json_is_in_json_md():
+    import click
+
+    from kvtop.cli import COMMANDS, main
+
+    text = (DOCS / "json.md").read_text()
+    ctx = click.Context(main)
+    for name in COMMANDS:
+        if "--json" in long_options(main.get_command(ctx, name)):
+            assert re.search(rf"`(?:kvctl )?{name}(?: MODEL)? --json`", text), f"kvctl {name} --json: not in docs/json.md"

@@ -43,3 +43,46 @@ def test_relative_links_resolve(page: Path) -> None:
         if not path.exists() or (anchor and path.suffix == ".md" and anchor not in anchors(path)):
             broken.append(target)
     assert not broken, f"{page.name}: broken links {broken}"
+
+
+# -- words a newcomer meets: defined (bold) where first used, or the README's Words linked before --
+
+TERMS = ("upstream", "legacy", "block bundle", "page bundle")
+
+
+def first_use(path: Path, term: str) -> tuple[list[str], int, int] | None:
+    """(the page's lines outside code fences, line index, column) of ``term``'s first use, or None."""
+    lines, fenced = [], False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            line = ""
+        lines.append("" if fenced else line)
+    for i, line in enumerate(lines):
+        at = line.lower().find(term)
+        if at >= 0:
+            return lines, i, at
+    return None
+
+
+@pytest.mark.parametrize("term", TERMS)
+def test_the_readme_defines_each_term_where_it_first_uses_it(term: str) -> None:
+    found = first_use(ROOT / "README.md", term)
+    assert found, f"README.md never says {term!r}"
+    lines, i, at = found
+    assert lines[i][at - 2:at] == "**", f"README.md line {i + 1}: {term!r} used before it is defined: {lines[i]!r}"
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name not in ("README.md", "BENCHMARKS.md")],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_page_defines_or_links_each_term_before_using_it(page: Path) -> None:
+    for term in TERMS:
+        found = first_use(page, term)
+        if found is None:
+            continue
+        lines, i, at = found
+        defined = lines[i][at - 2:at] == "**"
+        end = next((j for j in range(i, len(lines)) if not lines[j].strip()), len(lines))  # its paragraph
+        linked = any("README.md#words" in line for line in lines[:end])
+        assert defined or linked, (f"{page.name} line {i + 1}: {term!r} before a link to the README's Words "
+                                   f"(or a **definition**): {lines[i]!r}")

@@ -1,0 +1,100 @@
+"""The README against what it promises: at most 12 KB, its two commands those that CI and a newcomer run,
+its picture a screen the snapshot tests draw, and its five-step tour as it runs against the demo."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+
+from conftest import ROOT, child_env, kvctl
+
+README = ROOT / "README.md"
+
+
+def section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else None]
+
+
+def blocks(text: str, kind: str) -> list[str]:
+    return re.findall(rf"```{kind}\n(.*?)```", text, re.S)
+
+
+def test_the_readme_reads_in_five_minutes() -> None:
+    assert len(README.read_bytes()) <= 12 * 1024, f"README.md is {len(README.read_bytes())} bytes"
+
+
+def test_its_test_command_is_the_one_ci_runs() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    command = ci[ci.index("# The README's test command:") + 1]
+    _, tests = blocks(section("Two commands"), "sh")
+    assert tests.strip() == command
+
+
+def test_its_first_command_installs_the_package_alone_and_starts_the_demo() -> None:
+    from kvtop.app import cli
+
+    install, _ = blocks(section("Two commands"), "sh")
+    steps = install.strip().split(" && ")
+    assert steps == ["python3 -m venv .venv", ".venv/bin/pip install -e .", ".venv/bin/kvtop --demo"]
+    assert re.search(r'^kvtop = "kvtop\.app:main"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert "--demo" in {o for p in cli.params for o in p.opts}
+
+
+def test_its_picture_is_a_screen_the_snapshot_tests_draw() -> None:
+    [picture] = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README.read_text())
+    match = re.fullmatch(r"tests/__snapshots__/test_kvtop_snapshots/(test_\w+)%5B(\d+x\d+)%5D\.svg", picture)
+    assert match, picture
+    tests = (ROOT / "tests" / "test_kvtop_snapshots.py").read_text()
+    assert f"def {match[1]}(" in tests and f'"{match[2]}"' in tests
+    assert (ROOT / picture.replace("%5B", "[").replace("%5D", "]")).read_text().startswith("<svg")
+
+
+def header(line: str) -> list[str]:
+    return line.split()
+
+
+def test_the_five_step_tour_runs_as_the_readme_shows_it() -> None:
+    tour = blocks(section("A five-minute tour"), "console")
+    steps: list[tuple[list[str], list[str]]] = []  # (kvctl arguments, the output shown)
+    for block in tour:
+        for chunk in re.split(r"^\$ ", block, flags=re.M)[1:]:
+            command, *shown = chunk.rstrip("\n").splitlines()
+            words = command.split("#")[0].split()
+            assert words[0] in ("kvctl", ".venv/bin/kvctl"), command
+            steps.append((words[1:], shown))
+    assert [args[0] for args, _ in steps] == ["demo", "list", "limit", "trim", "watch"]
+
+    (demo_args, demo_shown), *rest = steps
+    demo = subprocess.Popen([sys.executable, "-m", "kvtop.cli", *demo_args], stdout=subprocess.PIPE, text=True,
+                            env=child_env(), cwd=ROOT)
+    try:
+        assert demo.stdout is not None
+        assert demo.stdout.readline().rstrip("\n") == demo_shown[0]
+        names = demo_shown[0].split(": ")[-1].split(", ")
+        for args, shown in rest:
+            if args[0] == "watch":
+                args = [*args, "--count", "1"]  # the README's runs until Ctrl-C
+            done = kvctl(*args)
+            assert done.exit_code == 0, (args, done.stderr)
+            out = done.stdout.splitlines()
+            if args[0] == "list":
+                assert header(out[0]) == header(shown[0])
+                assert sorted(line.split()[0] for line in out[1:]) == sorted(names) == \
+                    [line.split()[0] for line in shown[1:]]
+            elif args[0] == "limit":
+                assert out[0].startswith(shown[0].split("(")[0]), (out, shown)  # "...: limit 48.0 MiB applied "
+            elif args[0] == "trim":
+                assert [line.split(":")[0] for line in out] == [line.split(":")[0] for line in shown]
+                assert all(": returned " in line for line in out)
+            else:
+                assert header(out[1]) == header(shown[1]) and out[2].split()[0] == shown[2].split()[0]
+                limit = re.search(r"\S+ \S+ applied", shown[2])
+                assert limit and limit[0] in out[2], (out, shown)  # the limit the tour set, applied
+    finally:
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(30) == 130

@@ -13,6 +13,7 @@ import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from . import layout as L
 from .pages import PageTable
 from .prefix_cache import PrefixCache
 
@@ -30,6 +31,31 @@ class CompactResult:
     planned: int
     bytes_copied: int
     bytes_returned: int
+
+
+class CompactStats:
+    """The allocator's compaction figures, as the segment's COMPACT words carry them (``layout.COMPACT_FIELDS``)."""
+
+    __slots__ = ("capable", "status", "acked_seq", "compactions", "blocks_moved", "bytes_copied",
+                 "bytes_returned", "took_ns", "acked_copied", "acked_returned")
+
+    def __init__(self) -> None:
+        self.capable = False
+        self.status = L.COMPACT_DONE
+        self.acked_seq = self.compactions = self.blocks_moved = self.bytes_copied = self.bytes_returned = 0
+        self.took_ns = self.acked_copied = self.acked_returned = 0
+
+    def count(self, result: CompactResult, took_ns: int) -> None:
+        """Add one compaction that moved blocks."""
+        self.compactions += 1
+        self.blocks_moved += len(result.moves)
+        self.bytes_copied += result.bytes_copied
+        self.bytes_returned += result.bytes_returned
+        self.took_ns = took_ns
+
+    def values(self) -> tuple[int, ...]:
+        return (int(self.capable), self.status, self.acked_seq, self.compactions, self.blocks_moved,
+                self.bytes_copied, self.bytes_returned, self.took_ns, self.acked_copied, self.acked_returned)
 
 
 def plan(pages: PageTable, cache: PrefixCache) -> list[Move]:

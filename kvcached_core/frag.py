@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import layout as L
-from .snapshot import ModelSnapshot
+from .snapshot import CompactInfo, ModelSnapshot
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class Fragmentation:
     reclaimable_evict_bytes: int
     worst_pages: tuple[PageInfo, ...]
     idle_returned_bytes: int = 0  # what the allocator gave back on its own when traffic stopped
+    compaction: CompactInfo | None = None  # what compaction moved and returned (None: unknown)
 
     def to_dict(self) -> dict:
         return {
@@ -42,6 +43,7 @@ class Fragmentation:
             "reclaimable_trim_bytes": self.reclaimable_trim_bytes,
             "reclaimable_evict_bytes": self.reclaimable_evict_bytes,
             "idle_returned_bytes": self.idle_returned_bytes,
+            "compaction": None if self.compaction is None else self.compaction.to_dict(),
             "worst_pages": [{"page": p.page, "used": p.used, "cached": p.cached,
                              "capacity": p.capacity} for p in self.worst_pages],
         }
@@ -80,4 +82,5 @@ def fragmentation(snap: ModelSnapshot, worst: int = 8) -> Fragmentation:
         reclaimable_evict_bytes=evict_pages * snap.bundle_bytes,
         worst_pages=tuple(worst_pages),
         idle_returned_bytes=snap.idle_returned,
+        compaction=snap.compaction,
     )

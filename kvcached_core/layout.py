@@ -4,10 +4,11 @@ One file per model, ``<KVCACHED_SHM_DIR>/kvc.<name>``, mode 0600, little-endian:
 
     offset  size  region      written by     contents
     0       512   HEADER      allocator      magic, layout version, sizes, identity (once)
-    512     64    CONTROL     controllers    limit bytes + revision + check, trim request seq, sleep request
-    576     64    LIVENESS    allocator      heartbeat (ns), claimed bytes (capacity ledger)
+    512     96    CONTROL     controllers    limit bytes + revision + check, trim request seq, sleep request, compact request seq
+    608     32    LIVENESS    allocator      heartbeat (ns), claimed bytes (capacity ledger)
     640     8     SEQ         allocator      seqlock sequence (odd while a publish is under way)
     648     176   COUNTERS    allocator      counters, acknowledgements, page-map sum, checksum
+    824     72    COMPACT     allocator      compaction: capable, status, acknowledged request, totals, last duration
     896     64    TRAFFIC     engine         requests running/waiting, finished, tokens, preemptions
     960     64    SLEEP       allocator      sleep state, policy, bytes released, acknowledged revision
     1024    4*N   PAGE MAP    allocator      one u32 per page (see ``PAGE_*``)
@@ -26,7 +27,7 @@ import struct
 import zlib
 
 MAGIC = b"KVCSEG\x00\x01"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the CONTROL block grew by the compact request (liveness moved), the COMPACT region
 
 HEADER = struct.Struct("<8sIIQQ64s128s32s16sqQIiiiQQIIIQQIQQQ")
 HEADER_FIELDS = (
@@ -53,9 +54,13 @@ SLEEP_CTL = struct.Struct("<QQqQ")
 SLEEP_CTL_OFF = CONTROL_OFF + CONTROL.size
 SLEEP_POLICY_ONLY, SLEEP_SOON, SLEEP_NOW, SLEEP_WAKE = 0, 1, 2, 3  # actions: SOON lets running requests finish
 SLEEP_IDLE_KEEP, SLEEP_IDLE_OFF = -2, -1  # after_idle_ms: leave the policy as it is, remove it
-assert SLEEP_CTL_OFF + SLEEP_CTL.size <= 576
+# The compaction request, after the sleep request: a sequence number, acknowledged like trim's
+# (``COMPACT.acked_seq``); the CONTROL block's last 24 bytes are spare.
+COMPACT_REQ_OFF = SLEEP_CTL_OFF + SLEEP_CTL.size
+CONTROL_SIZE = 96
 
-LIVENESS_OFF = 576
+LIVENESS_OFF = CONTROL_OFF + CONTROL_SIZE
+assert COMPACT_REQ_OFF + 8 <= LIVENESS_OFF
 HEARTBEAT_OFF = LIVENESS_OFF       # u64 ns, CLOCK_REALTIME
 CLAIMED_OFF = LIVENESS_OFF + 8     # u64 bytes this process holds against the device capacity
 
@@ -76,6 +81,19 @@ CHECKSUM_OFF = COUNTERS_OFF + COUNTERS.size
 PAGE_MAP_OFF = 1024
 assert CHECKSUM_OFF + 8 <= PAGE_MAP_OFF
 
+# COMPACT: the allocator's compaction figures, plain aligned words written after each compaction
+# (``acked_seq`` last, like SLEEP). ``capable`` is 0 until the engine registers a compact handler;
+# ``status`` is how the last controller request ended (COMPACT_*); totals count every compaction
+# (a controller's, the engine's own, idle packing); ``acked_copied``/``acked_returned`` are the bytes
+# of the compaction that answered request ``acked_seq``; ``took_ns`` is the last compaction's time.
+COMPACT = struct.Struct("<IIQQQQQQQQ")
+COMPACT_FIELDS = ("capable", "status", "acked_seq", "compactions", "blocks_moved", "bytes_copied", "bytes_returned",
+                  "took_ns", "acked_copied", "acked_returned")
+COMPACT_OFF = CHECKSUM_OFF + 8
+COMPACT_ACK_OFF = COMPACT_OFF + 8  # acked_seq
+COMPACT_DONE, COMPACT_NO_HANDLER, COMPACT_FAILED = 0, 1, 2
+COMPACT_STATUS_NAMES = {COMPACT_DONE: "compacted", COMPACT_NO_HANDLER: "no handler", COMPACT_FAILED: "failed"}
+
 # TRAFFIC: what the engine's scheduler sees, written as plain aligned 64-bit words (no seqlock,
 # no system call: one store per field, once per scheduler step). ``published`` is 0 until an
 # engine writes it, so readers can tell "no traffic figures" (null) from zeros. Gauges (running,
@@ -84,7 +102,7 @@ TRAFFIC = struct.Struct("<QQQQQQQQ")
 TRAFFIC_FIELDS = ("published", "running", "waiting", "finished", "prompt_tokens", "generated_tokens",
                   "preemptions", "last_request_ns")
 TRAFFIC_OFF = 896
-assert CHECKSUM_OFF + 8 <= TRAFFIC_OFF and TRAFFIC_OFF + TRAFFIC.size <= PAGE_MAP_OFF
+assert COMPACT_OFF + COMPACT.size <= TRAFFIC_OFF and TRAFFIC_OFF + TRAFFIC.size <= PAGE_MAP_OFF
 
 # SLEEP: the allocator's answer, plain aligned words (written at each change; ``acked_revision`` last).
 # ``capable`` is 0 until an engine that can sleep registers its handler; after_idle_ms -1: no policy.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -12,7 +13,7 @@ from numbers import Integral
 from . import config, fastpath, poller
 from . import layout as L
 from .backends import Backend, BackendError, Geometry, make_backend
-from .compact import CompactHandler, CompactResult, plan
+from .compact import CompactHandler, CompactResult, CompactStats, plan
 from .names import sanitize, segment_path, validate
 from .pages import PageTable
 from .placement import Policy, make_policy, place_draining
@@ -160,7 +161,9 @@ class KVCacheManager:
         self._refill_polling = False  # the refill thread looks by itself: no need to wake it
         self.sleep = SleepControl(self)  # sleep and wake (kvcached_core.sleep)
         self._compact_handler: CompactHandler | None = None  # the engine's copy (see compact)
+        self.compaction = CompactStats()  # the segment's COMPACT words
         self._publish()
+        self.segment.publish_compaction(self.compaction.values())
         try:
             self._fast, self.fastpath_reason = fastpath.attach(self, self.policy, fast_mode)
             if self._fast is not None and type(self).alloc is KVCacheManager.alloc:
@@ -403,9 +406,17 @@ class KVCacheManager:
             return evicted
 
     def set_compact_handler(self, handler: CompactHandler | None) -> None:
-        """The engine's copy for :meth:`compact` (see :mod:`kvcached_core.compact`); None removes it."""
+        """The engine's copy for :meth:`compact` (see :mod:`kvcached_core.compact`); None removes it.
+
+        The handler is called with the manager's lock held, from the thread that asked: the engine's
+        own (``compact()``, idle packing in ``mark_cached``) or the process's poller (``kvctl compact``);
+        an engine whose own thread reads its prefix index meanwhile guards that index itself.
+        """
         with self._lock:
+            self._check_open()
             self._compact_handler = handler
+            self.compaction.capable = handler is not None
+            self.segment.publish_compaction(self.compaction.values())
 
     def compact(self) -> CompactResult:
         """Move cached blocks out of sparse pages into holes of dense ones and unmap the pages emptied.
@@ -416,43 +427,53 @@ class KVCacheManager:
         """
         with self._lock:
             self._check_open()
-            handler = self._compact_handler
-            if handler is None:
+            if self._compact_handler is None:
                 raise RuntimeError("no compaction handler: the engine must call set_compact_handler first")
-            moves = plan(self.pages, self.cache)
-            if not moves:
-                return CompactResult((), 0, 0, 0)
-            for _, dst in moves:
-                self.pages.take_block(dst)
-            try:
-                done = [tuple(m) for m in handler(list(moves))]
-            except BaseException:
-                self._release_blocks([dst for _, dst in moves])
-                self._publish()
-                raise
-            planned = dict(moves)
-            confirmed = [(s, d) for s, d in done if planned.get(s) == d]
-            if len(set(confirmed)) != len(confirmed):
-                confirmed = list(dict.fromkeys(confirmed))
-            ok = {s for s, _ in confirmed}
-            self._release_blocks([d for s, d in moves if s not in ok])
-            for src, dst in confirmed:
-                self.cache.remove(src)
-                self.cache.add(dst)
-                self._dirty.update((src // self.blocks_per_page, dst // self.blocks_per_page))
-            mapped_before = self.pages.mapped_pages
-            self._release_blocks([s for s, _ in confirmed])
-            emptied = {s // self.blocks_per_page for s, _ in confirmed}
-            pool = [p for p in self.pages.reserved if p in emptied]
-            if pool:
-                self.pages.reserved[:] = [p for p in self.pages.reserved if p not in emptied]
-                self.backend.unmap_pages(pool)
-                self.pages.mark_unmapped(pool)
-                self._dirty.update(pool)
-            returned = (mapped_before - self.pages.mapped_pages) * self.bundle_bytes
-            copied = len(confirmed) * self.block_bytes * self.num_layers * self.num_kv_buffers * self.tp_world
+            return self._compact()
+
+    def _compact(self) -> CompactResult:
+        """compact(), lock held and a handler registered; counts what moved in the COMPACT words."""
+        handler = self._compact_handler
+        assert handler is not None
+        started = time.monotonic_ns()
+        moves = plan(self.pages, self.cache)
+        if not moves:
+            return CompactResult((), 0, 0, 0)
+        for _, dst in moves:
+            self.pages.take_block(dst)
+        try:
+            done = [tuple(m) for m in handler(list(moves))]
+        except BaseException:
+            self._release_blocks([dst for _, dst in moves])
             self._publish()
-            return CompactResult(tuple(confirmed), len(moves), copied, returned)
+            raise
+        planned = dict(moves)
+        confirmed = [(s, d) for s, d in done if planned.get(s) == d]
+        if len(set(confirmed)) != len(confirmed):
+            confirmed = list(dict.fromkeys(confirmed))
+        ok = {s for s, _ in confirmed}
+        self._release_blocks([d for s, d in moves if s not in ok])
+        for src, dst in confirmed:
+            self.cache.remove(src)
+            self.cache.add(dst)
+            self._dirty.update((src // self.blocks_per_page, dst // self.blocks_per_page))
+        mapped_before = self.pages.mapped_pages
+        self._release_blocks([s for s, _ in confirmed])
+        emptied = {s // self.blocks_per_page for s, _ in confirmed}
+        pool = [p for p in self.pages.reserved if p in emptied]
+        if pool:
+            self.pages.reserved[:] = [p for p in self.pages.reserved if p not in emptied]
+            self.backend.unmap_pages(pool)
+            self.pages.mark_unmapped(pool)
+            self._dirty.update(pool)
+        returned = (mapped_before - self.pages.mapped_pages) * self.bundle_bytes
+        copied = len(confirmed) * self.block_bytes * self.num_layers * self.num_kv_buffers * self.tp_world
+        self._publish()
+        result = CompactResult(tuple(confirmed), len(moves), copied, returned)
+        if confirmed:
+            self.compaction.count(result, time.monotonic_ns() - started)
+            self.segment.publish_compaction(self.compaction.values())
+        return result
 
     def reuse(self, ids: Iterable[int]) -> None:
         """A prefix hit: cached blocks go back into active use."""
@@ -772,6 +793,26 @@ class KVCacheManager:
                 changed = True
             if changed:
                 self._publish()
+            if request is not None and request.compact_seq > self.compaction.acked_seq:
+                self._serve_compact(request.compact_seq)
+
+    def _serve_compact(self, seq: int) -> None:
+        """Answer a controller's compact request (lock held): compacted with its bytes, no handler, or failed."""
+        stats = self.compaction
+        stats.acked_copied = stats.acked_returned = 0
+        if self._compact_handler is None:
+            stats.status = L.COMPACT_NO_HANDLER
+        else:
+            try:
+                result = self._compact()
+            except Exception:  # noqa: BLE001 - the engine's copy failed: nothing moved, the controller is told
+                logging.getLogger(__name__).exception("%s: the engine's compact handler failed", self.name)
+                stats.status = L.COMPACT_FAILED
+            else:
+                stats.status = L.COMPACT_DONE
+                stats.acked_copied, stats.acked_returned = result.bytes_copied, result.bytes_returned
+        stats.acked_seq = seq
+        self.segment.publish_compaction(stats.values())
 
     def _refill_due(self) -> bool:
         """An alloc asked for a refill and there is room to map; a stale request is dropped."""
@@ -811,7 +852,8 @@ class KVCacheManager:
         idle = idle_after is not None and now - state.active_at >= idle_after and bool(self.pages.reserved)
         request = self.segment.read_control()
         asked = request is not None and (request.limit_revision > self.applied_revision
-                                         or request.trim_seq > self.trim_ack_seq)
+                                         or request.trim_seq > self.trim_ack_seq
+                                         or request.compact_seq > self.compaction.acked_seq)
         if idle or asked:
             self._serve_controls(idle)
         self.sleep.tick(now - state.active_at)

@@ -18,7 +18,7 @@ from .liveness import judge, writer_alive
 from .names import SEGMENT_PREFIX, InvalidName, segment_path
 from .pgroups import GroupJudge
 from .procinfo import is_alive
-from .snapshot import ModelSnapshot, Problem, RankInfo, Scan, SleepInfo, Traffic
+from .snapshot import CompactInfo, ModelSnapshot, Problem, RankInfo, Scan, SleepInfo, Traffic
 
 HEARTBEAT_STALE_S = liveness.HEARTBEAT_STALE_S
 READ_RETRIES = 32
@@ -262,6 +262,7 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
         late=status == "live" and verdict.late, pid_ns=header["pid_ns"],
         tp_world=header["tp_world"], ranks=ranks, pages=pages,
         device_capacity=header["device_capacity"], traffic=_traffic(body, now_ns), sleep=_sleep(body),
+        compaction=_compaction(body),
     )
 
 
@@ -271,6 +272,14 @@ def _sleep(body: bytes) -> SleepInfo:
     return SleepInfo(bool(v["capable"]), L.SLEEP_STATE_NAMES.get(v["state"], "unknown"), v["acked_revision"],
                      None if v["after_idle_ms"] < 0 else v["after_idle_ms"] / 1000, v["slept_bytes"],
                      v["took_ns"] / 1e9)
+
+
+def _compaction(body: bytes) -> CompactInfo:
+    """The allocator's compaction words."""
+    v = dict(zip(L.COMPACT_FIELDS, L.COMPACT.unpack_from(body, L.COMPACT_OFF), strict=True))
+    return CompactInfo(bool(v["capable"]), v["compactions"], v["blocks_moved"], v["bytes_copied"],
+                       v["bytes_returned"], v["took_ns"] / 1e9, v["acked_seq"],
+                       L.COMPACT_STATUS_NAMES.get(v["status"], "unknown"), v["acked_copied"], v["acked_returned"])
 
 
 def _traffic(body: bytes, now_ns: int) -> Traffic | None:

@@ -9,6 +9,7 @@ import mmap
 import os
 import secrets
 import stat
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ _pack_counters = L.COUNTERS.pack_into
 _pack_u64 = L.U64.pack_into
 _unpack_u64 = L.U64.unpack_from
 _pack_traffic = L.TRAFFIC.pack_into
+_pack_compact_head = struct.Struct("<II").pack_into  # layout.COMPACT, in two parts around acked_seq
+_pack_compact_tail = struct.Struct("<" + L.COMPACT.format.lstrip("<")[3:]).pack_into
 
 
 TEMP_PREFIX = ".kvc-new."  # a segment being created: TEMP_PREFIX + name + "." + pid
@@ -68,6 +71,7 @@ class ControlRequest:
     limit_bytes: int | None
     limit_revision: int
     trim_seq: int
+    compact_seq: int = 0
 
 
 def _stale_fd(fd: int) -> bool:
@@ -297,9 +301,17 @@ class SegmentWriter:
         """The controllers' latest request. A limit record that is not whole (a write under way, or a
         controller that died between its stores) reads as no new limit; a trim request still counts."""
         limit, revision, check, trim_seq = L.CONTROL.unpack_from(self._buf, L.CONTROL_OFF)
+        compact_seq = _unpack_u64(self._buf, L.COMPACT_REQ_OFF)[0]
         if revision and check != L.limit_check(limit, revision):
-            return ControlRequest(None, 0, trim_seq)
-        return ControlRequest(None if limit < 0 else limit, revision, trim_seq)
+            return ControlRequest(None, 0, trim_seq, compact_seq)
+        return ControlRequest(None if limit < 0 else limit, revision, trim_seq, compact_seq)
+
+    def publish_compaction(self, values: tuple) -> None:
+        """The COMPACT words (``layout.COMPACT_FIELDS`` order): plain stores, the acknowledged request last."""
+        buf = self._buf
+        _pack_compact_head(buf, L.COMPACT_OFF, values[0], values[1])
+        _pack_compact_tail(buf, L.COMPACT_ACK_OFF + 8, *values[3:])
+        _pack_u64(buf, L.COMPACT_ACK_OFF, values[2])  # last: controllers key on it (it never reads back as 0)
 
     def close(self, unlink: bool = True) -> None:
         if self._mm.closed:

@@ -59,6 +59,27 @@ class SleepInfo:
 
 
 @dataclass(frozen=True)
+class CompactInfo:
+    """The model's compaction figures (``layout.COMPACT``): totals since start and the last request's answer."""
+
+    capable: bool  # its engine registered a compact handler
+    compactions: int  # compactions that moved at least one block
+    blocks_moved: int
+    bytes_copied: int  # KV bytes the engine copied (every layer, K and V, every rank)
+    bytes_returned: int  # bytes unmapped from the pages compaction emptied
+    took_s: float  # the last compaction, plan to last page unmapped
+    acked_seq: int = 0  # the last controller request answered
+    status: str = "compacted"  # how it ended: compacted, no handler, failed
+    acked_copied: int = 0  # the bytes of the compaction that answered it
+    acked_returned: int = 0
+
+    def to_dict(self) -> dict:
+        return {"capable": self.capable, "compactions": self.compactions, "blocks_moved": self.blocks_moved,
+                "bytes_copied": self.bytes_copied, "bytes_returned": self.bytes_returned,
+                "last_took_s": round(self.took_s, 6)}
+
+
+@dataclass(frozen=True)
 class ModelSnapshot:
     """One model at one instant. ``status`` is live, stale or legacy."""
 
@@ -111,6 +132,7 @@ class ModelSnapshot:
     pid_ns: int = 0  # the writer's pid namespace (0: not recorded); pid means nothing outside it
     traffic: Traffic | None = None  # None: the engine publishes no traffic figures (never invented zeros)
     sleep: SleepInfo | None = None  # None: unknown (upstream segments)
+    compaction: CompactInfo | None = None  # None: unknown (upstream segments)
     pages: array | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -205,6 +227,7 @@ class ModelSnapshot:
                        "mapped_bytes": r.mapped_bytes, "alive": r.alive} for r in self.ranks],
             "traffic": None if self.traffic is None else self.traffic.to_dict(),
             "sleep": None if self.sleep is None else self.sleep.to_dict(),
+            "compaction": None if self.compaction is None else self.compaction.to_dict(),
         }
 
 

@@ -330,6 +330,10 @@ def frag_table(m: ModelSnapshot | None) -> Table | Text:
         grid.add_row("evict frees", Text(format_bytes(evictable_pages(m) * m.bundle_bytes), style="magenta"))
     if f.idle_returned_bytes:
         grid.add_row("idle returned", Text(format_bytes(f.idle_returned_bytes), style="green"))
+    c = f.compaction
+    if c is not None and c.compactions:
+        grid.add_row("compacted", Text(f"{format_bytes(c.bytes_returned)} ({c.compactions}×)", style="green"))
+        grid.add_row("copied", f"{format_bytes(c.bytes_copied)}, last {c.took_s * 1000:.1f} ms")
     if m.limit_status in ("deferred", "conflict"):
         grid.add_row("limit", Text(f"↓{size(m.requested_limit)}", style="bold yellow"))
         grid.add_row("limit is", Text(m.limit_status, style="bold yellow"))

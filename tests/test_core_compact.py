@@ -125,3 +125,39 @@ def test_without_a_handler_compact_refuses() -> None:
         with pytest.raises(RuntimeError, match="set_compact_handler"):
             m.compact()
         assert m.pages.pages_inuse == 8
+
+
+def test_the_segment_counts_compactions_and_kvctl_frag_shows_them() -> None:
+    import json
+    import time
+
+    from conftest import kvctl
+
+    from kvcached_core import snapshot
+
+    with KVCacheManager("compact-count", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+        scattered(m)
+        fresh = snapshot("compact-count").compaction
+        assert fresh is not None and not fresh.capable and fresh.compactions == 0
+        assert "its engine registered no compact handler" in kvctl("frag", "compact-count").stdout
+
+        def slow_copy(moves: list[Move]) -> list[Move]:
+            time.sleep(0.02)  # so the duration is measurably the handler's too
+            return host_copy(m.backend, m.block_bytes, moves)
+
+        m.set_compact_handler(slow_copy)
+        assert snapshot("compact-count").compaction.capable  # type: ignore[union-attr]
+        result = m.compact()
+        assert m.compact().moves == ()  # nothing to move: not counted
+        info = snapshot("compact-count").compaction
+        assert info is not None and info.capable
+        assert (info.compactions, info.blocks_moved) == (1, 8)
+        assert (info.bytes_copied, info.bytes_returned) == (result.bytes_copied, result.bytes_returned) \
+            == (8 * m.block_bytes * 16, 4 * BUNDLE)
+        assert 0.02 <= info.took_s < 5
+        out = json.loads(kvctl("frag", "compact-count", "--json").stdout)["compaction"]
+        assert out == {"capable": True, "compactions": 1, "blocks_moved": 8, "bytes_copied": 8 * m.block_bytes * 16,
+                       "bytes_returned": 4 * BUNDLE, "last_took_s": round(info.took_s, 6)}
+        text = kvctl("frag", "compact-count").stdout
+        assert "1 done, 8 blocks moved: 128.0 MiB returned, 32.0 MiB copied" in text, text
+        assert "kvctl compact compact-count" in text

@@ -174,6 +174,7 @@ REGIONS = {  # region -> (offset, size) from the constants readers and writers u
     "liveness": (L.LIVENESS_OFF, L.SEQ_OFF - L.LIVENESS_OFF),
     "seq": (L.SEQ_OFF, L.COUNTERS_OFF - L.SEQ_OFF),
     "counters": (L.COUNTERS_OFF, L.CHECKSUM_OFF + 8 - L.COUNTERS_OFF),
+    "compact": (L.COMPACT_OFF, L.TRAFFIC_OFF - L.COMPACT_OFF),
     "traffic": (L.TRAFFIC_OFF, L.TRAFFIC.size),
     "sleep": (L.SLEEP_OFF, L.PAGE_MAP_OFF - L.SLEEP_OFF),
 }

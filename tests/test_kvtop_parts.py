@@ -258,3 +258,21 @@ def test_help_and_version() -> None:
     assert result.returncode == 0 and "--demo" in result.stdout and "--readonly" in result.stdout
     result = run_kvtop("--version")
     assert result.returncode == 0 and "kvtop" in result.stdout
+
+
+def test_the_fragmentation_panel_shows_compaction_once_one_happened() -> None:
+    from kvcached_core.snapshot import CompactInfo
+    from kvtop.view import frag_table
+
+    def text(m) -> str:  # noqa: ANN001
+        console = Console(record=True, width=60, force_terminal=False)
+        console.print(frag_table(m))
+        return console.export_text()
+
+    m = fake_model("m", pages=fake_pages(64, inuse=20, reserved=4, bpp=8, seed=3), pages_total=64)
+    none_yet = replace(m, compaction=CompactInfo(True, 0, 0, 0, 0, 0.0))
+    assert "compacted" not in text(m) and "compacted" not in text(none_yet)
+    done = replace(m, compaction=CompactInfo(True, 3, 40, 80 * MiB, 1024 * MiB, 0.0123))
+    out = text(done)
+    assert "compacted" in out and "1.0 GiB (3×)" in out, out
+    assert "80.0 MiB, last 12.3 ms" in out, out

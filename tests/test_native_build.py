@@ -61,8 +61,8 @@ def test_a_build_older_than_its_source_is_reported_not_used(tmp_path: Path) -> N
     assert module is not None, why
 
 
-def _wheel_without_compiler(tmp_path: Path) -> Path:
-    """Build the wheel from a copy of the sources with no C compiler anywhere, and unpack it."""
+def _wheel(tmp_path: Path, env: dict[str, str], umask: int = 0o022) -> tuple[Path, list[str]]:
+    """Build the wheel from a copy of the sources under ``env`` and ``umask``; unpack it: (site, its .so files)."""
     src = tmp_path / "src"
     keep = shutil.ignore_patterns("*.so", "__pycache__", "*.egg-info", "build")
     src.mkdir()
@@ -70,17 +70,21 @@ def _wheel_without_compiler(tmp_path: Path) -> Path:
         shutil.copy(ROOT / name, src / name)
     for name in ("kvcached_core", "kvtop", "plugins"):
         shutil.copytree(ROOT / name, src / name, ignore=keep)
-    env = {**os.environ, "CC": str(tmp_path / "no-compiler"), "LDSHARED": str(tmp_path / "no-compiler"),
-           "PIP_NO_INDEX": "1"}
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                           "-w", str(tmp_path / "dist"), str(src)], env=env, capture_output=True, text=True,
-                          timeout=300)
+                           "-w", str(tmp_path / "dist"), str(src)], env={**os.environ, "PIP_NO_INDEX": "1", **env},
+                          capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(umask))
     assert done.returncode == 0, done.stderr[-2000:]
     [wheel] = (tmp_path / "dist").glob("kvtop-*.whl")
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as zf:
-        assert not [n for n in zf.namelist() if n.endswith(".so")], "a compiled part without a compiler?"
         zf.extractall(site)
+        return site, sorted(n for n in zf.namelist() if n.endswith(".so"))
+
+
+def _wheel_without_compiler(tmp_path: Path) -> Path:
+    """Build the wheel from a copy of the sources with no C compiler anywhere, and unpack it."""
+    site, built = _wheel(tmp_path, {"CC": str(tmp_path / "no-compiler"), "LDSHARED": str(tmp_path / "no-compiler")})
+    assert not built, "a compiled part without a compiler?"
     return site
 
 
@@ -125,3 +129,36 @@ def test_kvctl_version_verbose_shows_which_paths_are_active(monkeypatch: pytest.
     monkeypatch.setenv("KVCACHED_FASTPATH", "0")
     result = kvctl("--version", "--verbose")
     assert result.stdout.splitlines()[1] == "the C alloc path: off (KVCACHED_FASTPATH=0)"
+
+
+def test_under_umask_002_the_c_path_serves_every_run(tmp_path: Path) -> None:
+    """Ubuntu's default umask for users: a run-time build used to come out group-writable and be refused
+    from the third run on; an installed extension is imported the same way every time."""
+    env = {**os.environ, "KVCACHED_FASTPATH": "1", "HOME": str(tmp_path)}
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", MANAGER], env=env, capture_output=True, text=True, timeout=60,
+                             cwd=ROOT, preexec_fn=lambda: os.umask(0o002))
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == "True \nTrue \n" and out.stderr == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_cc_with_a_launcher_builds_both_parts_under_umask_002(tmp_path: Path) -> None:
+    """``CC="ccache gcc"``: a compiler command with a launcher in front is split, not taken as one name.
+    A launcher script stands for ccache (it logs and runs the rest of its command line)."""
+    if not HAVE_BUILD_TOOLS:
+        pytest.fail("this check needs gcc and Python's headers, which the README's test command assumes")
+    log = tmp_path / "launched"
+    launcher = tmp_path / "launcher"
+    launcher.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec "$@"\n')
+    launcher.chmod(0o755)
+    site, built = _wheel(tmp_path, {"CC": f"{launcher} gcc"}, umask=0o002)
+    assert sorted(Path(n).name.split(".")[0] for n in built) == ["_cuda_native", "_fastpath"]
+    launched = log.read_text()
+    assert "fastpath.c" in launched and "cuda_native.c" in launched, launched
+    code = ONLY_WHEEL + "from kvtop.cli import main\nsys.argv = ['kvctl', '--version', '--verbose']\nmain()\n"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(site)},
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[1:] == ["the C alloc path: active", "the CUDA map loop: active"]

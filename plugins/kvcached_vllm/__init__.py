@@ -9,8 +9,9 @@ cheap: vLLM itself is imported only once the plugin is enabled.
 from __future__ import annotations
 
 from kvcached_core.engines import EngineInfo
+from kvcached_core.settings import ConfigError
 
-from .settings import SUPPORTED_VLLM, enabled
+from .settings import SUPPORTED_VLLM, UnsupportedVLLM, enabled
 
 ENGINE = EngineInfo(
     name="vllm",
@@ -22,12 +23,20 @@ ENGINE = EngineInfo(
 
 
 def register() -> None:
-    """vLLM's plugin hook: install the integration in this process when ``ENABLE_KVCACHED`` is on."""
-    if not enabled():
-        return
-    from .install import install
+    """vLLM's plugin hook: install the integration in this process when ``ENABLE_KVCACHED`` is on.
 
-    install()
+    Another vLLM version, or an ``ENABLE_KVCACHED`` that is not a boolean, stops the process at
+    start with one line on stderr (exit status 1): vLLM loads plugins in its main process while it
+    reads its arguments, before any engine starts, and its own traceback would bury the reason.
+    """
+    try:
+        if not enabled():
+            return
+        from .install import install
+
+        install()
+    except (UnsupportedVLLM, ConfigError) as exc:
+        raise SystemExit(str(exc)) from None
 
 
 __all__ = ["ENGINE", "SUPPORTED_VLLM", "enabled", "register"]

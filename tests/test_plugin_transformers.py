@@ -319,3 +319,70 @@ def test_gpu_cache_over_cuda_backend_matches_dynamic_cache(prompts):
         cache.reset()
         assert generate(gpu_model, cache, prompts, max_new_tokens=BUDGETS, max_batch=3) == each_alone
         assert kc.snapshot("tiny-gpu").blocks_used == 0
+
+
+# -- sleep and wake -------------------------------------------------------------------------------
+def _asleep(m: kc.ModelSnapshot) -> bool:
+    return m.sleep.state == "asleep" and m.mapped_bytes == 0 and m.blocks_used == 0
+
+
+def test_engine_sleeps_after_its_running_requests_and_wakes_with_the_same_tokens(model, prompts, expected):
+    from kvcached_core.sleepctl import request_sleep
+
+    with make_cache(model) as cache:
+        engine = GreedyEngine(model, cache)
+        engine.enable_sleep()
+        assert kc.snapshot("tiny").sleep.capable
+        first = [engine.submit(p, n) for p, n in zip(prompts[:3], BUDGETS[:3], strict=True)]
+        engine.step()
+        engine.step()
+        assert engine.running and kc.snapshot("tiny").mapped_bytes > 0
+        ack = request_sleep("tiny", "sleep", wait=10)  # the poller serves it: the engine is between steps
+        assert ack.status == "draining"
+        later = [engine.submit(p, n) for p, n in zip(prompts[3:], BUDGETS[3:], strict=True)]
+        while engine.running:
+            engine.step()
+        assert all(r.done for r in first) and not any(r.output for r in later)  # none admitted while draining
+        m = kc.snapshot("tiny", with_pages=True)
+        assert _asleep(m) and m.sleep.slept_bytes > 0 and not any(p & (1 << 31) for p in m.pages)
+        assert engine.step() == [] and not engine.running  # asleep: the waiting requests wait
+        request_sleep("tiny", "wake", wait=10, until_done=True)
+        engine.run()
+        assert [r.output for r in first + later] == expected
+
+
+def test_engine_sleep_now_preempts_and_the_next_request_wakes_it(model, prompts, expected):
+    from kvcached_core.sleepctl import request_sleep
+
+    with make_cache(model) as cache:
+        engine = GreedyEngine(model, cache)
+        engine.enable_sleep()
+        reqs = [engine.submit(p, n) for p, n in zip(prompts[:4], BUDGETS[:4], strict=True)]
+        for _ in range(4):
+            engine.step()
+        assert len(engine.running) >= 2
+        ack = request_sleep("tiny", "sleep_now", wait=10, until_done=True)
+        assert ack.status == "asleep" and _asleep(kc.snapshot("tiny"))
+        assert not engine.running and len(engine.waiting) == 4 - sum(r.done for r in reqs)
+        more = [engine.submit(p, n) for p, n in zip(prompts[4:], BUDGETS[4:], strict=True)]  # wakes it
+        assert kc.snapshot("tiny").sleep.state == "awake"
+        engine.run()
+        assert [r.output for r in reqs + more] == expected  # preempted requests recomputed, same tokens
+
+
+def test_engine_sleeps_by_the_after_idle_policy(model, prompts, expected):
+    from kvcached_core.sleepctl import request_sleep
+
+    with make_cache(model) as cache:
+        engine = GreedyEngine(model, cache)
+        engine.enable_sleep()
+        request_sleep("tiny", "policy", after_idle_s=0.3, wait=10)
+        deadline = time.monotonic() + 30
+        while not _asleep(kc.snapshot("tiny")):
+            assert time.monotonic() < deadline, "the idle engine never slept"
+            time.sleep(0.05)
+        req = engine.submit(prompts[0], BUDGETS[0])
+        engine.run()
+        assert req.output == expected[0]
+        engine.disable_sleep()
+        assert not kc.snapshot("tiny").sleep.capable

@@ -7,10 +7,19 @@ request of 5 tokens holds one block whatever the batch looks like. A request tha
 the allocator. When admitting waiting requests would exhaust the cache, they wait for running
 ones to finish; when the running requests themselves cannot grow, KVCacheExhausted propagates
 (after the cache's ``wait``).
+
+Sleep (:meth:`GreedyEngine.enable_sleep`, then ``kvctl sleep``): the engine admits no new
+request, lets the running ones finish (``sleep_now`` preempts them: their blocks go back and they
+are recomputed from their prompt and the tokens they already have after the wake), and once it
+holds no block the allocator unmaps every page. ``kvctl wake`` or the next :meth:`~GreedyEngine.submit`
+wakes it. The engine has no thread of its own: whoever holds its lock (a step, a submit, or the
+allocator's poller while the engine is idle) does the work.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -33,9 +42,14 @@ class Request:
     rid: int = 0
     output: list[int] = field(default_factory=list)
     done: bool = False
+    cached: int = 0  # tokens of prompt + output whose K/V the cache holds
 
     def pending(self) -> list[int]:
-        return self.prompt if not self.output else self.output[-1:]
+        """The tokens the next step feeds: the prompt first, then the last token (all of them again after a
+        preemption)."""
+        if self.cached == 0:
+            return self.prompt + self.output
+        return (self.prompt + self.output)[self.cached:]
 
 
 def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
@@ -59,6 +73,12 @@ class GreedyEngine:
         self.steps = 0
         self._next_id = 0
         self._cache_kw = cache_keyword(model)
+        self.paused = False  # sleeping or draining: no new request is admitted
+        self.asleep = False
+        self._draining = False
+        self._pending: str | None = None  # a sleep action asked, not yet served
+        self._lock = threading.Lock()  # held by a step, a submit, or whoever serves sleep
+        self._pending_lock = threading.Lock()
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int, eos_token_id: int | None = None) -> Request:
         if not prompt:
@@ -66,8 +86,12 @@ class GreedyEngine:
         if max_new_tokens <= 0:
             raise ValueError("max_new_tokens must be positive")
         req = Request(list(prompt), max_new_tokens, eos_token_id, rid=self._next_id)
-        self._next_id += 1
-        self.waiting.append(req)
+        with self._lock:
+            self._next_id += 1
+            self.waiting.append(req)
+            if self.asleep:  # the next request wakes a sleeping model
+                self.cache.manager.sleep.wake()  # publishes awake, then asks us to wake (served below)
+        self._kick()
         return req
 
     @property
@@ -75,6 +99,8 @@ class GreedyEngine:
         return bool(self.running or self.waiting)
 
     def _admit(self) -> int:
+        if self.paused:
+            return 0
         room = len(self.waiting) if self.max_batch is None else max(0, self.max_batch - len(self.running))
         take = min(room, len(self.waiting))
         for _ in range(take):
@@ -98,9 +124,17 @@ class GreedyEngine:
                 del self.running[first:]
                 admitted = 0
 
-    @torch.inference_mode()
     def step(self) -> list[Request]:
         """One forward pass over the running requests (admitting waiting ones); returns those that finished."""
+        with self._lock:
+            self._serve()
+            done = self._step()
+            self._serve()
+        self._kick()
+        return done
+
+    @torch.inference_mode()
+    def _step(self) -> list[Request]:
         admitted = self._admit()
         if not self.running:
             return []
@@ -110,6 +144,7 @@ class GreedyEngine:
         for row, req in enumerate(self.running):
             toks = req.pending()
             ids[row, q - len(toks):] = torch.tensor(toks, dtype=torch.long)
+            req.cached += len(toks)  # in the cache once this step's forward ran
         out = self.model(input_ids=ids.to(self.cache.device), attention_mask=plan.attention_mask,
                          position_ids=plan.position_ids, use_cache=True, logits_to_keep=1,
                          **{self._cache_kw: self.cache})
@@ -128,11 +163,66 @@ class GreedyEngine:
         return done
 
     def run(self, on_step: Callable[[GreedyEngine, list[Request]], None] | None = None) -> None:
-        """Step until every submitted request is done."""
+        """Step until every submitted request is done (while the engine sleeps, its waiting requests wait
+        for the wake)."""
         while self.busy:
             done = self.step()
             if on_step is not None:
                 on_step(self, done)
+            if self.paused and not self.running:
+                time.sleep(0.005)
+
+    # -- sleep ---------------------------------------------------------------------------------
+    def enable_sleep(self) -> None:
+        """Let ``kvctl sleep`` (and the after-idle policy) put this engine's KV cache to sleep."""
+        self.cache.manager.set_sleep_handler(self._sleep_request)
+
+    def disable_sleep(self) -> None:
+        self.cache.manager.set_sleep_handler(None)
+
+    def _sleep_request(self, action: str) -> None:
+        """The allocator's handler (poller thread, or a submit's wake): record, then serve if the engine is free."""
+        with self._pending_lock:
+            self._pending = action  # the later request wins
+        self._kick()
+
+    def _kick(self) -> None:
+        """Serve what is pending unless someone holds the engine (they serve it when they let go)."""
+        while self._pending is not None or (self._draining and not self.running):
+            if not self._lock.acquire(blocking=False):
+                return
+            try:
+                self._serve()
+            finally:
+                self._lock.release()
+
+    def _serve(self) -> None:
+        """With the engine's lock: take a sleep or wake, and finish a drain once nothing runs."""
+        with self._pending_lock:
+            action, self._pending = self._pending, None
+        manager = self.cache.manager
+        if action == "wake":
+            self.paused = self.asleep = self._draining = False
+        elif action in ("sleep", "sleep_now"):
+            self.paused = True
+            if self.asleep:  # asked again before a wake was served: unmap what was mapped since
+                manager.sleep.ready()
+            else:
+                if action == "sleep_now" and self.running:
+                    self._preempt_all()
+                self._draining = True
+        if self._draining and not self.running:
+            self._draining = False
+            self.asleep = True
+            manager.sleep.ready()  # no block is held: every page is unmapped
+
+    def _preempt_all(self) -> None:
+        """Running requests give their blocks back and wait, first in line, to be recomputed."""
+        self.cache.remove_sequences(range(len(self.running)))
+        for req in reversed(self.running):
+            req.cached = 0
+            self.waiting.appendleft(req)
+        self.running = []
 
 
 def generate(model: torch.nn.Module, cache: PagedKVCache, prompts: Iterable[Sequence[int]] | torch.Tensor, *,

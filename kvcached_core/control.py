@@ -44,7 +44,7 @@ class Ack:
     """A model's answer to a control request."""
 
     name: str
-    kind: str  # limit or trim
+    kind: str  # limit, trim, compact (sleep and wake: the action)
     status: str  # applied, deferred, conflict, none, trimmed, pending, legacy, superseded
     revision: int
     effective_limit: int | None = None
@@ -53,6 +53,7 @@ class Ack:
     in_use: int | None = None  # upstream segments: bytes in use when the limit was written (it applies once within)
     superseded_by: int = 0  # status superseded: the later revision (another controller's) that the model applied
     superseding_status: str = ""  # and that revision's status; effective_limit is then its limit
+    bytes_copied: int = 0  # compact: KV bytes the engine copied
 
 
 def _open_for_control(path: Path) -> tuple[int, mmap.mmap]:

@@ -100,6 +100,7 @@ class KvtopApp(App[int]):
         Binding("enter", "details", "Details", show=False),
         Binding("t", "trim", "Trim"),
         Binding("T", "trim_all", "Trim all", show=False),
+        Binding("c", "compact", "Compact", show=False),
         Binding("l", "limit", "Limit"),
         Binding("s", "cycle_sort", "Sort"),
         Binding("f", "filter", "Filter"),
@@ -469,6 +470,33 @@ class KvtopApp(App[int]):
             f"Unmaps every reserved page ({format_bytes(reserved)} in all) now. {REFILL_NOTE.capitalize()}.",
             "Trim all"), confirmed)
 
+    def action_compact(self) -> None:
+        if self._refuse_readonly("compact"):
+            return
+        m = self.selected_model()
+        if not self._controllable(m, "compaction"):
+            return
+        assert m is not None
+        m = self.source.reread(m)
+        from kvcached_core.compactctl import compact_problem
+
+        problem = compact_problem(m)
+        if problem is not None:
+            self.notify(problem, severity="warning", markup=False)
+            return
+
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                self._add_events([Event(time.time(), "action", m.name, "compaction requested", INFO)])
+                self._control("compact", [m], None)
+
+        self.push_screen(ConfirmScreen(
+            f"Compact {m.name}?",
+            f"Its engine copies the cached blocks of its sparsest pages ({m.blocks_cached} cached blocks in "
+            f"{m.pages_inuse} pages in use) into free slots of denser pages; the pages emptied are unmapped. "
+            "Nothing is dropped from the prefix cache; blocks of running requests are not touched.", "Compact"),
+            confirmed)
+
     def action_limit(self) -> None:
         if self._refuse_readonly("limit"):
             return
@@ -495,7 +523,13 @@ class KvtopApp(App[int]):
         events: list[Event] = []
         for m in models:
             try:
-                if kind == "trim":
+                if kind == "compact":
+                    ack = self.source.compact(m, CONTROL_WAIT_S)
+                    events.append(Event(time.time(), "compacted", m.name,
+                                        f"compaction acknowledged: {format_bytes(ack.bytes_returned)} returned, "
+                                        f"{format_bytes(ack.bytes_copied)} copied in {ack.latency_s * 1000:.0f} ms",
+                                        GOOD))
+                elif kind == "trim":
                     ack = self.source.trim(m, CONTROL_WAIT_S)
                     events.append(Event(time.time(), "trimmed", m.name,
                                         f"trim acknowledged: {format_bytes(ack.bytes_returned)} returned "
@@ -604,7 +638,7 @@ def run(*, demo: bool, demo_models: int, once: bool, interval: float, gpus: list
               help="Seconds between refreshes.")
 @click.option("--gpu", "gpu", metavar="LIST", help="Only these GPU indices, e.g. 0 or 0,2 (panels and models).")
 @click.option("--model", metavar="NAME", help="Select this model (exact name or unique prefix).")
-@click.option("--readonly", is_flag=True, help="Disable every action that changes something (trim, limit).")
+@click.option("--readonly", is_flag=True, help="Disable every action that changes something (trim, compact, limit).")
 @click.version_option(__version__, prog_name="kvtop")
 def cli(demo: bool, demo_models: int, once: bool, interval: float, gpu: str | None, model: str | None,
         readonly: bool) -> int:

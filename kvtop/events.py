@@ -22,7 +22,7 @@ INFO, GOOD, WARN, ERROR = "info", "good", "warn", "error"
 @dataclass(frozen=True)
 class Event:
     at: float  # wall-clock seconds
-    kind: str  # watching, appeared, stale, live, disappeared, limit, trimmed, problem, action, error
+    kind: str  # watching, appeared, stale, live, disappeared, limit, trimmed, compacted, problem, action, error
     model: str
     text: str
     level: str = INFO

@@ -56,6 +56,8 @@ class Source(Protocol):
 
     def trim(self, model: ModelSnapshot, wait: float) -> kc.Ack: ...
 
+    def compact(self, model: ModelSnapshot, wait: float) -> kc.Ack: ...
+
     def limit(self, model: ModelSnapshot, limit_bytes: int | None, wait: float) -> kc.Ack: ...
 
     def close(self) -> None: ...
@@ -118,6 +120,11 @@ class LiveSource:
 
     def trim(self, model: ModelSnapshot, wait: float) -> kc.Ack:
         return kc.request_trim(model, wait=wait)
+
+    def compact(self, model: ModelSnapshot, wait: float) -> kc.Ack:
+        from kvcached_core.compactctl import request_compact
+
+        return request_compact(model, wait=wait)
 
     def limit(self, model: ModelSnapshot, limit_bytes: int | None, wait: float) -> kc.Ack:
         return kc.request_limit(model, limit_bytes, wait=wait)
@@ -237,6 +244,10 @@ class FakeSource:
         self.requests.append(("trim", model.name, None))
         return kc.Ack(model.name, "trim", "trimmed", len(self.requests), model.limit_bytes,
                       bytes_returned=model.reserved_bytes)
+
+    def compact(self, model: ModelSnapshot, wait: float) -> kc.Ack:
+        self.requests.append(("compact", model.name, None))
+        return kc.Ack(model.name, "compact", "compacted", len(self.requests), model.limit_bytes)
 
     def limit(self, model: ModelSnapshot, limit_bytes: int | None, wait: float) -> kc.Ack:
         self.requests.append(("limit", model.name, limit_bytes))

@@ -161,3 +161,47 @@ def test_the_segment_counts_compactions_and_kvctl_frag_shows_them() -> None:
         text = kvctl("frag", "compact-count").stdout
         assert "1 done, 8 blocks moved: 128.0 MiB returned, 32.0 MiB copied" in text, text
         assert "kvctl compact compact-count" in text
+
+
+SCATTER = f"""
+from kvcached_core.compact import host_copy
+BPP = {BPP}
+ids = [m.alloc(1)[0] for _ in range(8 * BPP)]
+drop = [b for b in ids if (b // BPP < 4 and b % BPP < 2) or (b // BPP >= 4 and b % BPP >= 2)]
+m.free(drop)
+m.mark_cached([b for b in ids if b not in drop])
+"""
+
+
+def test_kvctl_compact_returns_pages_and_refuses_a_failing_engine(spawn_allocator) -> None:
+    import json
+
+    from conftest import kvctl, send
+    from test_docs_reference import assert_documented, key_table
+
+    from kvcached_core import snapshot
+
+    proc = spawn_allocator("cc", policy="best-fit", script=SCATTER + """
+def boom(moves):
+    raise OSError("copy failed")
+m.set_compact_handler(boom)
+""", **MODEL)
+    before = snapshot("cc")
+    assert before.pages_inuse == 8 and before.compaction is not None and before.compaction.capable
+    failed = kvctl("compact", "cc")
+    assert failed.exit_code == 1 and "compaction failed" in failed.stderr and failed.stderr.count("\n") == 1
+    after = snapshot("cc")
+    assert (after.pages_inuse, after.blocks_used, after.blocks_cached) == (8, 32, 32)
+    assert after.compaction is not None and after.compaction.compactions == 0
+
+    send(proc, "m.set_compact_handler(lambda moves: host_copy(m.backend, m.block_bytes, moves))")
+    done = kvctl("compact", "cc", "--json")
+    assert done.exit_code == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert_documented(answer, key_table("Compaction"), "kvctl compact --json")
+    assert answer["status"] == "compacted"
+    assert answer["bytes_returned"] == 4 * BUNDLE and answer["bytes_copied"] == 8 * MODEL["block_bytes"] * 16
+    now = snapshot("cc")
+    assert (now.pages_inuse, now.blocks_cached, now.mapped_bytes) == (4, 32, 4 * BUNDLE)
+    again = kvctl("compact", "cc")  # dense now: nothing moves, 0 bytes, exit 0
+    assert again.exit_code == 0 and "returned 0 B (0 bytes), copied 0 B (0 bytes)" in again.stdout, again.stdout

@@ -229,3 +229,49 @@ def test_paused_kvtop_stops_reading(spawn_allocator) -> None:
         await until(pilot, lambda: seen(app, "m1", lambda m: m.blocks_used == 9), "fresh frames after resuming")
 
     drive(app, script)
+
+
+COMPACTABLE = """
+from kvcached_core.compact import host_copy
+ids = [m.alloc(1)[0] for _ in range(4 * m.blocks_per_page)]
+bpp = m.blocks_per_page
+m.free([b for b in ids if b % bpp >= 2])  # four pages keep two blocks each
+m.mark_cached([b for b in ids if b % bpp < 2])
+m.set_compact_handler(lambda moves: host_copy(m.backend, m.block_bytes, moves))
+"""
+
+
+def test_c_then_y_compacts_the_selected_model_and_readonly_refuses(spawn_allocator, monkeypatch) -> None:
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")  # emptied pages are unmapped, not pooled
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    spawn_allocator("m1", policy="best-fit", script=COMPACTABLE)
+    before = read_model("m1")
+    assert before.pages_inuse == 4 and before.blocks_cached == 8
+
+    readonly = KvtopApp(LiveSource(), interval=0.2, readonly=True)
+
+    async def refused(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(readonly, "m1"), "m1 on screen")
+        await pilot.press("c")
+        await pilot.pause(0.1)
+        assert not isinstance(readonly.screen, ConfirmScreen)
+        await until(pilot, lambda: log_has(readonly, "read-only: compact is disabled"), "the refusal in the log")
+
+    drive(readonly, refused)
+    assert read_model("m1").compaction.acked_seq == 0  # type: ignore[union-attr]
+
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1") and app.selected == "m1", "m1 on screen")
+        await pilot.press("c")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirm dialog")
+        await pilot.press("y")
+        await until(pilot, lambda: log_has(app, "compaction acknowledged"), "the compaction in the event log")
+
+    drive(app, script)
+    after = read_model("m1")
+    assert after.compaction is not None and after.compaction.acked_seq == 1
+    assert after.pages_inuse == 2 and after.blocks_cached == 8  # the packed floor; nothing dropped from the cache
+    assert log_has(app, f"compaction acknowledged: {kc.format_bytes(2 * BUNDLE)} returned, "
+                        f"{kc.format_bytes(4 * 64 * 1024 * 4)} copied")

@@ -1,0 +1,48 @@
+"""``kvctl compact``: move a model's cached blocks out of sparse pages and return the pages emptied."""
+
+from __future__ import annotations
+
+import click
+
+from kvcached_core import ControlError
+from kvcached_core.control import AckTimeout
+from kvtop import textfmt as T
+from kvtop.cli import Failure, model_argument
+from kvtop.cli.common import emit_json, pick, read
+
+
+@click.command("compact")
+@model_argument()
+@click.option("--timeout", type=click.FloatRange(min=0), default=10.0, show_default=True, metavar="SEC",
+              help="Seconds to wait for the model's answer (0: do not wait).")
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+def compact_cmd(model: str, timeout: float, as_json: bool) -> None:
+    """Compact a model's prefix cache: its engine copies cached blocks into holes of denser pages, and the
+    pages emptied are unmapped. Prints the bytes returned and the bytes copied.
+
+    Only cached blocks no running request holds move, and only out of pages that empty; the
+    engine confirms each move before its source is freed. The model must be live and its engine
+    must have registered a compact handler (the transformers plugin does).
+
+    \b
+    Examples:
+      kvctl compact llama-3-8b
+      kvctl compact llama-3-8b --json | jq .bytes_returned
+    """
+    from kvcached_core.compactctl import request_compact
+
+    m = pick(model, read())
+    try:
+        ack = request_compact(m, wait=timeout)
+    except (ControlError, AckTimeout, OSError) as exc:
+        raise Failure(str(exc)) from None
+    if as_json:
+        emit_json({"name": ack.name, "status": ack.status, "revision": ack.revision,
+                   "bytes_returned": ack.bytes_returned, "bytes_copied": ack.bytes_copied,
+                   "latency_s": round(ack.latency_s, 6)})
+        return
+    if ack.status == "pending":
+        click.echo(f"{ack.name}: compaction requested, not waiting for the answer")
+        return
+    click.echo(f"{ack.name}: returned {T.fmt_bytes(ack.bytes_returned)} ({ack.bytes_returned} bytes), "
+               f"copied {T.fmt_bytes(ack.bytes_copied)} ({ack.bytes_copied} bytes) in {ack.latency_s * 1000:.0f} ms")

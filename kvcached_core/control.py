@@ -132,7 +132,7 @@ def _wait(model: ModelSnapshot, done, wait: float, kind: str, pending: Ack, star
         if time.monotonic() >= deadline:
             late = "; its process runs but its heartbeat is late (stopped or overloaded)" if snap and snap.late else ""
             raise AckTimeout(f"{model.name} did not acknowledge the {kind} within {wait:g} s{late}", pending)
-        time.sleep(min(POLL_S, FIRST_POLL_S * 2 ** looks))  # a poked allocator answers in well under 1 ms
+        time.sleep(min(POLL_S, FIRST_POLL_S * 2 ** looks))  # a poked allocator answers fast: benchmarks/acks.py
         looks += 1
 
 

@@ -1,6 +1,6 @@
 """The optional C hot path: ``alloc`` and ``free`` in ``fastpath.c``, built when the package is installed.
 
-``alloc`` in Python is ~200 bytecodes of placement and segment publishing, slow right after an
+``alloc`` in Python runs placement and segment publishing bytecode by bytecode, slow right after an
 engine's GPU wait (``benchmarks/hotpath.py`` and, on a GPU host, ``benchmarks/vmm.py``'s Python path
 rows measure both paths; BENCHMARKS.md has the figures). The C version walks the same page-table
 objects and writes the same segment bytes, so the Python code stays the reference and the two

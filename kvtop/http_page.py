@@ -2,7 +2,8 @@
 
 Why not a thread per connection (``socketserver``): 50 scrapers arriving together meant 50
 threads started and 50 WSGI handlers fighting for one interpreter, so the last scrape waited
-for all the others (p99 well over 100 ms while the page itself took under 10 ms to make). One
+for all the others (benchmarks/exporter_load.py measures it; benchmarks/results/exporter-load-2cpu.md
+has both designs under the same load). One
 event loop parks every connection for the price of a few objects, and each answer is a single
 write. A page is made in a worker thread once for every request that arrived while no making of
 it had started yet: a request never gets a page read before it arrived, and a burst of 50 costs

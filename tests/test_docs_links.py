@@ -86,3 +86,30 @@ def test_every_page_defines_or_links_each_term_before_using_it(page: Path) -> No
         linked = any("README.md#words" in line for line in lines[:end])
         assert defined or linked, (f"{page.name} line {i + 1}: {term!r} before a link to the README's Words "
                                    f"(or a **definition**): {lines[i]!r}")
+
+
+# -- Python names the pages give (`kvcached_core.frag.fragmentation`) exist ------------------------
+
+PY_NAME = re.compile(r"`((?:kvcached_core|kvtop|kvcached_transformers|kvcached_vllm)(?:\.[A-Za-z_]\w*)+)(?:\(\))?`")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_name_a_page_gives_exists(page: Path) -> None:
+    import importlib
+
+    absent, missing = object(), []
+    for name in sorted(set(PY_NAME.findall(page.read_text()))):
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            for attribute in parts[i:]:
+                obj = getattr(obj, attribute, absent)
+            break
+        else:
+            obj = absent
+        if obj is absent:
+            missing.append(name)
+    assert not missing, f"{page.name}: no such Python names {missing}"

@@ -44,3 +44,16 @@ def test_no_module_of_kvcached_core_pulls_in_a_ui_library():
 def test_the_probe_would_notice_a_ui_import():
     result = run_probe(f"import json, sys, kvcached_core, click\nprint(json.dumps({{'ui': {LOADED_UI}}}))")
     assert "click" in result["ui"]
+
+
+def test_tests_take_no_logic_from_benchmarks() -> None:
+    """A benchmark may be edited to measure something else; what a test checks lives in tests/
+    (seqlock_stress.py, fragmentation_workload.py), and benchmarks import it from there. Only the
+    test of BENCHMARKS.md itself reads benchmarks/ (its headline is computed there)."""
+    import re
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    importing = sorted(p.name for p in tests.glob("*.py")
+                       if re.search(r"^\s*(from|import) benchmarks\b", p.read_text(), re.M))
+    assert importing == ["test_docs_benchmarks.py"], importing

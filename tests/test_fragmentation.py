@@ -1,15 +1,15 @@
 """The fragmentation target on traffic the default policy was not tuned on (counts, not timings).
 
-The benchmark's engine model (benchmarks/fragmentation.py) drives a real KVCacheManager; after
-the traffic drains we read the model's segment as kvctl frag does. Seeds 201 and 202 were
-never used while the policy was developed (see TUNING / HELD_OUT there).
+The engine model (tests/fragmentation_workload.py, which benchmarks/fragmentation.py also runs) drives
+a real KVCacheManager; after the traffic drains we read the model's segment as kvctl frag does.
+Seeds 201 and 202 were never used while the policy was developed (see TUNING / HELD_OUT in
+benchmarks/fragmentation.py).
 """
 
 from __future__ import annotations
 
 import pytest
-
-from benchmarks.fragmentation import Workload, run_workload
+from fragmentation_workload import Workload, run_workload
 
 KiB = 1024
 

@@ -22,16 +22,37 @@ from . import layout as L
 from .config import ipc_name_override
 from .names import LEGACY_PREFIX
 from .pgroups import GroupJudge
+from .sizes import format_bytes
 from .snapshot import ModelSnapshot
 
 READ_LOCK_TIMEOUT_S = 0.1  # upstream holds its flock for microseconds; longer means a hung holder
 WRITE_LOCK_TIMEOUT_S = 1.0
 MAX_FIELD_BYTES = 1 << 50  # 1 PiB, past any device: a larger field is not one of upstream's byte counts
+ASSUMED_DEVICE = 0  # the struct does not say its device; the public kvctl assumes device 0 too
 _UPSTREAM_NAME = re.compile(r"kvcached_(?P<engine>[A-Za-z0-9-]+)_(?P<pgid>[0-9]{1,10})(?:_[0-9]+)?(?:_g[0-9]+)?")
 
 
 class NotLegacy(ValueError):
     """A file that does not parse as an upstream kvcached segment."""
+
+
+class NoDeviceTotal(ValueError):
+    """A percentage limit for an upstream segment, on a host where NVML cannot tell device 0's memory."""
+
+
+def percent_base() -> tuple[int, str]:
+    """What a percentage limit of an upstream segment is taken of: device 0's memory total by NVML,
+    and the line that says so; NoDeviceTotal (with NVML's reason) when NVML cannot tell it."""
+    from . import nvml
+
+    gpus = nvml.probe([ASSUMED_DEVICE])
+    total = gpus[0].total_bytes if gpus else None
+    if not total:
+        why = nvml.unavailable_reason() or f"NVML reports no memory total for device {ASSUMED_DEVICE}"
+        raise NoDeviceTotal(f"a percentage needs the device's memory total, and NVML cannot tell it ({why}): "
+                            "give bytes instead")
+    return total, (f"of device {ASSUMED_DEVICE}'s {format_bytes(total)} (NVML; an upstream kvcached segment "
+                   f"does not say its device, so device {ASSUMED_DEVICE} is assumed)")
 
 
 def flock_within(fd: int, operation: int, timeout: float) -> None:
@@ -110,7 +131,7 @@ def read_legacy(path: Path, *, named: bool = True, judge: GroupJudge | None = No
     dead = verdict in ("gone", "reused")
     return ModelSnapshot(
         name=path.name, path=str(path), model=path.name, engine=engine, backend="kvcached",
-        pid=pgid, uid=st.st_uid, device=0, status="stale" if dead else "legacy", page_size=0, block_bytes=0,
+        pid=pgid, uid=st.st_uid, device=ASSUMED_DEVICE, status="stale" if dead else "legacy", page_size=0, block_bytes=0,
         num_layers=0, num_kv_buffers=0, blocks_per_page=0, num_blocks=0, pages_total=0,
         pages_inuse=0, pages_reserved=0, blocks_used=0, blocks_cached=0,
         mapped_bytes=used + prealloc, limit_bytes=total,

@@ -248,6 +248,44 @@ def test_a_percentage_is_of_device_0_by_nvml_and_says_so(shm_dir):
         assert fields(path) == (8 * GiB, GiB, 0)
 
 
+def test_kvtops_limit_dialog_takes_a_percentage_of_device_0_by_nvml(shm_dir):
+    """As kvctl does: 30% of device 0's NVML total, the dialog saying so; without NVML refused, saying why."""
+    from test_operator_first_hour import drive, until
+
+    from kvtop.app import KvtopApp
+    from kvtop.source import LiveSource
+    from kvtop.widgets import LimitScreen
+
+    name = f"kvcached_vLLM_{LIVE}"
+    path = upstream_segment(shm_dir, name, 8 * GiB, GiB, 0)
+    gpus = nvml.probe([0])
+    total = gpus[0].total_bytes if gpus else None
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    async def script(pilot):
+        await until(pilot, lambda: app.frame and app.frame.model(name), "the upstream row on screen")
+        await pilot.press("l")
+        await until(pilot, lambda: isinstance(app.screen, LimitScreen), "the limit dialog")
+        detail = " ".join(str(app.screen.query_one("#detail").render()).split())
+        await pilot.press(*"30%", "enter")
+        await pilot.pause(0.2)
+        if total:
+            assert "of device 0's" in detail and "device 0 is assumed" in detail, detail
+            await until(pilot, lambda: fields(path)[0] != 8 * GiB, "the limit written")
+        else:
+            assert isinstance(app.screen, LimitScreen), "a percentage was taken of nothing"
+            error = " ".join(str(app.screen.query_one("#error").render()).split())
+            assert "a percentage needs the device's memory total, and NVML cannot tell it" in error, error
+            assert nvml.unavailable_reason() in error
+            await pilot.press("escape")
+
+    drive(app, script)
+    if total:
+        assert abs(fields(path)[0] - total * 0.3) <= 1 and fields(path)[1:] == (GiB, 0)
+    else:
+        assert fields(path) == (8 * GiB, GiB, 0)
+
+
 # -- liveness and cleaning ------------------------------------------------------------------
 
 def test_dead_or_reused_process_groups_are_stale_and_clean_removes_them(shm_dir):

@@ -29,18 +29,19 @@ def capacity_of(m: ModelSnapshot) -> int | None:
             return host_capacity_bytes()
         except ConfigError:
             return None
+    if m.legacy:  # upstream segments do not say their device: device 0, as upstream's own kvctl assumes
+        from kvcached_core.legacy import NoDeviceTotal, percent_base
+
+        try:
+            total, note = percent_base()
+        except NoDeviceTotal as exc:
+            raise ControlError(f"{m.name}: {exc}") from None
+        warn(f"{m.name}: a percentage {note}")
+        return total
     from kvcached_core import nvml
 
     gpus = nvml.probe([m.device])
-    total = gpus[0].total_bytes if gpus else None
-    if m.legacy:  # upstream segments do not say their device: device 0, as upstream's own kvctl assumes
-        if total is None:
-            why = nvml.unavailable_reason() or f"NVML reports no memory total for device {m.device}"
-            raise ControlError(f"{m.name}: a percentage needs the device's memory total, and NVML cannot "
-                               f"tell it ({why}): give bytes instead")
-        warn(f"{m.name}: percentage of device {m.device}'s {T.fmt_bytes(total)} (NVML): "
-             "an upstream kvcached segment does not say its device, so device 0 is assumed")
-    return total
+    return gpus[0].total_bytes if gpus else None
 
 
 def ack_dict(ack: Ack, requested: int | None = None) -> dict:

@@ -17,6 +17,7 @@ from textual.widgets import Button, Input, Label, Static
 
 from kvcached_core import SizeError, format_bytes, parse_size
 from kvcached_core.frag import fragmentation
+from kvcached_core.legacy import NoDeviceTotal, percent_base
 from kvcached_core.snapshot import ModelSnapshot
 from kvtop.pagemap import GLYPHS, LEGEND
 from kvtop.textfmt import fmt_device
@@ -84,6 +85,14 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
     def __init__(self, model: ModelSnapshot) -> None:
         super().__init__(classes="dialog")
         self.model = model
+        self.percent_of: int | None = model.device_capacity or None
+        self.percent_note = ""  # how a percentage is taken, when the model does not say it
+        self.percent_problem = ""  # why no percentage can be taken
+        if model.legacy:  # an upstream segment does not say its device: device 0's NVML total, as kvctl takes
+            try:
+                self.percent_of, self.percent_note = percent_base()
+            except NoDeviceTotal as exc:
+                self.percent_problem = str(exc)
 
     def compose(self) -> ComposeResult:
         m = self.model
@@ -91,7 +100,7 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
             yield Label(Text(f"Set the limit of {m.name}"), id="question")
             yield Static(self._summary(), id="detail")
             yield Input(placeholder="4G, 512MiB, 30%, none", id="limit-input",
-                        validators=[SizeValidator(m.device_capacity)], validate_on=["submitted"])
+                        validators=[SizeValidator(self.percent_of)], validate_on=["submitted"])
             yield Static("", id="preview")
             yield Static("", id="error")
             yield Static("Enter applies · Escape cancels", id="hint")
@@ -101,7 +110,9 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
         text = Text()
         current = "none" if m.limit_bytes is None else format_bytes(m.limit_bytes)
         text.append(f"current {current} · mapped {format_bytes(m.mapped_bytes)} · in use {format_bytes(m.pinned_bytes)}")
-        if m.device_capacity:
+        if self.percent_note and self.percent_of:
+            text.append(f"\n30% = {format_bytes(self.percent_of * 0.3)} {self.percent_note}")
+        elif m.device_capacity:
             text.append(f"\n30% = {format_bytes(m.device_capacity * 0.3)} of {format_bytes(m.device_capacity)}")
         if not m.legacy:
             text.append(f"\nrounded down to whole page bundles of {format_bytes(m.bundle_bytes)}")
@@ -113,7 +124,9 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
         self.query_one(Input).focus()
 
     def _parse(self, value: str) -> int | None:
-        return parse_size(value, percent_of=self.model.device_capacity or None, allow_none=True)
+        if self.percent_problem and value.strip().endswith("%"):
+            raise SizeError(self.percent_problem)
+        return parse_size(value, percent_of=self.percent_of, allow_none=True)
 
     def on_input_changed(self, event: Input.Changed) -> None:
         preview = self.query_one("#preview", Static)

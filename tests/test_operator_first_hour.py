@@ -397,6 +397,13 @@ def test_the_trim_dialog_reads_the_model_again_and_says_the_pool_refills(spawn_a
     drive(app, script)
 
 
+def test_the_docs_say_what_trim_says_about_the_refill() -> None:
+    from kvtop.textfmt import REFILL_NOTE
+
+    row = next(line for line in (DOCS / "kvctl.md").read_text().splitlines() if line.startswith("| `kvctl trim "))
+    assert f"(`{REFILL_NOTE}`)" in row and "set a limit" in row
+
+
 # -- kvtop's screen ------------------------------------------------------------------------
 
 def fake_app(**kwargs: object) -> KvtopApp:

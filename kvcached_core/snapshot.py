@@ -174,8 +174,9 @@ class ModelSnapshot:
         return self.legacy_reserved if self.legacy else self.pages_reserved * self.bundle_bytes
 
     @property
-    def cached_bytes(self) -> int:
-        return self.blocks_cached * self.block_bundle_bytes
+    def cached_bytes(self) -> int | None:
+        """Bytes of cached (prefix) blocks; None for upstream segments, which do not publish them."""
+        return None if self.legacy else self.blocks_cached * self.block_bundle_bytes
 
     @property
     def waste_ratio(self) -> float | None:

@@ -146,7 +146,8 @@ class KVCachedCollector(Collector):
             held.add_metric(labels, m.held_bytes)
             pinned.add_metric(labels, m.pinned_bytes)
             reserved.add_metric(labels, m.reserved_bytes)
-            cached.add_metric(labels, m.cached_bytes)
+            if m.cached_bytes is not None:
+                cached.add_metric(labels, m.cached_bytes)
             if m.limit_bytes is not None:
                 limit.add_metric(labels, m.limit_bytes)
             if m.requested_limit is not None:

@@ -164,10 +164,14 @@ def test_waste_is_unknown_and_no_trim_figures_are_invented(shm_dir):
     name = f"kvcached_vLLM_{LIVE}"
     upstream_segment(shm_dir, name, 8 * GiB, 3 * GiB, GiB)
     row = kc.snapshot(name)
-    assert row.waste_ratio is None
+    assert (row.waste_ratio, row.cached_bytes) == (None, None)  # upstream publishes no block counts
     header, line = kvctl("list").stdout.splitlines()[:2]
-    assert line[:header.index("WASTE") + len("WASTE")].split()[-1] == "-"  # a right-aligned column
-    assert json.loads(kvctl("list", "--json").stdout)[0]["waste_ratio"] is None
+    for column in ("WASTE", "CACHED"):
+        assert line[:header.index(column) + len(column)].split()[-1] == "-"  # right-aligned columns
+    listed = json.loads(kvctl("list", "--json").stdout)[0]
+    assert (listed["waste_ratio"], listed["cached_bytes"]) == (None, None)
+    csv_header, csv_row = kvctl("watch", "--format", "csv", "--count", "1").stdout.splitlines()
+    assert dict(zip(csv_header.split(","), csv_row.split(","), strict=True))["cached_bytes"] == ""
     shown = json.loads(kvctl("show", name, "--json").stdout)
     assert (shown["fragmentation"], shown["pages"], shown["legacy"]) == (None, [], True)
     with Exporter("127.0.0.1", 0) as exporter, urllib.request.urlopen(exporter.url, timeout=10) as response:
@@ -176,6 +180,7 @@ def test_waste_is_unknown_and_no_trim_figures_are_invented(shm_dir):
                if s.labels.get("model") == name]
     names = {s.name for s in samples}
     assert "kvcached_mapped_bytes" in names and "kvcached_waste_ratio" not in names
+    assert "kvcached_cached_bytes" not in names
     status = {s.labels["status"]: s.value for s in samples if s.name == "kvcached_limit_status"}
     assert status["written"] == 1 and status["applied"] == 0
 

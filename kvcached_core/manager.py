@@ -418,6 +418,12 @@ class KVCacheManager:
             self.compaction.capable = handler is not None
             self.segment.publish_compaction(self.compaction.values())
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The allocator's lock (re-entrant). A compact handler runs while it is held, so an engine whose
+        thread reads the prefix index a handler rewrites holds it from the lookup to its ``reuse``."""
+        return self._lock
+
     def compact(self) -> CompactResult:
         """Move cached blocks out of sparse pages into holes of dense ones and unmap the pages emptied.
 

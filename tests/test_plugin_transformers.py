@@ -386,3 +386,46 @@ def test_engine_sleeps_by_the_after_idle_policy(model, prompts, expected):
         assert req.output == expected[0]
         engine.disable_sleep()
         assert not kc.snapshot("tiny").sleep.capable
+
+
+# -- prefix cache and compaction -------------------------------------------------------------------
+def test_prefix_cache_compacts_and_the_tokens_after_are_the_same(model, monkeypatch):
+    """Finished requests leave their full blocks cached, scattered over many pages; kvctl compact (the
+    poller runs the cache's handler) moves them into fewer pages, and prompts that hit the moved blocks
+    give exactly the tokens they give without any cache."""
+    from kvcached_core.compactctl import request_compact
+
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", "-1")
+    prefixes = random_prompts(12, seed=7, min_len=33, max_len=40)  # two full 16-token blocks each
+    first = list(prefixes)
+    later = [p[:32] + [5 + i, 7, 11] for i, p in enumerate(prefixes)]  # the same 32 tokens, then new ones
+    budgets = [3 + (i * 5) % 11 for i in range(len(prefixes))]
+    expected = [alone(model, p, n) for p, n in zip(later, budgets, strict=True)]
+    manager = kc.KVCacheManager("tiny-prefix", name="tiny-prefix", num_blocks=512, block_bytes=8 * KiB,
+                                num_layers=4, page_size=PAGE, engine="transformers", block_tokens=16,
+                                policy="best-fit")
+    with PagedKVCache(manager, kv_heads=4, head_dim=32, dtype=torch.float32, owns_manager=True) as cache:
+        engine = GreedyEngine(model, cache, prefix_cache=True)
+        for p, n in zip(first, budgets, strict=True):
+            engine.submit(p, n + 20)  # long decodes: each request's blocks spread over pages shared with others,
+            engine.submit(p, n + 20)  # and a twin's, freed when it ends (its prefixes are cached already)
+        engine.run()
+        snap = kc.snapshot("tiny-prefix")
+        cached = snap.blocks_cached
+        assert snap.blocks_used == cached == len(cache.prefix) >= 24  # every full block of every request
+        floor = -(-cached // 8)
+        assert snap.pages_inuse > floor, "the cached blocks should be scattered for this test to mean anything"
+
+        ack = request_compact("tiny-prefix", wait=10)
+        after = kc.snapshot("tiny-prefix")
+        assert after.pages_inuse == floor and after.blocks_cached == cached  # the packed floor, nothing dropped
+        assert ack.bytes_returned == (snap.pages_inuse - floor) * snap.bundle_bytes > 0
+        assert ack.bytes_copied > 0 and after.compaction.blocks_moved == ack.bytes_copied // (8 * KiB * 4 * 2)
+        assert set(cache.prefix.hash_of) == set(manager.cache.blocks)  # the index follows the moves
+
+        reqs = [engine.submit(p, n) for p, n in zip(later, budgets, strict=True)]
+        engine.run()
+        assert cache.prefix_hit_tokens == 12 * 32  # every later prompt reused its two moved blocks
+        assert [r.output for r in reqs] == expected

@@ -36,6 +36,7 @@ from kvcached_core import KVCacheManager
 from kvcached_core.engines import alloc_blocks
 
 from .pools import kv_pool
+from .prefix import PrefixIndex
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -158,6 +159,8 @@ class PagedKVCache(Cache):
         self._seqs: list[_Seq] = []
         self._plan: StepPlan | None = None
         self._closed = False
+        self.prefix: PrefixIndex | None = None  # see enable_prefix_cache
+        self.prefix_hit_tokens = 0
         super().__init__(layers=[PagedLayer(self, i) for i in range(manager.num_layers)])
 
     @classmethod
@@ -201,18 +204,102 @@ class PagedKVCache(Cache):
     def blocks_held(self) -> int:
         return sum(len(s.blocks) for s in self._seqs)
 
-    def add_sequences(self, count: int) -> None:
-        """Append ``count`` empty rows to the batch (they take blocks at their first step)."""
-        self._check_idle()
-        self._seqs.extend(_Seq() for _ in range(count))
+    def add_sequences(self, count: int, tokens: Sequence[Sequence[int]] | None = None) -> list[int]:
+        """Append ``count`` rows to the batch; returns how many of each row's tokens the cache already holds.
 
-    def remove_sequences(self, rows: Iterable[int]) -> None:
-        """Drop rows from the batch (the others keep their order) and free their blocks now."""
+        Without a prefix cache (or ``tokens``) the rows start empty and take blocks at their first step.
+        With one, a row whose ``tokens`` begin with the tokens of cached blocks starts with those blocks
+        (a prefix hit): feed it only the tokens after the returned count.
+        """
+        self._check_idle()
+        if self.prefix is None or tokens is None:
+            self._seqs.extend(_Seq() for _ in range(count))
+            return [0] * count
+        if len(tokens) != count:
+            raise ValueError(f"{len(tokens)} token lists for {count} new rows")
+        held: list[int] = []
+        manager = self.manager
+        for toks in tokens:
+            with manager.lock:  # a compaction (the poller's) moves cached blocks only while this is held
+                blocks = self.prefix.match(toks)
+                if blocks:
+                    manager.reuse(blocks)
+                    self.prefix.forget(blocks)
+            self._seqs.append(_Seq(blocks, len(blocks) * self.block_tokens))
+            held.append(len(blocks) * self.block_tokens)
+        self.prefix_hit_tokens += sum(held)
+        self._set_width()  # attention's mask spans the longest row, a hit's cached tokens included
+        return held
+
+    def remove_sequences(self, rows: Iterable[int], tokens: Sequence[Sequence[int]] | None = None) -> None:
+        """Drop rows from the batch (the others keep their order) and free their blocks now.
+
+        With a prefix cache and ``tokens`` (each dropped row's tokens, in the order of ``rows``), the
+        rows' full blocks join the cache instead of being freed (a block whose prefix is already
+        cached is freed).
+        """
+        rows = list(rows)
         drop = set(rows)
         keep = [i for i in range(len(self._seqs)) if i not in drop]
         if len(keep) + len(drop) != len(self._seqs):
             raise IndexError(f"rows {sorted(drop)} are not all in a batch of {len(self._seqs)}")
+        if self.prefix is not None and tokens is not None:
+            if len(tokens) != len(rows):
+                raise ValueError(f"{len(tokens)} token lists for {len(rows)} rows")
+            self._check_idle()
+            self._keep_prefixes([self._seqs[i] for i in rows], tokens)
         self._select(keep)
+
+    # -- prefix cache ------------------------------------------------------------------------
+    def enable_prefix_cache(self) -> None:
+        """Keep the full blocks of finished sequences for later prompts that begin with the same tokens, and
+        let the allocator compact them (``kvctl compact``, idle packing): this cache is its compact handler."""
+        if self.prefix is None:
+            self.prefix = PrefixIndex(self.block_tokens)
+            self.manager.set_compact_handler(self._compact_moves)
+
+    def drop_prefix_cache(self) -> int:
+        """Free every cached block (sleep does this first); returns how many."""
+        if self.prefix is None:
+            return 0
+        manager = self.manager
+        with manager.lock:
+            blocks = self.prefix.clear()
+            if blocks:
+                manager.free(blocks)
+        return len(blocks)
+
+    def _keep_prefixes(self, seqs: list[_Seq], tokens: Sequence[Sequence[int]]) -> None:
+        """The sequences' full blocks go to the prefix cache; their other blocks stay with them to be freed."""
+        assert self.prefix is not None
+        index, manager = self.prefix, self.manager
+        keep: list[int] = []
+        with manager.lock:
+            for seq, toks in zip(seqs, tokens, strict=True):
+                full = min(seq.length, len(toks)) // self.block_tokens
+                for key, block in zip(index.keys(toks, full), seq.blocks[:full], strict=True):
+                    if index.add(key, block):
+                        keep.append(block)
+                taken = set(keep)
+                seq.blocks = [b for b in seq.blocks if b not in taken]
+            if keep:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # their K/V is written before anyone may move them
+                index.forget(manager.mark_cached(keep))  # what the budget (or idle packing) evicted
+
+    def _compact_moves(self, moves: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The allocator's compact handler (its lock held): copy each block's K/V in every layer, remap the index."""
+        if self.prefix is None or not self.pools:
+            return []
+        moves = [(s, d) for s, d in moves if s in self.prefix.hash_of]  # only blocks this cache indexes
+        if not moves:
+            return []
+        with torch.inference_mode():
+            self._copy_blocks([s for s, _ in moves], [d for _, d in moves])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the sources are freed (and may be unmapped) when this returns
+        self.prefix.remap(moves)
+        return moves
 
     # -- stepping ----------------------------------------------------------------------------
     def begin_step(self, new_lengths: Sequence[int], query_len: int | None = None) -> StepPlan:
@@ -237,7 +324,7 @@ class PagedKVCache(Cache):
         got: list[list[int]] = []
         try:
             for n in need:
-                got.append(alloc_blocks(self.manager, n, wait=self.wait) if n else [])
+                got.append(self._alloc(n) if n else [])
         except BaseException:
             taken = [b for ids in got for b in ids]
             if taken:
@@ -250,6 +337,17 @@ class PagedKVCache(Cache):
             seq.length += n
         self._plan = self._make_plan(past, list(new_lengths), q)
         return self._plan
+
+    def _alloc(self, n: int) -> list[int]:
+        """``n`` blocks; with a prefix cache, cached blocks are evicted (and forgotten) to make room first."""
+        if self.prefix is not None and len(self.prefix):
+            manager = self.manager
+            with manager.lock:
+                ids = manager.alloc(n)
+                if ids is not None:
+                    return ids
+                self.prefix.forget(manager.evict(n))
+        return alloc_blocks(self.manager, n, wait=self.wait)
 
     def _token_slots(self, seq: _Seq) -> tuple[torch.Tensor, torch.Tensor]:
         """(page, token-in-page) of each of the sequence's tokens, in order."""
@@ -428,9 +526,10 @@ class PagedKVCache(Cache):
         self._set_width()
 
     def reset(self) -> None:
-        """Forget every sequence and give all blocks back (the cache stays usable)."""
+        """Forget every sequence and give all blocks back, cached ones too (the cache stays usable)."""
         if self._closed:
             return
+        self.drop_prefix_cache()
         self._plan = None
         blocks = [b for s in self._seqs for b in s.blocks]
         self._seqs = []
@@ -443,6 +542,8 @@ class PagedKVCache(Cache):
         if self._closed:
             return
         self.reset()
+        if self.prefix is not None and not self.manager._closed:  # noqa: SLF001 - a manager closed first needs nothing
+            self.manager.set_compact_handler(None)
         self._closed = True
         self.pools = []  # release the views so the backend can unmap its range
         if self.owns_manager:

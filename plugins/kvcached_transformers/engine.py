@@ -63,9 +63,12 @@ class GreedyEngine:
     """Runs requests through ``model`` with their K/V in ``cache`` (ragged: see :meth:`PagedKVCache.begin_step`)."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, *, max_batch: int | None = None,
-                 pad_token_id: int = 0) -> None:
+                 pad_token_id: int = 0, prefix_cache: bool = False) -> None:
         self.model = model
         self.cache = cache
+        self.prefix_cache = prefix_cache  # finished requests' full blocks are kept for later prompts (and compacted)
+        if prefix_cache:
+            cache.enable_prefix_cache()
         self.max_batch = max_batch
         self.pad_token_id = pad_token_id
         self.running: list[Request] = []
@@ -103,10 +106,19 @@ class GreedyEngine:
             return 0
         room = len(self.waiting) if self.max_batch is None else max(0, self.max_batch - len(self.running))
         take = min(room, len(self.waiting))
-        for _ in range(take):
-            self.running.append(self.waiting.popleft())
-        self.cache.add_sequences(take)
+        new = [self.waiting.popleft() for _ in range(take)]
+        self.running.extend(new)
+        if self.prefix_cache:
+            held = self.cache.add_sequences(take, [r.prompt + r.output for r in new])
+            for req, tokens in zip(new, held, strict=True):
+                req.cached = tokens  # a prefix hit: those tokens are not fed again
+        else:
+            self.cache.add_sequences(take)
         return take
+
+    def _tokens(self, reqs: Sequence[Request]) -> list[list[int]] | None:
+        """What the prefix cache keeps of leaving requests: the tokens whose K/V the cache holds."""
+        return [(r.prompt + r.output)[:r.cached] for r in reqs] if self.prefix_cache else None
 
     def _plan(self, admitted: int):  # noqa: ANN202 - StepPlan
         while True:
@@ -118,8 +130,9 @@ class GreedyEngine:
                     raise
                 # Not enough room for the newcomers: they wait until running requests finish.
                 first = len(self.running) - admitted
-                self.cache.remove_sequences(range(first, len(self.running)))
+                self.cache.remove_sequences(range(first, len(self.running)), self._tokens(self.running[first:]))
                 for req in reversed(self.running[first:]):
+                    req.cached = 0
                     self.waiting.appendleft(req)
                 del self.running[first:]
                 admitted = 0
@@ -158,7 +171,7 @@ class GreedyEngine:
                 finished.append(row)
         done = [self.running[i] for i in finished]
         if finished:
-            self.cache.remove_sequences(finished)  # their blocks go back now
+            self.cache.remove_sequences(finished, self._tokens(done))  # their blocks go back now (or to the prefix cache)
             self.running = [r for i, r in enumerate(self.running) if i not in set(finished)]
         return done
 
@@ -214,6 +227,7 @@ class GreedyEngine:
         if self._draining and not self.running:
             self._draining = False
             self.asleep = True
+            self.cache.drop_prefix_cache()
             manager.sleep.ready()  # no block is held: every page is unmapped
 
     def _preempt_all(self) -> None:

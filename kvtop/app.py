@@ -101,6 +101,7 @@ class KvtopApp(App[int]):
         Binding("t", "trim", "Trim"),
         Binding("T", "trim_all", "Trim all", show=False),
         Binding("c", "compact", "Compact", show=False),
+        Binding("w", "sleep_wake", "Sleep/wake", show=False),
         Binding("l", "limit", "Limit"),
         Binding("s", "cycle_sort", "Sort"),
         Binding("f", "filter", "Filter"),
@@ -497,6 +498,40 @@ class KvtopApp(App[int]):
             "Nothing is dropped from the prefix cache; blocks of running requests are not touched.", "Compact"),
             confirmed)
 
+    def action_sleep_wake(self) -> None:
+        """Put the selected model's KV cache to sleep, or wake it when it sleeps (or drains)."""
+        if self._refuse_readonly("sleep/wake"):
+            return
+        m = self.selected_model()
+        if not self._controllable(m, "sleep"):
+            return
+        assert m is not None
+        m = self.source.reread(m)
+        from kvcached_core.sleepctl import sleep_problem
+
+        problem = sleep_problem(m)
+        if problem is not None:
+            self.notify(problem, severity="warning", markup=False)
+            return
+        assert m.sleep is not None
+        kind = "wake" if m.sleep.state != "awake" else "sleep"
+
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                self._add_events([Event(time.time(), "action", m.name, f"{kind} requested", INFO)])
+                self._control(kind, [m], None)
+
+        if kind == "wake":
+            self.push_screen(ConfirmScreen(
+                f"Wake {m.name}?", f"It is {m.sleep.state}. Its engine schedules again; pages are mapped as its "
+                "requests need them.", "Wake"), confirmed)
+            return
+        self.push_screen(ConfirmScreen(
+            f"Put {m.name} to sleep?",
+            f"Its whole KV cache ({format_bytes(m.mapped_bytes)} mapped) is given back: new requests wait in its "
+            "engine's queue, running ones finish first, the prefix cache is dropped, then every page is unmapped. "
+            "Weights stay. The next request wakes it, as does this key.", "Sleep"), confirmed)
+
     def action_limit(self) -> None:
         if self._refuse_readonly("limit"):
             return
@@ -529,6 +564,15 @@ class KvtopApp(App[int]):
                                         f"compaction acknowledged: {format_bytes(ack.bytes_returned)} returned, "
                                         f"{format_bytes(ack.bytes_copied)} copied in {ack.latency_s * 1000:.0f} ms",
                                         GOOD))
+                elif kind in ("sleep", "wake"):
+                    ack = self.source.sleep(m, kind, CONTROL_WAIT_S)
+                    text = f"{kind} acknowledged: {ack.status}"
+                    if ack.status == "asleep":
+                        text += f", {format_bytes(ack.bytes_returned)} released in {ack.latency_s * 1000:.0f} ms"
+                    elif ack.status == "draining":
+                        text += " (running requests finish first)"
+                    events.append(Event(time.time(), kind, m.name, text,
+                                        WARN if ack.status == "superseded" else GOOD))
                 elif kind == "trim":
                     ack = self.source.trim(m, CONTROL_WAIT_S)
                     events.append(Event(time.time(), "trimmed", m.name,
@@ -638,7 +682,7 @@ def run(*, demo: bool, demo_models: int, once: bool, interval: float, gpus: list
               help="Seconds between refreshes.")
 @click.option("--gpu", "gpu", metavar="LIST", help="Only these GPU indices, e.g. 0 or 0,2 (panels and models).")
 @click.option("--model", metavar="NAME", help="Select this model (exact name or unique prefix).")
-@click.option("--readonly", is_flag=True, help="Disable every action that changes something (trim, compact, limit).")
+@click.option("--readonly", is_flag=True, help="Disable every action that changes something (trim, compact, sleep/wake, limit).")
 @click.version_option(__version__, prog_name="kvtop")
 def cli(demo: bool, demo_models: int, once: bool, interval: float, gpu: str | None, model: str | None,
         readonly: bool) -> int:

@@ -12,6 +12,7 @@ COMMANDS = (
     ("Trim all models", "unmap every live model's reserved pages now (T)", "trim_all"),
     ("Compact selected model", "move its cached blocks out of sparse pages and unmap the pages emptied (c)",
      "compact"),
+    ("Sleep / wake selected model", "give back its whole KV cache, or wake it when it sleeps (w)", "sleep_wake"),
     ("Set limit of selected model", "cap mapped bytes: 4G, 512MiB, 30%, none (l)", "limit"),
     ("Model details", "everything about the selected model (enter)", "details"),
     ("Cycle sort", "sort by name, mapped, waste, alloc/s, held (s)", "cycle_sort"),

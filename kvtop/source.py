@@ -58,6 +58,8 @@ class Source(Protocol):
 
     def compact(self, model: ModelSnapshot, wait: float) -> kc.Ack: ...
 
+    def sleep(self, model: ModelSnapshot, action: str, wait: float) -> kc.Ack: ...
+
     def limit(self, model: ModelSnapshot, limit_bytes: int | None, wait: float) -> kc.Ack: ...
 
     def close(self) -> None: ...
@@ -125,6 +127,12 @@ class LiveSource:
         from kvcached_core.compactctl import request_compact
 
         return request_compact(model, wait=wait)
+
+    def sleep(self, model: ModelSnapshot, action: str, wait: float) -> kc.Ack:
+        """``action``: sleep or wake; returns once the model took it (``draining`` while requests finish)."""
+        from kvcached_core.sleepctl import request_sleep
+
+        return request_sleep(model, action, wait=wait)
 
     def limit(self, model: ModelSnapshot, limit_bytes: int | None, wait: float) -> kc.Ack:
         return kc.request_limit(model, limit_bytes, wait=wait)
@@ -248,6 +256,11 @@ class FakeSource:
     def compact(self, model: ModelSnapshot, wait: float) -> kc.Ack:
         self.requests.append(("compact", model.name, None))
         return kc.Ack(model.name, "compact", "compacted", len(self.requests), model.limit_bytes)
+
+    def sleep(self, model: ModelSnapshot, action: str, wait: float) -> kc.Ack:
+        self.requests.append((action, model.name, None))
+        return kc.Ack(model.name, action, "asleep" if action == "sleep" else "awake", len(self.requests),
+                      model.limit_bytes, bytes_returned=model.mapped_bytes if action == "sleep" else 0)
 
     def limit(self, model: ModelSnapshot, limit_bytes: int | None, wait: float) -> kc.Ack:
         self.requests.append(("limit", model.name, limit_bytes))

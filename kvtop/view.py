@@ -24,7 +24,7 @@ SORT_KEYS = ("name", "mapped", "waste", "alloc/s", "held")
 MODEL_COLOURS = ("dodger_blue1", "dark_orange", "medium_purple1", "spring_green2", "gold1", "hot_pink",
                  "turquoise2", "salmon1", "chartreuse2", "orchid1", "sky_blue1", "light_goldenrod2")
 STATUS_STYLES = {"live": "green", "stale": "bold red", "legacy": "cyan", "shrinking": "bold yellow",
-                 "late": "bold yellow"}
+                 "late": "bold yellow", "draining": "yellow", "asleep": "blue"}
 STATE_STYLES = {"free": "grey35", "reserved": "steel_blue1", "cached": "magenta", "low": "yellow",
                 "mid": "chartreuse3", "high": "green3", "full": "bold green1"}
 RESERVED_STYLE, OTHERS_STYLE, FREE_STYLE = "steel_blue1", "grey50", "grey27"
@@ -113,11 +113,19 @@ def mapped_cell(m: ModelSnapshot) -> Text:
     return Text(format_bytes(m.mapped_bytes), style=style)
 
 
+def shown_status(m: ModelSnapshot) -> str:
+    """The status column: a live model that sleeps (or drains toward sleep) says so."""
+    status = m.display_status
+    if status == "live" and m.sleep is not None and m.sleep.state != "awake":
+        return m.sleep.state
+    return status
+
+
 def model_cells(m: ModelSnapshot, history: History | None = None, names: Sequence[str] = ()) -> dict[str, Text]:
     """One table row, keyed like :data:`COLUMNS`; ``names`` (every model) picks the colour swatch."""
     legacy = m.legacy
     rate = history.rate(m.name) if history else None
-    status = m.display_status
+    status = shown_status(m)
     return {
         "name": Text.assemble(("■ ", model_colour(m.name, names) if names else "grey50"),
                               (m.name, "bold" if status == "live" else "")),
@@ -330,6 +338,12 @@ def frag_table(m: ModelSnapshot | None) -> Table | Text:
         grid.add_row("evict frees", Text(format_bytes(evictable_pages(m) * m.bundle_bytes), style="magenta"))
     if f.idle_returned_bytes:
         grid.add_row("idle returned", Text(format_bytes(f.idle_returned_bytes), style="green"))
+    if m.sleep is not None and (m.sleep.state != "awake" or m.sleep.after_idle_s is not None):
+        grid.add_row("sleep", Text(m.sleep.state, style=STATUS_STYLES.get(m.sleep.state, "")))
+        if m.sleep.after_idle_s is not None:
+            grid.add_row("after idle", f"{m.sleep.after_idle_s:g} s")
+        if m.sleep.state == "asleep":
+            grid.add_row("released", Text(format_bytes(m.sleep.slept_bytes), style="green"))
     c = f.compaction
     if c is not None and c.compactions:
         grid.add_row("compacted", Text(f"{format_bytes(c.bytes_returned)} ({c.compactions}×)", style="green"))

@@ -275,3 +275,80 @@ def test_c_then_y_compacts_the_selected_model_and_readonly_refuses(spawn_allocat
     assert after.pages_inuse == 2 and after.blocks_cached == 8  # the packed floor; nothing dropped from the cache
     assert log_has(app, f"compaction acknowledged: {kc.format_bytes(2 * BUNDLE)} returned, "
                         f"{kc.format_bytes(4 * 64 * 1024 * 4)} copied")
+
+
+# An engine that frees its blocks when asked to sleep and takes them again on a wake (its poller thread).
+SLEEPER = """
+held = m.alloc(20)
+def handler(action):
+    global held
+    if action.startswith("sleep"):
+        m.free(held)
+        held = []
+        m.sleep.ready()
+    else:
+        held = m.alloc(20)
+m.set_sleep_handler(handler)
+"""
+
+
+def test_w_then_y_puts_the_selected_model_to_sleep_and_wakes_it(spawn_allocator) -> None:
+    spawn_allocator("m1", script=SLEEPER)
+    before = read_model("m1")
+    assert before.mapped_bytes > 0 and before.sleep is not None and before.sleep.state == "awake"
+
+    readonly = KvtopApp(LiveSource(), interval=0.2, readonly=True)
+
+    async def refused(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(readonly, "m1"), "m1 on screen")
+        await pilot.press("w")
+        await pilot.pause(0.1)
+        assert not isinstance(readonly.screen, ConfirmScreen)
+        await until(pilot, lambda: log_has(readonly, "read-only: sleep/wake is disabled"), "the refusal in the log")
+
+    drive(readonly, refused)
+    assert read_model("m1").sleep.acked_revision == 0  # type: ignore[union-attr]
+
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1") and app.selected == "m1", "m1 on screen")
+        await pilot.press("w")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirm dialog")
+        assert "sleep" in str(app.screen.question).lower()  # type: ignore[attr-defined]
+        await pilot.press("n")  # cancelled: nothing is asked
+        await pilot.pause(0.2)
+        assert read_model("m1").sleep.state == "awake"  # type: ignore[union-attr]
+        await pilot.press("w")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirm dialog again")
+        await pilot.press("y")
+        await until(pilot, lambda: log_has(app, "sleep acknowledged: asleep"), "the sleep in the event log")
+        # The table says it sleeps; the next press offers to wake it.
+        await until(pilot, lambda: "asleep" in app.table.render_line(1).text, "asleep in the status column")
+        await pilot.press("w")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the wake dialog")
+        assert "wake" in str(app.screen.question).lower()  # type: ignore[attr-defined]
+        await pilot.press("y")
+        await until(pilot, lambda: log_has(app, "wake acknowledged: awake"), "the wake in the event log")
+
+    drive(app, script)
+    after = read_model("m1")
+    assert after.sleep is not None and after.sleep.state == "awake" and after.sleep.acked_revision == 2
+    assert after.sleep.slept_bytes >= before.mapped_bytes and after.blocks_used == 20
+
+
+def test_w_on_a_model_that_cannot_sleep_says_why(spawn_allocator) -> None:
+    spawn_allocator("m1", script="ids = m.alloc(4)\n")
+    app = KvtopApp(LiveSource(), interval=0.2)
+    notes: list[str] = []
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1") and app.selected == "m1", "m1 on screen")
+        app.notify = lambda message, **kw: notes.append(str(message))  # type: ignore[method-assign]
+        await pilot.press("w")
+        await pilot.pause(0.2)
+        assert not isinstance(app.screen, ConfirmScreen)
+
+    drive(app, script)
+    assert notes == ["m1 cannot sleep: its engine (custom) registered no sleep handler"]
+    assert read_model("m1").sleep.acked_revision == 0  # type: ignore[union-attr]

@@ -282,6 +282,11 @@ class DetailsScreen(_InfoScreen):
                           f"{format_bytes(m.requested_limit)}, revision {m.applied_revision}/{m.limit_revision}"),
                 ("trim", f"{m.trim_ack_seq}/{m.trim_seq} acknowledged, last returned {format_bytes(m.trim_bytes)}, "
                          f"{format_bytes(m.trimmed_total)} in all"),
+                ("sleep", "-" if m.sleep is None else
+                          f"{m.sleep.state}" + ("" if m.sleep.capable else " (its engine cannot sleep)")
+                          + ("" if m.sleep.after_idle_s is None else f", after {m.sleep.after_idle_s:g} s idle")
+                          + (f", last released {format_bytes(m.sleep.slept_bytes)} in {m.sleep.took_s * 1000:.0f} ms"
+                             if m.sleep.slept_bytes else "")),
                 ("traffic", f"{m.alloc_count:,} allocs ({m.alloc_blocks:,} blocks) · {m.free_count:,} frees · "
                             f"{m.evicted_blocks:,} evicted"),
                 ("device capacity", format_bytes(m.device_capacity) if m.device_capacity else "N/A"),

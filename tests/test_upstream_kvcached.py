@@ -137,7 +137,13 @@ def test_files_that_merely_look_like_the_struct_are_never_taken_for_one(shm_dir)
     everything = kvctl("list", "--all")
     assert everything.exit_code == 0
     assert sorted(line.split(": ")[2].rsplit("/", 1)[1] for line in everything.stderr.splitlines()) == sorted(problems)
+    for name in ("negative", "zero_total"):  # never steered or cleaned either
+        refused = kvctl("limit", name, "1GiB")
+        assert refused.exit_code == 1 and f"{name!r} is not a usable segment" in refused.stderr
+    assert kvctl("clean").exit_code == 0
+    assert {p.name for p in shm_dir.iterdir()} >= set(doubtful) | {"kvcached_vLLM_1_g1"}
     assert fields(shm_dir / "negative") == (8 * GiB, -1, 0)  # nothing was written anywhere
+    assert fields(shm_dir / "zero_total") == (0, 0, 0)
 
 
 def test_names_give_the_engine_and_the_process_group():

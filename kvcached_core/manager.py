@@ -29,6 +29,9 @@ from .sleep import SleepControl, SleepHandler
 REFILL_POLL_S = 0.0005
 REFILL_LINGER_S = 0.25
 RELEASE_CHECK_S = 5.0  # an idle refill thread looks again this often, waiting without holding its manager
+# The refill thread runs this much nicer than the engine: on a busy host, mapping ahead (a whole warm
+# pool right after a wake) must not take CPU from the step that serves the request (benchmarks/sleep.py).
+REFILL_NICE = 10
 _IDLE = -1.0  # _refill_step: nothing to do until an alloc asks
 INFLIGHT_WAIT_S = 1.0  # the most a limit waits for the refill thread's batch in flight to land
 # (the process's poller serves the other allocators only after this: it stays well under a late heartbeat)
@@ -870,6 +873,15 @@ class KVCacheManager:
         return True
 
 
+def _lower_priority() -> None:
+    """Linux gives each thread its own nice value: this one yields the CPU to the engine's threads."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + REFILL_NICE))
+    except (AttributeError, OSError):  # no per-thread priority here: the thread runs as it did
+        pass
+
+
 class _WatchState:
     """What the watcher remembers between ticks."""
 
@@ -886,6 +898,7 @@ class _WatchState:
 # a step runs: a manager dropped without close() is then collected like any object (its __del__
 # closes it), threads, memory and segment too.
 def _refill_loop(ref: weakref.ref[KVCacheManager]) -> None:
+    _lower_priority()
     linger_until = 0.0
     while True:
         manager = ref()

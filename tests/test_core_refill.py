@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import pytest
@@ -56,3 +58,16 @@ def test_without_lingering_the_refill_thread_sleeps_until_an_alloc_wakes_it() ->
 def test_a_bad_refill_linger_is_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="refill_linger_s"):
         KVCacheManager("badlinger", refill_linger_s=bad, **MODEL)  # type: ignore[arg-type]
+
+
+def test_the_refill_thread_runs_nicer_than_the_engine() -> None:
+    """Mapping ahead yields the CPU to the engine's threads (Linux: a nice value per thread)."""
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with KVCacheManager("nice", **MODEL) as m:
+        m.alloc(16)
+        (refill,) = [t for t in threading.enumerate() if t.name == "kvc-refill-nice"]
+        assert refill.native_id is not None
+        wait_for(lambda: os.getpriority(os.PRIO_PROCESS, refill.native_id) != own, what="the thread to lower itself")
+        assert os.getpriority(os.PRIO_PROCESS, refill.native_id) == min(19, own + manager_mod.REFILL_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the caller's own is untouched
+        assert settled_pool(m) >= 2  # and it still refills

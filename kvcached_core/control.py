@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import layout as L
-from .legacy import flock_within, write_legacy_limit
+from .legacy import flock_within, limit_refusal, write_legacy_limit
 from .poller import poke
 from .reader import list_models, read_segment, resolve
 from .snapshot import ModelSnapshot
@@ -146,13 +146,10 @@ def request_limit(name: str | ModelSnapshot, limit_bytes: int | None, *, wait: f
         raise ControlError(problem)
     model = _target(name)
     if model.status == "legacy":
-        # Upstream has no "no limit": its watcher resizes the KV cache to the total field, so
-        # writing 0 would shrink that engine's cache to nothing (and hide it from the public kvctl).
-        if limit_bytes is None:
-            raise ControlError(f"{model.name} is an upstream kvcached segment, which has no 'no limit': give it a size")
-        if limit_bytes == 0:
-            raise ControlError(f"{model.name} is an upstream kvcached segment: a limit of 0 would empty its KV cache "
-                               "(and hide it from the public kvctl, which skips totals <= 0); give a positive size")
+        refusal = limit_refusal(model.name, limit_bytes)
+        if refusal is not None:
+            raise ControlError(refusal)
+        assert limit_bytes is not None
         try:
             _, used, _ = write_legacy_limit(Path(model.path), limit_bytes)
         except (OSError, ValueError) as exc:

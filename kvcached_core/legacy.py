@@ -95,6 +95,20 @@ def doubt(fields: tuple[int, int, int], *, named: bool) -> str | None:
     return None
 
 
+def limit_refusal(name: str, limit_bytes: int | None) -> str | None:
+    """Why a limit cannot be written to upstream segment ``name``; None when it can.
+
+    Upstream has no "no limit": its watcher resizes the KV cache to the total field, so 0 would
+    shrink that engine's cache to nothing (and hide it from the public kvctl).
+    """
+    if limit_bytes is None:
+        return f"{name} is an upstream kvcached segment, which has no 'no limit': give it a size"
+    if limit_bytes == 0:
+        return (f"{name} is an upstream kvcached segment: a limit of 0 would empty its KV cache "
+                "(and hide it from the public kvctl, which skips totals <= 0); give a positive size")
+    return None
+
+
 def limit_status(total: int, used: int) -> str:
     """``pending`` while more is in use than the limit (the engine applies it only as pages free), else ``written``.
 

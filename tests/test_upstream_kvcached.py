@@ -297,6 +297,46 @@ def test_kvtops_limit_dialog_takes_a_percentage_of_device_0_by_nvml(shm_dir):
         assert fields(path) == (8 * GiB, GiB, 0)
 
 
+def test_kvtops_limit_dialog_refuses_none_and_0_and_says_pending(shm_dir):
+    """As kvctl: no 'no limit' and no 0 for an upstream segment (said under the input, nothing written);
+    a limit below what is in use is previewed as pending, never applied."""
+    from test_operator_first_hour import drive, until
+
+    from kvtop.app import KvtopApp
+    from kvtop.source import LiveSource
+    from kvtop.widgets import LimitScreen
+
+    name = f"kvcached_vLLM_{LIVE}"
+    path = upstream_segment(shm_dir, name, 8 * GiB, 3 * GiB, GiB)
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    def said(widget: str) -> str:
+        return " ".join(str(app.screen.query_one(widget).render()).split())
+
+    async def script(pilot):
+        await until(pilot, lambda: app.frame and app.frame.model(name), "the upstream row on screen")
+        await pilot.press("l")
+        await until(pilot, lambda: isinstance(app.screen, LimitScreen), "the limit dialog")
+        for typed, refusal in (("none", "which has no 'no limit'"), ("0B", "a limit of 0 would empty its KV cache")):
+            await pilot.press(*typed)
+            await pilot.pause(0.1)
+            assert refusal in said("#preview"), said("#preview")
+            await pilot.press("enter")
+            await pilot.pause(0.2)
+            assert isinstance(app.screen, LimitScreen), f"{typed} was accepted"
+            assert refusal in said("#error"), said("#error")
+            await pilot.press(*["backspace"] * len(typed))
+        await pilot.press(*"1GiB")
+        await pilot.pause(0.1)
+        assert "below the 3.0 GiB in use: pending until the engine frees pages" in said("#preview"), said("#preview")
+        await pilot.press("enter")
+        await until(pilot, lambda: fields(path)[0] == GiB, "the limit written")
+
+    drive(app, script)
+    assert fields(path) == (GiB, 3 * GiB, GiB)
+    assert kc.snapshot(name).limit_status == "pending"
+
+
 # -- liveness and cleaning ------------------------------------------------------------------
 
 def test_dead_or_reused_process_groups_are_stale_and_clean_removes_them(shm_dir):

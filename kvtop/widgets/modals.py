@@ -17,7 +17,7 @@ from textual.widgets import Button, Input, Label, Static
 
 from kvcached_core import SizeError, format_bytes, parse_size
 from kvcached_core.frag import fragmentation
-from kvcached_core.legacy import NoDeviceTotal, percent_base
+from kvcached_core.legacy import NoDeviceTotal, limit_refusal, percent_base
 from kvcached_core.snapshot import ModelSnapshot
 from kvtop.pagemap import GLYPHS, LEGEND
 from kvtop.textfmt import fmt_device
@@ -144,10 +144,17 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
 
     def _describe(self, value: int | None) -> Text:
         m = self.model
+        refusal = limit_refusal(m.name, value) if m.legacy else None  # upstream: no "no limit", no 0
         if value is None:
-            return Text("= no limit", style="green")
+            return Text(refusal, style="red") if refusal else Text("= no limit", style="green")
         text = Text(f"= {format_bytes(value)}")
-        if not m.legacy and m.bundle_bytes:
+        if m.legacy:
+            if refusal is not None:
+                text.append(f"\n{refusal}", style="red")
+            elif value < m.held_bytes:
+                text.append(f"\nbelow the {format_bytes(m.held_bytes)} in use: pending until the engine frees pages "
+                            "(upstream never acknowledges a limit)", style="yellow")
+        elif m.bundle_bytes:
             pages = value // m.bundle_bytes
             text.append(f" ({pages} page bundle{'s' if pages != 1 else ''})")
             if pages == 0 and value > 0:
@@ -162,6 +169,9 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
         event.stop()
         try:
             value = self._parse(event.value)
+            refusal = limit_refusal(self.model.name, value) if self.model.legacy else None
+            if refusal is not None:
+                raise SizeError(refusal)
         except SizeError as exc:
             self.query_one("#error", Static).update(Text(f"✗ {exc}", style="bold red"))
             self.add_class("-invalid")

@@ -583,8 +583,11 @@ class KvtopApp(App[int]):
                     ack = self.source.limit(m, value, CONTROL_WAIT_S)
                     shown = "none" if ack.effective_limit is None else format_bytes(ack.effective_limit)
                     if ack.status == "legacy":
-                        events.append(Event(time.time(), "limit", m.name,
-                                            f"limit {shown} written to the upstream total field", GOOD))
+                        text, level = f"limit {shown} written to the upstream total field", GOOD
+                        if ack.in_use is not None and ack.effective_limit is not None and ack.in_use > ack.effective_limit:
+                            text += f"; pending: {format_bytes(ack.in_use)} is in use, it applies only as pages free"
+                            level = WARN
+                        events.append(Event(time.time(), "limit", m.name, text, level))
                     else:
                         level = WARN if ack.status in ("deferred", "conflict", "superseded") else GOOD
                         text = f"limit r{ack.revision} acknowledged: {ack.status}, effective {shown}"

@@ -331,6 +331,9 @@ def test_kvtops_limit_dialog_refuses_none_and_0_and_says_pending(shm_dir):
         assert "below the 3.0 GiB in use: pending until the engine frees pages" in said("#preview"), said("#preview")
         await pilot.press("enter")
         await until(pilot, lambda: fields(path)[0] == GiB, "the limit written")
+        pending = "limit 1.0 GiB written to the upstream total field; pending: 3.0 GiB is in use"
+        await until(pilot, lambda: any(pending in line for line in app.event_log.lines_text), "the event log")
+        assert not any("applied" in line for line in app.event_log.lines_text)
 
     drive(app, script)
     assert fields(path) == (GiB, 3 * GiB, GiB)

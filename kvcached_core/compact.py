@@ -20,6 +20,9 @@ from .prefix_cache import PrefixCache
 Move = tuple[int, int]  # (source block, destination block)
 # The engine's copy: given the remap list, copy each source block's KV data to its destination
 # (every layer, every KV buffer) and return the moves it completed; the rest stay where they are.
+# A destination is a free slot; during idle packing it may be a block the same ``mark_cached`` call
+# evicted (that id is then not in the call's evicted list): the engine drops what it still records
+# for a destination before recording the move there.
 CompactHandler = Callable[[list[Move]], Sequence[Move]]
 
 

@@ -391,7 +391,12 @@ class KVCacheManager:
                     self._dirty.add(block // self.blocks_per_page)
             evicted = self._evict(self.cache.over_budget())
             if self.pages.blocks_used == len(self.cache):  # nothing active: the model just went idle
-                evicted += self._pack()
+                # Compaction may fill the slots just evicted: the engine learns those ids as destinations
+                # (its handler drops what it still records for them), so they are not returned as evicted.
+                refilled = self._compact_idle()
+                if refilled:
+                    evicted = [b for b in evicted if b not in refilled]
+                evicted += self._pack(compact=False)
             self._publish()
             return evicted
 
@@ -655,9 +660,24 @@ class KVCacheManager:
         self.evicted_blocks += len(victims)
         return victims
 
-    def _pack(self) -> list[int]:
-        """Evict what the policy's idle packing picks; the pages it empties are unmapped, not pooled."""
+    def _compact_idle(self) -> set[int]:
+        """Idle packing's first step when the engine registered a compact handler: move the cached blocks into
+        fewer pages (the cache is kept); the policy then evicts only what still keeps it above its target.
+        Returns the destinations filled."""
+        if self._compact_handler is None or not self.cache.blocks or self.policy.pack_ratio is None:
+            return set()
+        try:
+            return {dst for _, dst in self._compact().moves}
+        except Exception:  # noqa: BLE001 - the engine's copy failed: nothing moved, eviction packs instead
+            logging.getLogger(__name__).exception("%s: idle compaction failed; evicting instead", self.name)
+            return set()
+
+    def _pack(self, *, compact: bool = True) -> list[int]:
+        """Idle packing: compact first (when the engine can, see ``_compact_idle``), then evict what the policy's
+        idle packing still picks. The pages emptied are unmapped, not pooled."""
         pages = self.pages
+        if compact:
+            self._compact_idle()
         mapped_before = pages.mapped_pages
         victims = self._drop_cached(self.policy.pack(self.cache, pages))
         if victims:

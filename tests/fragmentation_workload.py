@@ -29,6 +29,8 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvcached_core.compact import host_copy
+from kvcached_core.config import max_cached_blocks
 from kvcached_core.frag import fragmentation
 from kvcached_core.manager import KVCacheManager
 from kvcached_core.reader import snapshot
@@ -91,6 +93,18 @@ class Result:
     alloc_us_median: float
     alloc_us_p99: float
     allocs: int = 0
+    compaction: bool = False  # the engine registered a compact handler
+    cache_budget: int = 0  # blocks the cache budget allows
+    compactions: int = 0
+    blocks_moved: int = 0
+    copied_bytes: int = 0
+    copy_s: float = 0.0  # time in the engine's copies (memmove of the KV bytes)
+    compact_s: float = 0.0  # time in compaction (plan, copy, bookkeeping, unmapping) while idle
+
+    @property
+    def cache_kept(self) -> float:
+        """Cached blocks held once idle, as a share of the cache budget."""
+        return self.idle_cached / self.cache_budget if self.cache_budget else 0.0
 
     @property
     def ratio(self) -> float:
@@ -130,6 +144,8 @@ class Engine:
         self.peak_pages = 0
         self.recent: deque[tuple] = deque(maxlen=64)  # full-block hashes of recent conversations
         self.next_rid = 0
+        self.copy_ns = 0
+        self.compact_ns = 0  # mark_cached calls in which idle packing compacted, and explicit compactions
         weights = [1 / (i + 1) ** wl.zipf for i in range(wl.prefixes)]
         total = sum(weights)
         self.prefix_cdf = list(_accumulate(w / total for w in weights))
@@ -225,9 +241,32 @@ class Engine:
                 self._forget(block)
             self.m.free(drop)
         if cache:
-            for block in self.m.mark_cached(cache):
+            t0, before = time.perf_counter_ns(), self.m.compaction.compactions
+            evicted = self.m.mark_cached(cache)
+            if self.m.compaction.compactions != before:
+                self.compact_ns += time.perf_counter_ns() - t0
+            for block in evicted:
                 self._forget(block)
         self.recent.append(tuple(req.block_hash(j) for j in range(full)))
+
+    def compact_handler(self, moves: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The engine's side of compaction: copy the blocks' KV bytes, then move the prefix index with them."""
+        t0 = time.perf_counter_ns()
+        done = host_copy(self.m.backend, self.m.block_bytes, moves)
+        self.copy_ns += time.perf_counter_ns() - t0
+        for src, dst in done:
+            self._forget(dst)  # a slot evicted in the same mark_cached call: not in its evicted list
+            h = self.hash_of.pop(src)
+            self.hash_of[dst] = h
+            if self.index.get(h) == src:
+                self.index[h] = dst
+        return done
+
+    def check_index(self) -> None:
+        """Every prefix-index entry names a block recorded under that same hash (a stale entry would serve
+        another prefix's K/V on a hit)."""
+        stale = [h for h, block in self.index.items() if self.hash_of.get(block) != h]
+        assert not stale, f"{len(stale)} prefix-index entries name a block that holds another prefix"
 
     def _forget(self, block: int) -> None:
         h = self.hash_of.pop(block, None)
@@ -302,9 +341,13 @@ def _bisect(cdf: list[float], x: float) -> int:
     return lo
 
 
-def run_workload(wl: Workload, policy: str) -> Result:
+def run_workload(wl: Workload, policy: str, *, compaction: bool = False) -> Result:
     """Serve ``wl`` on a fresh allocator under ``policy`` (in the KVCACHED_SHM_DIR the caller set); measure the
-    idle phase from the segment."""
+    idle phase from the segment.
+
+    ``compaction``: the engine registers a compact handler (the policy's idle packing then compacts
+    instead of evicting); a policy without idle packing is compacted once idle, as ``kvctl compact`` would.
+    """
     settings = {"KVCACHED_HOST_CAPACITY": "8GiB", "KVCACHED_MIN_RESERVED_PAGES": "0",
                 "KVCACHED_MAX_RESERVED_PAGES": "10", "KVCACHED_IDLE_RETURN_S": "0.05",
                 "KVCACHED_MAX_CACHED_TOKENS": str(wl.cache_tokens), "KVCACHED_MAX_CACHED_BLOCKS": ""}
@@ -314,12 +357,20 @@ def run_workload(wl: Workload, policy: str) -> Result:
         with KVCacheManager(f"frag-{policy}", num_blocks=num_blocks, block_bytes=wl.block_bytes, num_layers=1,
                             page_size=wl.page_size, block_tokens=wl.block_tokens, policy=policy) as m:
             engine = Engine(m, wl)
+            if compaction:
+                m.set_compact_handler(engine.compact_handler)
             engine.serve(wl.requests, wl.concurrency)
+            engine.check_index()
             assert m.pages.blocks_used == m.cached_blocks, "requests still active after the drain"
+            if compaction and m.policy.pack_ratio is None:
+                t0 = time.perf_counter_ns()
+                m.compact()
+                engine.compact_ns += time.perf_counter_ns() - t0
             snap = _idle_snapshot(m.name)
             frag = fragmentation(snap)
             hits_before = engine.hits
             engine.serve(wl.after_idle, wl.concurrency)
+            engine.check_index()
             ns = sorted(engine.alloc_ns)
             return Result(
                 workload=wl.label, policy=policy, idle_pinned=snap.pages_inuse,
@@ -328,6 +379,11 @@ def run_workload(wl: Workload, policy: str) -> Result:
                 hits=engine.hits, hits_after_idle=engine.hits - hits_before, lookups=engine.lookups,
                 peak_pages=engine.peak_pages, alloc_us_median=ns[len(ns) // 2] / 1e3,
                 alloc_us_p99=ns[min(len(ns) - 1, int(len(ns) * 0.99))] / 1e3, allocs=len(ns),
+                compaction=compaction, cache_budget=max_cached_blocks(wl.block_tokens) or 0,
+                compactions=snap.compaction.compactions if snap.compaction else 0,
+                blocks_moved=snap.compaction.blocks_moved if snap.compaction else 0,
+                copied_bytes=snap.compaction.bytes_copied if snap.compaction else 0,
+                copy_s=engine.copy_ns / 1e9, compact_s=engine.compact_ns / 1e9,
             )
 
 

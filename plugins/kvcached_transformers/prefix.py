@@ -58,8 +58,10 @@ class PrefixIndex:
                 del self.by_hash[key]
 
     def remap(self, moves: Iterable[tuple[int, int]]) -> None:
-        """Compaction moved these blocks (source, destination): their keys follow them."""
+        """Compaction moved these blocks (source, destination): their keys follow them. A destination was a free
+        slot: whatever is still indexed under its id (a block the same call evicted) goes first."""
         for src, dst in moves:
+            self.forget((dst,))
             key = self.hash_of.pop(src)
             self.by_hash[key] = dst
             self.hash_of[dst] = key

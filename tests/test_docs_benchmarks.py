@@ -63,3 +63,31 @@ def test_every_pair_names_two_rows_with_the_same_unit():
         ours, peer = figures.get((pair.module, pair.ours)), figures.get((pair.module, pair.peer))
         assert ours and peer, f"{pair.what}: {pair.ours!r} or {pair.peer!r} is not a row of {pair.module}"
         assert ours[1] == peer[1], f"{pair.what}: {ours[1]} against {peer[1]}"
+
+
+def test_every_benchmark_and_every_recorded_result_is_in_benchmarks_md():
+    """A new module of benchmarks/ or a new file in benchmarks/results/ fails until BENCHMARKS.md is regenerated."""
+    import pkgutil
+
+    import benchmarks
+
+    parts = sections(BENCHMARKS.read_text())
+    modules = sorted(info.name for info in pkgutil.iter_modules(benchmarks.__path__)
+                     if not info.name.startswith("_") and not info.ispkg)
+    summary = {cells(line)[0] for line in parts["Summary"] if line.startswith("| [")}
+    assert summary == {f"[{m}](#{m})" for m in modules}, "the summary table names every module of benchmarks/"
+    missing = [m for m in modules if m not in parts]
+    assert not missing, f"benchmarks without a section in BENCHMARKS.md (run python -m benchmarks): {missing}"
+    recorded = "\n".join(parts.get("Recorded on device", []))
+    results = sorted(p.name for p in (ROOT / "benchmarks" / "results").glob("*.md"))
+    missing = [name for name in results if f"### {name}" not in recorded]
+    assert not missing, f"benchmarks/results files not copied into BENCHMARKS.md (run python -m benchmarks): {missing}"
+
+
+def test_each_recorded_result_is_copied_as_it_stands():
+    """The "Recorded on device" copies follow their files (headings one level deeper), so an edited
+    result fails until BENCHMARKS.md is regenerated."""
+    recorded = "\n".join(sections(BENCHMARKS.read_text()).get("Recorded on device", [])) + "\n"
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*.md")):
+        body = ["##" + line if line.startswith("#") else line for line in path.read_text().strip().splitlines()]
+        assert "\n".join([f"### {path.name}", "", *body, ""]) in recorded, f"{path.name}: its copy in BENCHMARKS.md"

@@ -1,6 +1,7 @@
 """Run every benchmark, print one table, and write BENCHMARKS.md.
 
     python -m benchmarks [--quick] [--only NAME[,NAME...]] [--skip NAME[,NAME...]] [--output PATH] [--no-write]
+    python -m benchmarks --copy-results     # only the "Recorded on device" copies, nothing run
 
 Each module runs in a child process of its own (a crash, a hang or a leaked thread stays
 there); a module that fails is reported in the table and the run goes on. Modules that need a
@@ -17,6 +18,7 @@ import json
 import os
 import pkgutil
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -220,19 +222,40 @@ def markdown(outcomes: list[Outcome], info: dict[str, str], quick: bool, elapsed
                 out.append(f"| {_cell(row['name'])} | {_fmt(row['value'])} | {_cell(row['unit'])} "
                            f"| {_cell(row.get('note', ''))} |")
             out.append("")
-    recorded = sorted(RESULTS.glob("*.md")) if RESULTS.is_dir() else []
-    if recorded:
-        out += ["## Recorded on device", "",
-                "Copied from `benchmarks/results/` as the runs on other machines wrote them (each names its "
-                "machine and command).", ""]
-        for path in recorded:
-            body = path.read_text().strip().splitlines()
-            body = ["#" * 2 + line if line.startswith("#") else line for line in body]  # nest the headings
-            out += [f"### {path.name}", "", *body, ""]
-        orphans = [p.name for p in sorted(RESULTS.glob("*.json")) if not p.with_suffix(".md").exists()]
-        if orphans:
-            out += ["Raw results without a write-up: " + ", ".join(f"`{n}`" for n in orphans) + ".", ""]
+    out += recorded_section()
     return "\n".join(out).rstrip() + "\n"
+
+
+RECORDED = "## Recorded on device"
+_LOCAL_LINK = re.compile(r"(\]\()(?![a-z][a-z0-9+.-]*:|#|/)")  # a relative link target, e.g. ](plot.png)
+
+
+def recorded_section() -> list[str]:
+    """The copies of ``benchmarks/results/*.md`` (headings one level deeper), as BENCHMARKS.md ends."""
+    recorded = sorted(RESULTS.glob("*.md")) if RESULTS.is_dir() else []
+    if not recorded:
+        return []
+    out = [RECORDED, "",
+           "Copied from `benchmarks/results/` as the runs on other machines wrote them (each names its "
+           "machine and command).", ""]
+    for path in recorded:
+        body = path.read_text().strip().splitlines()
+        body = ["#" * 2 + line if line.startswith("#") else line for line in body]  # nest the headings
+        body = [_LOCAL_LINK.sub(r"\1benchmarks/results/", line) for line in body]  # links from the repository root
+        out += [f"### {path.name}", "", *body, ""]
+    orphans = [p.name for p in sorted(RESULTS.glob("*.json")) if not p.with_suffix(".md").exists()]
+    if orphans:
+        out += ["Raw results without a write-up: " + ", ".join(f"`{n}`" for n in orphans) + ".", ""]
+    return out
+
+
+def copy_results(target: Path) -> None:
+    """Rewrite only the "Recorded on device" copies of ``target`` (a file this command wrote): for a
+    result recorded on another machine, which needs no new run here."""
+    text = target.read_text()
+    start = text.find("\n" + RECORDED + "\n")
+    kept = text if start < 0 else text[:start + 1]
+    target.write_text(kept.rstrip() + "\n\n" + "\n".join(recorded_section()).rstrip() + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,7 +273,14 @@ def main(argv: list[str] | None = None) -> int:
                         "written, naming them (for a module another run is measuring on this machine)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--timeout", type=float, help="seconds per module (default 120 quick, 1200 full)")
+    parser.add_argument("--copy-results", action="store_true", help="run nothing: only copy benchmarks/results/*.md "
+                        "anew into BENCHMARKS.md (or --output), after a result recorded elsewhere was added or changed")
     args = parser.parse_args(argv)
+    if args.copy_results:
+        target = args.output or ROOT / "BENCHMARKS.md"
+        copy_results(target)
+        print(f"# copied benchmarks/results into {target}", flush=True)
+        return 0
 
     modules = discover()
     if args.only:

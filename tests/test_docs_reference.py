@@ -307,3 +307,42 @@ def test_every_command_that_takes_json_is_in_json_md():
     for name in COMMANDS:
         if "--json" in long_options(main.get_command(ctx, name)):
             assert re.search(rf"`(?:kvctl )?{name}(?: MODEL)? --json`", text), f"kvctl {name} --json: not in docs/json.md"
+
+
+SLEEPY = """
+def handler(action):
+    if action.startswith("sleep"):
+        m.free(held)
+        held.clear()
+        m.sleep.ready()
+    else:
+        held.extend(m.alloc(4))
+held = m.alloc(4)
+m.set_sleep_handler(handler)
+"""
+
+
+def test_sleep_and_wake_table_is_what_kvctl_prints(spawn_allocator):
+    import json
+
+    from conftest import kvctl
+
+    spawn_allocator("sleepy", engine="vllm", script=SLEEPY)
+    produced: dict[str, list[object]] = {}
+    for args in (("sleep", "--wait"), ("sleep",), ("wake", "--wait"), ("wake",), ("sleep", "--now", "--wait"),
+                 ("wake", "--wait"), ("sleep", "--after-idle", "5m"), ("sleep", "--after-idle", "off")):
+        done = kvctl(args[0], "sleepy", *args[1:], "--json")
+        assert done.exit_code == 0, (args, done.stderr)
+        for key, value in json.loads(done.stdout).items():
+            produced.setdefault(key, []).append(value)
+    documented = key_table("Sleep and wake")
+    racing = {"superseded", "superseded_by"}  # a later request replacing this one: two controllers racing
+    assert set(documented) - racing == set(produced), (
+        f"kvctl sleep/wake --json: keys without a row in docs/json.md: {sorted(set(produced) - set(documented))}; "
+        f"rows it does not produce: {sorted(set(documented) - racing - set(produced))}")
+    for key, values in produced.items():
+        allowed = tuple(TYPES[t.strip()] for t in documented[key].split("|"))
+        assert all(type(v) in allowed for v in values), f"{key}: documented {documented[key]!r}, it gives {values!r}"
+    assert produced["already"] == [True, True] and None in produced["after_idle_s"]
+    source = (ROOT / "kvtop" / "cli" / "sleep.py").read_text()
+    assert all(f'out["{key}"]' in source for key in racing), "the racing keys are still what kvctl sets"

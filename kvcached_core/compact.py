@@ -108,3 +108,34 @@ def host_copy(backend: object, block_bytes: int, moves: Sequence[Move]) -> list[
             start = base + r * geometry.range_bytes
             ctypes.memmove(start + d_off, start + s_off, block_bytes)
     return list(moves)
+
+
+def device_copy(backend: object, block_bytes: int, moves: Sequence[Move]) -> list[Move]:
+    """Copy each move's KV data on the CUDA backend's device: one gather and one scatter over every layer's every
+    KV buffer at once (``CudaBackend.all_blocks``), then wait for them, since the sources are freed (and may be
+    unmapped) as soon as the handler returns."""
+    if not moves:
+        return []
+    import torch  # noqa: PLC0415 - the CUDA path only; torch is optional
+
+    rows = backend.all_blocks(block_bytes)  # type: ignore[attr-defined]
+    if block_bytes % 8 == 0:
+        rows = rows.view(torch.int64)  # 8-byte words: the same bytes, fewer and wider loads and stores
+    bpp = rows.shape[2]
+    index = torch.tensor(moves, dtype=torch.long).to(rows.device, non_blocking=True)
+    src, dst = index[:, 0], index[:, 1]
+    rows[:, dst // bpp, dst % bpp] = rows[:, src // bpp, src % bpp]
+    torch.cuda.synchronize(rows.device)
+    return list(moves)
+
+
+def copy_blocks(backend: object, block_bytes: int, moves: Sequence[Move]) -> list[Move]:
+    """The copy for the allocator's own backend: memmove on the host backend, one batched copy on a CUDA device.
+    An engine whose KV tensors are the allocator's memory can hand this to ``set_compact_handler`` (after
+    rewriting its own block ids for the moves it returns)."""
+    name = getattr(backend, "name", "")
+    if name == "host":
+        return host_copy(backend, block_bytes, moves)
+    if name == "cuda":
+        return device_copy(backend, block_bytes, moves)
+    raise ValueError(f"no block copy for the {name!r} backend (tensor parallelism: each rank copies its own shard)")

@@ -242,6 +242,7 @@ class CudaBackend(Backend):
         self._async_error: BaseException | None = None
         self._set_claimed: Callable[[int], None] | None = None
         self._views_keep: list = []
+        self._all_blocks: dict[int, Any] = {}  # all_blocks views by block size
         self._va = 0
         self._bases: list[int] = []
         self._ctx: Any = None
@@ -723,6 +724,22 @@ class CudaBackend(Backend):
         spec = block_spec(self.layout, self.geometry, layer, kv, block_bytes, num_blocks)
         return _shape_as(_torch_bytes(self._va, self.device, spec, self._views_keep), dtype, shape)
 
+    def all_blocks(self, block_bytes: int) -> Any:
+        """Every layer's every KV buffer at once: ``[num_layers * num_kv_buffers, num_pages, blocks_per_page,
+        block_bytes]`` bytes, one view (kept, like the others, until :meth:`close`), so that one indexed copy
+        moves a block in every range (:func:`kvcached_core.compact.device_copy`)."""
+        g = self.geometry
+        if not 0 < block_bytes <= g.page_size:
+            raise ValueError(f"block_bytes {block_bytes} must be in 1..page_size ({g.page_size})")
+        cached = self._all_blocks.get(block_bytes)
+        if cached is None:
+            layered = self.layout == "layer"  # see range_spec: where slot (layer, kv) and page p start
+            spec = ViewSpec(0, (g.num_layers * g.num_kv_buffers, g.num_pages, g.page_size // block_bytes, block_bytes),
+                            (g.range_bytes if layered else g.page_size, g.page_size if layered else g.bundle_bytes,
+                             block_bytes, 1))
+            cached = self._all_blocks[block_bytes] = _torch_bytes(self._va, self.device, spec, self._views_keep)
+        return cached
+
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
         """Unmap and release everything, free the virtual range and the context reference.
@@ -732,6 +749,7 @@ class CudaBackend(Backend):
         """
         if self._closed:
             return
+        self._all_blocks.clear()
         with self._cv:
             self._stopping = True
             self._pending.clear()  # everything still mapped is unmapped below

@@ -1,0 +1,132 @@
+"""Compaction's copy on a CUDA device against the device's own copy bandwidth, measured in the same run.
+
+``device_copy`` moves each block with one gather and one scatter over every layer's every KV buffer.
+
+A Llama-8B-shaped cache (32 layers, K and V, 16-token bf16 blocks of 32 KiB, 2 MiB pages: 64 blocks a page,
+128 MiB a page id) whose pages each keep a quarter of their blocks, cached; compaction moves the blocks of the
+sparsest pages into the others. The copy rate counts each block's bytes once (read and written once each), as
+the device-to-device reference does (``copy_`` of a contiguous buffer). Also timed: the same moves as one
+gather/scatter per layer and buffer (64 pairs), and a whole ``compact()`` (plan, copy, bookkeeping, unmapping).
+
+    python -m benchmarks.compact_copy OUTDIR   # on a GPU machine: writes OUTDIR/compact-copy.json and .md
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REQUIRES = "gpu"
+MiB = 1 << 20
+LAYERS, BLOCK, PAGE, PAGES, KEEP = 32, 32 * 1024, 2 * MiB, 48, 16  # KEEP of 64 blocks stay on each page
+
+
+def _timed(fn, torch, reps: int) -> list[float]:  # noqa: ANN001
+    """Seconds of each of ``reps`` runs of ``fn`` on the current stream (CUDA events), after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1000)
+    return out
+
+
+def _one_layout(layout: str, reps: int, torch) -> list[dict]:  # noqa: ANN001
+    from kvcached_core import KVCacheManager
+    from kvcached_core.compact import copy_blocks, plan
+
+    os.environ.update(KVCACHED_CUDA_LAYOUT=layout, KVCACHED_MIN_RESERVED_PAGES="0", KVCACHED_MAX_RESERVED_PAGES="0",
+                      KVCACHED_MAX_CACHED_TOKENS="-1", KVCACHED_CUDA_ASYNC_UNMAP="0")
+    bpp = PAGE // BLOCK
+    with KVCacheManager(f"compact-bench-{layout}", num_blocks=PAGES * bpp, block_bytes=BLOCK, num_layers=LAYERS,
+                        page_size=PAGE, backend="cuda", policy="best-fit") as m:
+        ids = m.alloc(PAGES * bpp)
+        assert ids is not None
+        m.free([b for b in ids if b % bpp >= KEEP])
+        m.mark_cached([b for b in ids if b % bpp < KEEP])
+        moves = plan(m.pages, m.cache)
+        for _, dst in moves:  # the destinations, as compact() takes them before the copy
+            m.pages.take_block(dst)
+        ranges = LAYERS * 2
+        copied = len(moves) * BLOCK * ranges
+        batched = _timed(lambda: copy_blocks(m.backend, BLOCK, moves), torch, reps)
+        rows = m.backend.all_blocks(BLOCK).view(torch.int64)
+        index = torch.tensor(moves, dtype=torch.long, device=rows.device)
+        sp, ss, dp, ds = index[:, 0] // bpp, index[:, 0] % bpp, index[:, 1] // bpp, index[:, 1] % bpp
+
+        def per_range() -> None:
+            for r in range(ranges):
+                view = rows[r]
+                view[dp, ds] = view[sp, ss]
+        looped = _timed(per_range, torch, reps)
+        m.free([d for _, d in moves])
+        mapped = m.backend.mapped_bytes()
+        m.set_compact_handler(lambda mv: copy_blocks(m.backend, BLOCK, mv))
+        t0 = time.perf_counter()
+        result = m.compact()
+        whole = time.perf_counter() - t0
+        assert len(result.moves) == len(moves) and mapped - m.backend.mapped_bytes() == result.bytes_returned
+    b, lp = statistics.median(batched), statistics.median(looped)
+    note = f"{len(moves)} blocks x {ranges} ranges = {copied / MiB:.0f} MiB, median of {reps}"
+    return [
+        {"name": f"compaction copy, {layout} layout: device_copy (one gather + one scatter)", "value": round(b * 1e3, 3),
+         "unit": "ms", "note": f"{note}; {copied / b / 1e9:.0f} GB/s", "gbps": copied / b / 1e9, "bytes": copied},
+        {"name": f"compaction copy, {layout} layout: one gather + scatter per layer and buffer", "value": round(lp * 1e3, 3),
+         "unit": "ms", "note": f"{note}; {copied / lp / 1e9:.0f} GB/s", "gbps": copied / lp / 1e9, "bytes": copied},
+        {"name": f"compaction, {layout} layout: whole compact() (plan, copy, bookkeeping, unmap)",
+         "value": round(whole * 1e3, 2), "unit": "ms",
+         "note": f"{len(result.moves)} blocks moved, {result.bytes_returned / MiB:.0f} MiB returned",
+         "returned": result.bytes_returned},
+    ]
+
+
+def _reference(torch, size: int, reps: int) -> float:  # noqa: ANN001
+    """Median seconds of one device-to-device ``copy_`` of ``size`` bytes."""
+    src = torch.empty(size, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return statistics.median(_timed(lambda: dst.copy_(src), torch, reps))
+
+
+def run(quick: bool) -> list[dict]:
+    import torch
+
+    reps = 5 if quick else 20
+    size = 2 << 30
+    ref = _reference(torch, size, reps)
+    torch.cuda.empty_cache()
+    rows = [{"name": "device copy bandwidth: copy_ of a contiguous 2 GiB buffer", "value": round(size / ref / 1e9, 1),
+             "unit": "GB/s", "note": f"median of {reps}; bytes copied per second (each read once, written once)",
+             "gbps": size / ref / 1e9}]
+    for layout in ("layer", "page"):
+        rows += _one_layout(layout, reps, torch)
+    for row in rows:
+        if "gbps" in row and row["unit"] == "ms":
+            row["note"] += f" ({row['gbps'] / rows[0]['gbps']:.0%} of the device's copy_)"
+    return rows
+
+
+def main() -> None:
+    import torch
+
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    rows = run(quick=False)
+    info = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    (out / "compact-copy.json").write_text(json.dumps({"info": info, "rows": rows}, indent=2))
+    lines = [f"{info['date']}, {info['gpu']}, torch {info['torch']}", "", "| figure | value | unit | note |",
+             "|---|---|---|---|"]
+    lines += [f"| {r['name']} | {r['value']} | {r['unit']} | {r['note']} |" for r in rows]
+    (out / "compact-copy.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

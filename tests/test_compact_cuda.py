@@ -1,0 +1,51 @@
+"""Compaction on a CUDA device: ``device_copy`` moves each block in every layer and KV buffer with one batched
+copy, and the pages emptied are unmapped. GPU tests skip (with the reason) where no NVIDIA GPU is."""
+
+from __future__ import annotations
+
+import pytest
+from test_cuda_backend import LAYOUTS, cuda_manager, needs_gpu
+
+from kvcached_core.compact import copy_blocks, device_copy
+
+BPP = 8  # cuda_manager's 2 MiB pages of 256 KiB blocks
+
+
+@pytest.mark.gpu
+@needs_gpu
+@LAYOUTS
+def test_device_copy_moves_every_layer_and_returns_the_pages(layout, monkeypatch) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("KVCACHED_CUDA_LAYOUT", layout)
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_CUDA_ASYNC_UNMAP", "0")  # the unmap has happened when compact returns
+    with cuda_manager(f"compact-{layout}", num_blocks=8 * BPP, policy="best-fit") as m:
+        ids = [m.alloc(1)[0] for _ in range(8 * BPP)]  # type: ignore[index]
+        rows = m.backend.all_blocks(m.block_bytes).view(torch.int32)  # [layers x KV, pages, blocks, words]
+        ranges = m.num_layers * m.num_kv_buffers
+        assert tuple(rows.shape[:3]) == (ranges, m.geometry.num_pages, BPP)
+        mark = torch.arange(ranges, device=rows.device, dtype=torch.int32).view(ranges, 1) * 100_000
+        for block in ids:
+            rows[:, block // BPP, block % BPP] = mark + block
+        drop = [b for b in ids if (b // BPP < 4 and b % BPP < 2) or (b // BPP >= 4 and b % BPP >= 2)]
+        m.free(drop)
+        kept = [b for b in ids if b not in drop]
+        m.mark_cached(kept)
+        m.set_compact_handler(lambda moves: copy_blocks(m.backend, m.block_bytes, moves))
+        mapped = m.backend.mapped_bytes()
+        result = m.compact()
+        assert len(result.moves) == 8 and result.bytes_returned == 4 * m.bundle_bytes
+        assert m.backend.mapped_bytes() == mapped - 4 * m.bundle_bytes  # the driver unmapped four page ids
+        where = dict(result.moves)
+        for block in kept:
+            at = where.get(block, block)
+            assert at // BPP < 4
+            got = rows[:, at // BPP, at % BPP]
+            assert torch.equal(got, (mark + block).expand_as(got)), (block, at)
+        # the per-buffer views see the moved bytes at the documented offsets too
+        src, dst = result.moves[0]
+        raw = m.buffer(3, 1)
+        cell = raw[dst // BPP, (dst % BPP) * m.block_bytes:(dst % BPP) * m.block_bytes + 4].view(torch.int32)
+        assert int(cell.item()) == (3 * 2 + 1) * 100_000 + src
+        assert device_copy(m.backend, m.block_bytes, []) == []

@@ -54,6 +54,7 @@ class KvcachedBlockPool(BlockPool):
         self.null_block: KVCacheBlock = self.blocks[ids[0]]
         self.null_block.is_null = True
         self.free_block_queue = FreeKVCacheBlockQueue([])  # the allocator is the one free list
+        self.placeholders = 1  # blocks the allocator holds for the placeholder: 0 while the model sleeps
         self._free_seq, self._free_count = -1, 0  # get_num_free_blocks' answer and the state it was for
 
     # -- what vLLM schedules against -----------------------------------------------------------
@@ -124,7 +125,7 @@ class KvcachedBlockPool(BlockPool):
         manager = self.manager
         if to_cache:
             self._forget(manager.mark_cached(to_cache))
-        if (to_free or to_cache) and manager.used_blocks - manager.cached_blocks == 1:
+        if (to_free or to_cache) and manager.used_blocks - manager.cached_blocks == self.placeholders:
             # Only the placeholder is active: the engine went idle. kvcached packs an idle model by
             # itself when nothing is active, which the placeholder hides from it: ask here.
             self._forget(manager.pack())
@@ -153,7 +154,7 @@ class KvcachedBlockPool(BlockPool):
 
     def reset_prefix_cache(self) -> bool:
         manager = self.manager
-        active = manager.used_blocks - manager.cached_blocks - 1  # the placeholder block is always in use
+        active = manager.used_blocks - manager.cached_blocks - self.placeholders
         if active:
             log.warning("Failed to reset prefix cache because some blocks (%d) are not freed yet", active)
             return False
@@ -170,6 +171,30 @@ class KvcachedBlockPool(BlockPool):
             self.kv_event_queue.append(AllBlocksCleared())
         log.info("Successfully reset prefix cache")
         return True
+
+    # -- sleep (see .sleep) ---------------------------------------------------------------------
+    def release_placeholder(self) -> None:
+        """The model goes to sleep and nothing runs: its placeholder block goes back too, so no page stays."""
+        if self.placeholders:
+            self.manager.free([self.null_block.block_id])
+            self.placeholders = 0
+
+    def take_placeholder(self) -> None:
+        """Wake: a block for the placeholder again. Any free block will do (its contents are never read
+        as KV); the placeholder object keeps its identity (vLLM's managers hold it) and takes the new id."""
+        if self.placeholders:
+            return
+        ids = self.manager.alloc(1)
+        if ids is None:
+            raise NoRoom(f"no room for a single block in {self.manager.name!r} (limit or device full)")
+        null, new = self.null_block, ids[0]
+        old = null.block_id
+        if new != old:  # two free blocks swap ids: the placeholder object now stands for block `new`
+            other = self.blocks[new]
+            assert other.ref_cnt == 0 and other.block_hash is None, f"block {new} handed out while in use"
+            self.blocks[new], self.blocks[old] = null, other
+            null.block_id, other.block_id = new, old
+        self.placeholders = 1
 
     def close(self) -> None:
         self.manager.close()

@@ -63,10 +63,13 @@ def _patch_scheduler() -> None:
         finally:
             _context.scheduler = None
         from .block_pool import KvcachedBlockPool
+        from .sleep import Sleeper
         from .traffic import Traffic
 
         pool = self.kv_cache_manager.block_pool
-        self._kvcached_traffic = Traffic(pool.manager) if isinstance(pool, KvcachedBlockPool) else None
+        ours = isinstance(pool, KvcachedBlockPool)
+        self._kvcached_traffic = Traffic(pool.manager) if ours else None
+        self._kvcached_sleeper = Sleeper(self, pool) if ours else None
 
     def block_pool(num_gpu_blocks: int, enable_caching: bool, hash_block_size: int, **kwargs: Any) -> BlockPool:
         pending = getattr(_context, "scheduler", None)
@@ -99,6 +102,7 @@ def _patch_scheduler() -> None:
 
     scheduler.Scheduler.__init__ = scheduler_init
     _patch_traffic(scheduler.Scheduler)
+    _patch_sleep(scheduler.Scheduler)
     kv_cache_coordinator.BlockPool = block_pool
     kv_cache_manager.KVCacheManager.allocate_slots = allocate_slots
 
@@ -143,6 +147,63 @@ def _patch_traffic(cls: Any) -> None:
     cls.update_from_output = update_from_output
     cls._free_request = free_request
     cls._preempt_request = preempt_request
+
+
+def _patch_sleep(cls: Any) -> None:
+    """Sleep and wake on the engine's thread (see :mod:`.sleep`): served before each schedule, after each
+    step's output and after each client request; a request that arrives may wake the model."""
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core import EngineCoreProc
+
+    original_schedule = cls.schedule
+    original_add = cls.add_request
+    original_update = cls.update_from_output
+    original_loop = EngineCoreProc.run_busy_loop
+    original_client = EngineCoreProc._handle_client_request
+
+    @functools.wraps(original_schedule)
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        sleeper = self.__dict__.get("_kvcached_sleeper")
+        if sleeper is not None:
+            sleeper.service()
+        return original_schedule(self, *args, **kwargs)
+
+    @functools.wraps(original_add)
+    def add_request(self: Any, request: Any) -> None:
+        sleeper = self.__dict__.get("_kvcached_sleeper")
+        if sleeper is not None:
+            sleeper.arrived()
+        original_add(self, request)
+
+    @functools.wraps(original_update)
+    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outputs = original_update(self, *args, **kwargs)
+        sleeper = self.__dict__.get("_kvcached_sleeper")
+        if sleeper is not None:
+            sleeper.service()
+        return outputs
+
+    @functools.wraps(original_loop)
+    def run_busy_loop(self: Any) -> Any:
+        sleeper = getattr(self.scheduler, "_kvcached_sleeper", None)
+        if sleeper is not None:  # a busy loop to poke: from now on the model can sleep
+            queue = self.input_queue
+            sleeper.attach(self, lambda: queue.put_nowait((EngineCoreRequestType.WAKEUP, None)))
+        return original_loop(self)
+
+    @functools.wraps(original_client)
+    def handle_client_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original_client(self, *args, **kwargs)
+        sleeper = getattr(self.scheduler, "_kvcached_sleeper", None)
+        if sleeper is not None:
+            sleeper.service()
+        return result
+
+    cls.schedule = schedule
+    cls.add_request = add_request
+    cls.update_from_output = update_from_output
+    EngineCoreProc.run_busy_loop = run_busy_loop
+    EngineCoreProc._handle_client_request = handle_client_request
 
 
 def _patch_engine_shutdown() -> None:

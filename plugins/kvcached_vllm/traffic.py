@@ -34,6 +34,10 @@ class Traffic:
         self.generated_tokens += generated_tokens
         self._publish(counts)
 
+    def refresh(self, counts: tuple[int, int]) -> None:
+        """Publish the gauges now (no step runs while the model sleeps: its preempted requests show as waiting)."""
+        self._publish(counts)
+
     def _publish(self, counts: tuple[int, int]) -> None:
         running, waiting = counts
         self.manager.publish_traffic(running, waiting, self.finished, self.prompt_tokens, self.generated_tokens,

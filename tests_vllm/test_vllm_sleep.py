@@ -1,0 +1,179 @@
+"""Sleep and wake with a real vLLM engine (``vllm serve``, the tiny model): kvctl sleep / wake, the
+after-idle policy and the wake by the next request, tokens identical to plain vLLM.
+
+Shares the session's server with test_vllm_plugin.py; every test leaves it awake, without a policy.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kvcached_core.pagemap import count_pages
+from kvcached_core.reader import snapshot
+from kvcached_core.sleepctl import request_sleep
+from kvcached_core.snapshot import ModelSnapshot
+
+from .conftest import BASELINE_TOKENS, LONG, NAME, SHORT
+from .harness import Server, kvctl
+
+MiB = 1024 * 1024
+LONG_BASE = len(SHORT)  # LONG's tokens start here in the baseline
+# Long enough (900-token prompts, ~950 more) to still run while kvctl starts and asks (about a second).
+RUNNING_TOKENS = BASELINE_TOKENS + 900
+
+
+def wait_for(predicate, timeout: float = 120.0, every: float = 0.02):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+@pytest.fixture
+def awake_after(server: Server, ctl_env: dict[str, str]) -> Iterator[Server]:
+    """The server, left awake and without an after-idle policy whatever the test did."""
+    yield server
+    kvctl("sleep", NAME, "--after-idle", "off", env=ctl_env, check=False)
+    kvctl("wake", NAME, "--wait", env=ctl_env, check=False)
+
+
+def model(env: dict[str, str], *, pages: bool = False) -> ModelSnapshot:
+    return snapshot(NAME, directory=Path(env["KVCACHED_SHM_DIR"]), with_pages=pages)
+
+
+def traffic(env: dict[str, str]) -> dict:
+    (row,) = [r for r in json.loads(kvctl("list", "--json", env=env).stdout) if r["name"] == NAME]
+    return row["traffic"]
+
+
+def assert_nothing_mapped(m: ModelSnapshot) -> None:
+    counts = count_pages(m.pages)
+    assert m.mapped_bytes == 0 and counts.inuse == 0 and counts.reserved == 0, (m.mapped_bytes, counts)
+    assert m.blocks_used == 0  # the engine's placeholder block went too
+
+
+def test_requests_before_during_and_after_a_sleep_match_plain_vllm(
+        awake_after: Server, ctl_env: dict[str, str], baseline: list[list[int]]) -> None:
+    server = awake_after
+    assert model(ctl_env).sleep.capable  # the plugin registered its handler
+    before = [server.complete(p, BASELINE_TOKENS) for p in SHORT[:2]]
+    assert before == baseline[:2]
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        # Long requests run while the sleep is asked for: they finish first (draining).
+        running = [pool.submit(server.complete, p, RUNNING_TOKENS) for p in LONG[:4]]
+        wait_for(lambda: model(ctl_env).blocks_used >= 8)
+        asked = json.loads(kvctl("sleep", NAME, "--json", env=ctl_env).stdout)
+        assert asked["state"] == "draining", asked
+        # Requests sent while it drains wait in vLLM's queue: none rejected, none scheduled.
+        during = [pool.submit(server.complete, p, BASELINE_TOKENS) for p in SHORT[2:4]]
+        asleep = wait_for(lambda: (m := model(ctl_env, pages=True)).sleep.state == "asleep" and m)
+        got_running = [f.result(timeout=120) for f in running]  # they finished: the sleep waited for them
+        assert asleep.sleep.slept_bytes > 0
+        assert_nothing_mapped(asleep)
+        time.sleep(1.0)
+        assert not any(f.done() for f in during)
+        assert traffic(ctl_env)["waiting"] == 2
+        woke = json.loads(kvctl("wake", NAME, "--wait", "--json", env=ctl_env).stdout)
+        assert woke["state"] == "awake"
+        got_during = [f.result(timeout=300) for f in during]
+    assert got_during == baseline[2:4]
+    assert [r[:BASELINE_TOKENS] for r in got_running] == baseline[LONG_BASE:LONG_BASE + 4]
+    after = [server.complete(p, BASELINE_TOKENS) for p in SHORT[4:6]]
+    assert after == baseline[4:6]
+
+
+def test_sleep_releases_the_kv_memory_of_the_worker(awake_after: Server, ctl_env: dict[str, str],
+                                                    baseline: list[list[int]]) -> None:
+    server = awake_after
+    assert [server.complete(p, BASELINE_TOKENS) for p in LONG[4:6]] == baseline[LONG_BASE + 4:LONG_BASE + 6]
+    m = model(ctl_env)
+    bundle = m.page_size * m.num_layers * m.num_kv_buffers
+    assert m.mapped_bytes >= 3 * bundle
+    worker = server.worker()
+    rss_awake = worker.memory_info().rss
+    ack = json.loads(kvctl("sleep", NAME, "--wait", "--json", env=ctl_env).stdout)
+    assert ack["state"] == "asleep" and ack["slept_bytes"] == m.mapped_bytes, (ack, m.mapped_bytes)
+    assert_nothing_mapped(model(ctl_env, pages=True))
+    drop = rss_awake - worker.memory_info().rss
+    # The reserve-free floor: every mapped byte goes back, not only what a trim would return.
+    assert drop >= 0.8 * m.mapped_bytes, f"worker RSS fell by {drop / MiB:.1f} of {m.mapped_bytes / MiB:.1f} MiB"
+    again = kvctl("sleep", NAME, env=ctl_env)
+    assert "already asleep" in again.stdout
+
+
+def test_sleep_now_preempts_running_requests_which_run_again_after_the_wake(
+        awake_after: Server, ctl_env: dict[str, str], baseline: list[list[int]]) -> None:
+    server = awake_after
+    preempted_before = traffic(ctl_env)["preemptions"]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        running: list[Future] = [pool.submit(server.complete, p, RUNNING_TOKENS) for p in LONG[6:10]]
+        wait_for(lambda: (t := model(ctl_env).traffic) is not None and t.running == 4, every=0.005)
+        # Asked from this process (kvctl's own start takes about as long as these requests run).
+        ack = request_sleep(model(ctl_env), "sleep_now", wait=60, until_done=True)
+        assert ack.status == "asleep"
+        assert not any(f.done() for f in running)  # preempted, not finished
+        assert_nothing_mapped(model(ctl_env, pages=True))
+        shown = traffic(ctl_env)  # no step runs while asleep: the gauges were published as it fell asleep
+        assert shown["running"] == 0 and shown["waiting"] == 4, shown
+        assert shown["preemptions"] - preempted_before == 4
+        kvctl("wake", NAME, env=ctl_env)
+        got = [f.result(timeout=300) for f in running]
+    assert [r[:BASELINE_TOKENS] for r in got] == baseline[LONG_BASE + 6:LONG_BASE + 10]  # recomputed
+
+
+def test_after_idle_sleeps_the_engine_and_the_next_request_wakes_it(
+        awake_after: Server, ctl_env: dict[str, str], baseline: list[list[int]]) -> None:
+    server = awake_after
+    assert server.complete(SHORT[0], BASELINE_TOKENS) == baseline[0]
+    out = kvctl("sleep", NAME, "--after-idle", "2s", "--json", env=ctl_env)
+    assert json.loads(out.stdout)["state"] == "awake"  # a policy, not a sleep now
+    slept = wait_for(lambda: (m := model(ctl_env, pages=True)).sleep.state == "asleep" and m, timeout=60)
+    assert slept.sleep.after_idle_s == 2.0
+    assert_nothing_mapped(slept)
+    sent = traffic(ctl_env)
+    got = server.complete(SHORT[1], BASELINE_TOKENS)  # nothing else wakes it
+    assert got == baseline[1]
+    assert model(ctl_env).sleep.state in ("awake", "asleep")  # it may have gone back to sleep since
+    done = traffic(ctl_env)
+    assert done["finished"] - sent["finished"] == 1
+    assert done["prompt_tokens"] - sent["prompt_tokens"] == len(SHORT[1])
+    assert done["generated_tokens"] - sent["generated_tokens"] == BASELINE_TOKENS
+    # It went back to sleep on the policy once idle again.
+    wait_for(lambda: model(ctl_env).sleep.state == "asleep", timeout=60)
+
+
+def test_a_sleep_asked_while_requests_keep_coming_is_answered(awake_after: Server, ctl_env: dict[str, str],
+                                                              baseline: list[list[int]]) -> None:
+    """A wake that comes while the model still drains wins: it serves on, nothing is released twice."""
+    server = awake_after
+    results: list[list[int]] = []
+    stop = threading.Event()
+
+    def traffic_loop() -> None:
+        while not stop.is_set():
+            results.append(server.complete(SHORT[5], 8))
+
+    thread = threading.Thread(target=traffic_loop)
+    thread.start()
+    try:
+        wait_for(lambda: results)
+        assert json.loads(kvctl("sleep", NAME, "--json", env=ctl_env).stdout)["state"] in ("draining", "asleep")
+        woke = json.loads(kvctl("wake", NAME, "--wait", "--json", env=ctl_env).stdout)
+        assert woke["state"] == "awake"
+        count = len(results)
+        wait_for(lambda: len(results) >= count + 3)  # still serving after the wake
+    finally:
+        stop.set()
+        thread.join(timeout=300)
+    assert all(r == baseline[5][:8] for r in results)

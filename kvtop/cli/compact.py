@@ -22,7 +22,8 @@ def compact_cmd(model: str, timeout: float, as_json: bool) -> None:
 
     Only cached blocks no running request holds move, and only out of pages that empty; the
     engine confirms each move before its source is freed. The model must be live and its engine
-    must have registered a compact handler (the transformers plugin does).
+    must have registered a compact handler (the transformers plugin's GreedyEngine does with
+    prefix_cache=True; the vLLM plugin cannot, see docs/engines.md).
 
     \b
     Examples:

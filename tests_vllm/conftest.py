@@ -11,7 +11,7 @@ from kvcached_vllm.tiny import build_tiny_llama, prompts
 
 from .harness import Server, base_env, run_offline, start_server
 
-NAME = "tiny-llama"
+NAME = "tiny-llama"  # the server's --served-model-name: its segment's name
 # Prompt sets: a few short ones, and longer ones that take several 128-token blocks each.
 SHORT = prompts(6, length=40, seed=1)
 LONG = prompts(16, length=900, seed=2)
@@ -26,7 +26,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def model_dir(workdir: Path) -> Path:
-    return build_tiny_llama(workdir / "tiny-llama")
+    # A directory name unlike NAME: an engine without --served-model-name is named after it.
+    return build_tiny_llama(workdir / "tiny-random-llama")
 
 
 @pytest.fixture(scope="session")
@@ -37,11 +38,15 @@ def shm(workdir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def baseline(model_dir: Path, workdir: Path, shm: Path) -> list[list[int]]:
-    """Greedy tokens of plain vLLM (plugin off) for SHORT + LONG + [REPEATED], in one offline run."""
-    env = base_env(shm, enabled=False)
+def baseline(model_dir: Path, workdir: Path) -> list[list[int]]:
+    """Greedy tokens of plain vLLM (plugin installed, ENABLE_KVCACHED unset) for SHORT + LONG + [REPEATED],
+    in one offline run with a segment directory of its own: that run creates no segment."""
+    plain_shm = workdir / "shm-plain"
+    plain_shm.mkdir()
+    env = base_env(plain_shm, enabled=False)
     result = run_offline(model_dir, env, SHORT + LONG + [REPEATED], BASELINE_TOKENS, workdir / "baseline.json")
-    assert result["models"] is None
+    assert result["models"] == [], "vLLM without ENABLE_KVCACHED published a kvcached segment"
+    assert not any(plain_shm.iterdir())
     return result["tokens"]
 
 

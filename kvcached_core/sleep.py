@@ -7,8 +7,9 @@ preempts them for ``now``), frees every block and calls :meth:`SleepControl.read
 allocator then unmaps every page and publishes ``asleep`` with the bytes released and how long it
 took (``layout.SLEEP``). Only the KV cache sleeps: weights and everything else stay.
 
-The after-idle policy is held here, in the allocator: after that long without an alloc or a free
-the model sleeps by itself; the engine wakes it when a request arrives (:meth:`wake`).
+The after-idle policy is held here, in the allocator: after that long without an alloc, a free or
+an engine step (``publish_traffic``) the model sleeps by itself; the engine wakes it when a
+request arrives (:meth:`wake`).
 """
 
 from __future__ import annotations

@@ -136,6 +136,33 @@ def _wait(model: ModelSnapshot, done, wait: float, kind: str, pending: Ack, star
         looks += 1
 
 
+def limit_percent_base(model: ModelSnapshot) -> tuple[int | None, str]:
+    """What a percentage limit of ``model`` (``30%``) is taken of, and a note when the model does not say it.
+
+    Its own device capacity; else (host backend) the host capacity; else (an upstream segment, which
+    does not say its device) device 0's NVML total, with the note that says so; else its device's
+    NVML total. ``(None, "")`` when unknown. Raises :class:`~kvcached_core.legacy.NoDeviceTotal`
+    for an upstream segment when NVML cannot tell the total. kvctl limit and kvtop's dialog both use it.
+    """
+    if model.device_capacity:
+        return model.device_capacity, ""
+    if model.backend == "host":
+        from .config import ConfigError, host_capacity_bytes
+
+        try:
+            return host_capacity_bytes(), ""
+        except ConfigError:
+            return None, ""
+    if model.legacy:
+        from .legacy import percent_base
+
+        return percent_base()
+    from . import nvml
+
+    gpus = nvml.probe([model.device])
+    return (gpus[0].total_bytes if gpus else None), ""
+
+
 def request_limit(name: str | ModelSnapshot, limit_bytes: int | None, *, wait: float = DEFAULT_WAIT_S) -> Ack:
     """Set (or lift, with None) a model's limit; return its acknowledgement once it applied the revision.
 

@@ -63,6 +63,18 @@ def parse_size(text: str, *, percent_of: int | None = None, allow_none: bool = F
     return value
 
 
+def percent(part: float, base: float | None) -> float | None:
+    """``part`` as a percentage of ``base``; None when the base is unknown (None or 0).
+
+    The one place a share becomes a percentage: every percent a front end shows (a device bar, how
+    close a model is to its limit) is this of a base the core names (``ModelSnapshot.device_capacity``,
+    ``control.limit_percent_base``, a device's memory total), never a ratio worked out in the UI.
+    """
+    if not base or base <= 0:
+        return None
+    return part * 100 / base
+
+
 def format_bytes(n: int | float | None, *, precision: int = 1) -> str:
     """``1536 -> '1.5 KiB'``; None -> ``'-'``."""
     if n is None:

@@ -185,6 +185,11 @@ class ModelSnapshot:
         return self.pinned_bytes / held if held > 0 and not self.legacy else None
 
     @property
+    def pages_free(self) -> int:
+        """Page ids neither in use nor reserved (unmapped); 0 for upstream segments, which have no pages."""
+        return max(0, self.pages_total - self.pages_inuse - self.pages_reserved)
+
+    @property
     def virtual_bytes(self) -> int:
         return self.pages_total * self.bundle_bytes
 
@@ -211,7 +216,8 @@ class ModelSnapshot:
             "late": self.late,
             "page_size": self.page_size, "bundle_bytes": self.bundle_bytes,
             "pages_total": self.pages_total, "pages_inuse": self.pages_inuse,
-            "pages_reserved": self.pages_reserved, "blocks_per_page": self.blocks_per_page,
+            "pages_reserved": self.pages_reserved, "pages_free": self.pages_free,
+            "blocks_per_page": self.blocks_per_page,
             "blocks_used": self.blocks_used, "blocks_cached": self.blocks_cached,
             "mapped_bytes": self.mapped_bytes, "held_bytes": self.held_bytes,
             "pinned_bytes": self.pinned_bytes, "reserved_bytes": self.reserved_bytes,

@@ -161,8 +161,7 @@ class KVCachedCollector(Collector):
                 stale.add_metric(labels, 1 if m.status == "stale" else 0)
                 continue
             capacity.add_metric(labels, m.virtual_bytes)
-            free_pages = max(0, m.pages_total - m.pages_inuse - m.pages_reserved)
-            for state, value in zip(PAGE_STATES, (m.pages_inuse, m.pages_reserved, free_pages), strict=True):
+            for state, value in zip(PAGE_STATES, (m.pages_inuse, m.pages_reserved, m.pages_free), strict=True):
                 pages.add_metric([*labels, state], value)
             allocs.add_metric(labels, m.alloc_count)
             frees.add_metric(labels, m.free_count)

@@ -65,7 +65,8 @@ def page_map(m, width: int, rows: int = MAP_ROWS) -> RenderableType:
     per = fit_per_cell(len(m.pages), width * rows)
     cells = fold(m.pages, m.blocks_per_page, width * rows, pages_per_cell=per)
     lines = [cells_text(cells[i:i + width]) for i in range(0, len(cells), width)]
-    caption = Text(f"{len(m.pages):,} pages, {per} page{'s' if per > 1 else ''}/cell", style="grey50")
+    caption = Text(f"{len(m.pages):,} pages ({m.pages_inuse:,} in use, {m.pages_reserved:,} reserved, "
+                   f"{m.pages_free:,} free), {per} page{'s' if per > 1 else ''}/cell", style="grey50")
     return Group(*lines, legend_text(), caption)
 
 

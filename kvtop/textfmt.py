@@ -145,8 +145,7 @@ def show_lines(m: ModelSnapshot, frag: Fragmentation) -> list[str]:
 
     field("status", m.display_status)
     if not m.legacy:
-        free = m.pages_total - m.pages_inuse - m.pages_reserved
-        field("pages", f"{m.pages_inuse} in use, {m.pages_reserved} reserved, {free} free, {m.pages_total} total "
+        field("pages", f"{m.pages_inuse} in use, {m.pages_reserved} reserved, {m.pages_free} free, {m.pages_total} total "
                        f"(page {fmt_bytes(m.page_size)}, bundle {fmt_bytes(m.bundle_bytes)} "
                        f"= {m.num_layers} layers x {m.num_kv_buffers} buffers"
                        + (f" x {m.tp_world} ranks)" if m.tp_world > 1 else ")"))

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from kvcached_core import format_bytes, pagemap
 from kvcached_core.frag import fragmentation
+from kvcached_core.sizes import percent
 from kvcached_core.snapshot import ModelSnapshot
 from kvtop.history import History
 from kvtop.pagemap import GLYPHS, Cell
@@ -106,10 +107,8 @@ def limit_cell(m: ModelSnapshot) -> Text:
 
 
 def mapped_cell(m: ModelSnapshot) -> Text:
-    style = ""
-    if m.limit_bytes:
-        use = m.mapped_bytes / m.limit_bytes
-        style = "bold red" if use >= 0.95 else "yellow" if use >= 0.8 else ""
+    use = percent(m.mapped_bytes, m.limit_bytes)  # of the limit; None without one
+    style = "" if use is None else "bold red" if use >= 95 else "yellow" if use >= 80 else ""
     return Text(format_bytes(m.mapped_bytes), style=style)
 
 
@@ -257,7 +256,8 @@ def bar_text(bar: DeviceBar, width: int) -> Text:
 
 def device_lines(bar: DeviceBar, width: int) -> list[Text]:
     """Two lines: title, bar and percentage; then the legend of what the bar holds."""
-    pct = f" {bar.taken / bar.total * 100:3.0f}% of {format_bytes(bar.total)}" if bar.total else " capacity N/A"
+    share = percent(bar.taken, bar.total)
+    pct = " capacity N/A" if share is None else f" {share:3.0f}% of {format_bytes(bar.total)}"
     title = Text(bar.title, style="bold")
     room = width - title.cell_len - len(pct) - 2
     line = title + Text(" ")

@@ -107,3 +107,118 @@ def test_a_page_map_changed_behind_the_writer_is_caught_after_a_good_read(shm_di
             read_segment(path, with_pages=True)
     finally:
         writer.close()
+
+
+# -- one base for every percent: the core counts and divides, front ends only print ------------------
+
+PERCENT_BASES = {"pages_total", "device_capacity", "limit_bytes", "total", "total_bytes", "capacity",
+                 "host_capacity"}
+
+
+def _has_division(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.FloorDiv)) for n in ast.walk(node))
+
+
+def own_percentages(path: Path) -> list[str]:
+    """Where ``path`` works out a share or the free-page count from raw figures instead of asking the core
+    (``kvcached_core.sizes.percent``, ``ModelSnapshot.pages_free``, ``control.limit_percent_base``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        where = f"{path.name}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            for const, other in ((node.left, node.right), (node.right, node.left)):
+                if isinstance(const, ast.Constant) and const.value in (100, 100.0) and _has_division(other):
+                    found.append(f"{where} a ratio times 100")
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Attribute) \
+                and node.right.attr in PERCENT_BASES:
+            found.append(f"{where} divides by .{node.right.attr}")
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub):
+            leftmost = node.left
+            while isinstance(leftmost, ast.BinOp):
+                leftmost = leftmost.left
+            if isinstance(leftmost, ast.Attribute) and leftmost.attr == "pages_total":
+                found.append(f"{where} counts free pages from pages_total")
+        if isinstance(node, ast.FormattedValue) and isinstance(node.format_spec, ast.JoinedStr):
+            spec = "".join(str(v.value) for v in node.format_spec.values if isinstance(v, ast.Constant))
+            if spec.endswith("%"):
+                found.append(f"{where} formats a ratio as a percentage ({spec})")
+    return list(dict.fromkeys(found))
+
+
+def test_no_front_end_module_works_out_a_percentage_or_the_free_pages_itself() -> None:
+    modules = [p for d in FRONT_ENDS for p in sorted(d.rglob("*.py"))]
+    assert [use for p in modules for use in own_percentages(p)] == []
+
+
+def test_the_percentage_checker_sees_each_way(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("a = bar.taken / bar.total * 100\n"  # the device bar as view.py worked it out
+                   "b = 100 * (m.held // m.mapped)\n"
+                   "c = m.mapped_bytes / m.limit_bytes\n"  # the mapped cell's share of the limit
+                   "d = max(0, m.pages_total - m.pages_inuse - m.pages_reserved)\n"  # textfmt and the exporter
+                   "e = f'{x:.0%}'\n"
+                   "ok = 100 * bundle + n // 100\n")
+    assert {use.split()[0] for use in own_percentages(bad)} == {f"bad.py:{n}" for n in range(1, 6)}
+
+
+def test_percent_and_free_pages_come_from_the_core() -> None:
+    from kvcached_core.sizes import percent
+    from kvtop.source import fake_model, fake_pages
+
+    assert percent(1, 4) == 25.0 and percent(3, 0) is None and percent(3, None) is None
+    m = fake_model("m", pages=fake_pages(64, inuse=10, reserved=6, bpp=4), page_size=1 << 20, block_bytes=256 << 10)
+    assert (m.pages_inuse, m.pages_reserved, m.pages_free) == (10, 6, 48)
+    assert m.to_dict()["pages_free"] == 48
+
+
+def test_kvctl_kvtop_and_the_exporter_agree_on_one_live_allocator(spawn_allocator) -> None:
+    """The free pages in kvctl list --json, kvctl show, kvtop --once and a scrape; the device bar's percent."""
+    import json
+    import re
+    import subprocess
+    import sys
+    import urllib.request
+
+    from conftest import child_env, kvctl, send
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvcached_core import nvml
+    from kvcached_core.sizes import percent
+    from kvtop.exporter import Exporter
+
+    # 8 MiB page bundles (2 MiB pages, 2 layers, K and V), 4 blocks per page: 41 blocks, 5 freed, pin 10 pages
+    proc = spawn_allocator("agree", num_blocks=256, block_bytes=512 << 10, num_layers=2, page_size=2 << 20,
+                           script="ids = m.alloc(41)\n")
+    send(proc, "m.free(ids[:5])")
+
+    def figures() -> tuple:
+        listed = json.loads(kvctl("list", "--json").stdout)
+        row = next(r for r in listed if r["name"] == "agree")
+        shown = re.search(r"(\d+) free, (\d+) total", kvctl("show", "agree").stdout)
+        once = subprocess.run([sys.executable, "-m", "kvtop.app", "--once", "--model", "agree"], capture_output=True,
+                              text=True, timeout=60, env=child_env(), stdin=subprocess.DEVNULL).stdout
+        caption = re.search(r"([\d,]+) reserved, ([\d,]+) free\)", once)
+        bar = re.search(r"host backend.*?(\d+)% of", once)
+        with Exporter("127.0.0.1", 0) as exporter, urllib.request.urlopen(exporter.url, timeout=10) as response:
+            samples = [s for f in text_string_to_metric_families(response.read().decode()) for s in f.samples]
+        scraped = {s.labels["state"]: int(s.value) for s in samples
+                   if s.name == "kvcached_pages" and s.labels["model"] == "agree"}
+        assert shown and caption, once
+        return row, int(shown[1]), int(caption[2].replace(",", "")), bar and int(bar[1]), scraped
+
+    for _ in range(5):  # the warm pool may grow or be returned between the reads: take a quiet moment
+        before = kc.snapshot("agree")
+        row, shown_free, once_free, bar_pct, scraped = figures()
+        after = kc.snapshot("agree")
+        if (before.pages_inuse, before.pages_reserved) == (after.pages_inuse, after.pages_reserved):
+            break
+    counted = pagemap.count_pages(after.pages)
+    free = after.pages_total - counted.inuse - counted.reserved
+    assert counted.inuse == 10 and free > 0  # the first page emptied by the free
+    assert row["pages_free"] == shown_free == once_free == scraped["free"] == free
+    assert (row["pages_inuse"], row["pages_reserved"]) == (scraped["inuse"], scraped["reserved"])
+    if not nvml.probe():  # no GPU: the device panel is the host bar, against the model's own capacity base
+        assert row["device_capacity"] > 0
+        expected = percent(row["mapped_bytes"], row["device_capacity"])
+        assert expected is not None and expected >= 1 and bar_pct == round(expected)

@@ -19,29 +19,17 @@ REFUSED = (ControlError, AckTimeout, OSError, ValueError)
 
 
 def capacity_of(m: ModelSnapshot) -> int | None:
-    """What a percentage is taken of: the model's device capacity, else the host or GPU total."""
-    if m.device_capacity:
-        return m.device_capacity
-    if m.backend == "host":
-        from kvcached_core.config import ConfigError, host_capacity_bytes
+    """What a percentage is taken of (the core's ``limit_percent_base``); its note, when it has one, on stderr."""
+    from kvcached_core.control import limit_percent_base
+    from kvcached_core.legacy import NoDeviceTotal
 
-        try:
-            return host_capacity_bytes()
-        except ConfigError:
-            return None
-    if m.legacy:  # upstream segments do not say their device: device 0, as upstream's own kvctl assumes
-        from kvcached_core.legacy import NoDeviceTotal, percent_base
-
-        try:
-            total, note = percent_base()
-        except NoDeviceTotal as exc:
-            raise ControlError(f"{m.name}: {exc}") from None
+    try:
+        total, note = limit_percent_base(m)
+    except NoDeviceTotal as exc:
+        raise ControlError(f"{m.name}: {exc}") from None
+    if note:
         warn(f"{m.name}: a percentage {note}")
-        return total
-    from kvcached_core import nvml
-
-    gpus = nvml.probe([m.device])
-    return gpus[0].total_bytes if gpus else None
+    return total
 
 
 def ack_dict(ack: Ack, requested: int | None = None) -> dict:

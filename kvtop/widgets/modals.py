@@ -16,8 +16,9 @@ from textual.validation import ValidationResult, Validator
 from textual.widgets import Button, Input, Label, Static
 
 from kvcached_core import SizeError, format_bytes, parse_size
+from kvcached_core.control import limit_percent_base
 from kvcached_core.frag import fragmentation
-from kvcached_core.legacy import NoDeviceTotal, limit_refusal, percent_base
+from kvcached_core.legacy import NoDeviceTotal, limit_refusal
 from kvcached_core.snapshot import ModelSnapshot
 from kvtop.pagemap import GLYPHS, LEGEND
 from kvtop.textfmt import fmt_device
@@ -85,14 +86,13 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
     def __init__(self, model: ModelSnapshot) -> None:
         super().__init__(classes="dialog")
         self.model = model
-        self.percent_of: int | None = model.device_capacity or None
+        self.percent_of: int | None = None  # what a percentage is taken of: the base kvctl limit takes
         self.percent_note = ""  # how a percentage is taken, when the model does not say it
         self.percent_problem = ""  # why no percentage can be taken
-        if model.legacy:  # an upstream segment does not say its device: device 0's NVML total, as kvctl takes
-            try:
-                self.percent_of, self.percent_note = percent_base()
-            except NoDeviceTotal as exc:
-                self.percent_problem = str(exc)
+        try:
+            self.percent_of, self.percent_note = limit_percent_base(model)
+        except NoDeviceTotal as exc:
+            self.percent_problem = str(exc)
 
     def compose(self) -> ComposeResult:
         m = self.model
@@ -112,8 +112,8 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
         text.append(f"current {current} · mapped {format_bytes(m.mapped_bytes)} · in use {format_bytes(m.pinned_bytes)}")
         if self.percent_note and self.percent_of:
             text.append(f"\n30% = {format_bytes(self.percent_of * 0.3)} {self.percent_note}")
-        elif m.device_capacity:
-            text.append(f"\n30% = {format_bytes(m.device_capacity * 0.3)} of {format_bytes(m.device_capacity)}")
+        elif self.percent_of:
+            text.append(f"\n30% = {format_bytes(self.percent_of * 0.3)} of {format_bytes(self.percent_of)}")
         if not m.legacy:
             text.append(f"\nrounded down to whole page bundles of {format_bytes(m.bundle_bytes)}")
         else:

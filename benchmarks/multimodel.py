@@ -15,6 +15,7 @@ Engines are stopped on Ctrl-C and on failure (their whole process group).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import http.client
 import importlib.util
@@ -44,7 +45,8 @@ MAX_MODEL_LEN = 2048
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES = 4, 2, 64, 4
 TOKEN_BYTES = LAYERS * 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES
 BLOCK_TOKENS = 128  # vLLM's CPU default block size
-BLOCKS_PER_ENGINE = 64  # the static share: two 2 MiB pages' worth per layer and buffer (8192 tokens)
+BLOCKS_PER_ENGINE = 64  # the static share: 8192 tokens, four 2 MiB pages per layer (32 MiB in all)
+BLOCK_BYTES = BLOCK_TOKENS * TOKEN_BYTES  # one block across every layer: 512 KiB
 
 
 # -- the trace -------------------------------------------------------------------------------------
@@ -109,20 +111,33 @@ class Engine:
         finally:
             conn.close()
 
-    def stop(self) -> None:
-        """SIGINT to the whole process group, SIGKILL after 30 s: nothing keeps the port."""
-        if self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGINT, 30.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+    def interrupt(self) -> None:
+        """SIGINT to the server's whole process group (the API server, EngineCore, the worker)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGINT)
+
+    def stop(self, interrupted: bool = False) -> None:
+        """SIGINT to the whole process group, SIGKILL to what is left of it after 30 s: nothing keeps the port."""
+        if not interrupted and self.proc.poll() is None:
+            self.interrupt()
+        deadline = time.monotonic() + 30.0
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30.0)
+        while time.monotonic() < deadline and group_alive(self.proc.pid):
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def engine_env(workdir: Path, elastic: bool, core: int, capacity: int) -> dict[str, str]:
@@ -139,24 +154,37 @@ def engine_env(workdir: Path, elastic: bool, core: int, capacity: int) -> dict[s
     return env
 
 
-def start_engines(model_dir: Path, names: list[str], workdir: Path, elastic: bool, capacity: int) -> list[Engine]:
+def launch(model_dir: Path, names: list[str], workdir: Path, elastic: bool, capacity: int) -> list[Engine]:
+    """Start one server per model (not yet waited for); model ``i`` pinned to core ``i`` mod the CPUs."""
     engines: list[Engine] = []
     (workdir / "shm").mkdir(exist_ok=True)
     try:
         for i, name in enumerate(names):
             port = free_port()
+            # Prefix caching off in both configurations: the trace's prompts share no prefix, and a
+            # kvcached model's cached blocks are its own to evict (an idle model's cache would keep
+            # pages of the shared budget that another model needs; see benchmarks/results).
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                    "--port", str(port), "--host", "127.0.0.1", "--served-model-name", name,
                    "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", "float32",
-                   "--seed", "0"]
+                   "--seed", "0", "--no-enable-prefix-caching"]
             if not elastic:
                 cmd += ["--num-gpu-blocks-override", str(BLOCKS_PER_ENGINE)]
             log = workdir / f"{'elastic' if elastic else 'static'}-{name}.log"
-            out = open(log, "w")  # noqa: SIM115 - the server writes to it for its whole life
-            proc = subprocess.Popen(cmd, env=engine_env(workdir, elastic, i, capacity), stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+                proc = subprocess.Popen(cmd, env=engine_env(workdir, elastic, i, capacity), stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
             engines.append(Engine(name, proc, port, log))
-        deadline = time.monotonic() + START_TIMEOUT_S
+    except BaseException:
+        stop_all(engines)
+        raise
+    return engines
+
+
+def wait_ready(engines: list[Engine]) -> None:
+    """Until every server answers; RuntimeError (every engine stopped) when one exits or is too slow."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
         for eng in engines:
             while True:
                 if eng.proc.poll() is not None:
@@ -170,9 +198,21 @@ def start_engines(model_dir: Path, names: list[str], workdir: Path, elastic: boo
                 except OSError:
                     time.sleep(1)
     except BaseException:
-        for eng in engines:
-            eng.stop()
+        stop_all(engines)
         raise
+
+
+def stop_all(engines: list[Engine]) -> None:
+    """Stop every engine at once (SIGINT to each group, then wait; SIGKILL after 30 s)."""
+    for eng in engines:
+        eng.interrupt()
+    for eng in engines:
+        eng.stop(interrupted=True)
+
+
+def start_engines(model_dir: Path, names: list[str], workdir: Path, elastic: bool, capacity: int) -> list[Engine]:
+    engines = launch(model_dir, names, workdir, elastic, capacity)
+    wait_ready(engines)
     return engines
 
 
@@ -216,7 +256,8 @@ def send(eng: Engine, row: dict, t0: float, out: Result) -> None:
 
 GAUGE = re.compile(r'^vllm:kv_cache_usage_perc\{[^}]*\}\s+(\S+)', re.M)
 PREEMPT = re.compile(r'^vllm:num_preemptions_total\{[^}]*\}\s+(\S+)', re.M)
-BLOCKS = re.compile(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', re.M)
+RUNNING = re.compile(r'^vllm:num_requests_running\{[^}]*\}\s+(\S+)', re.M)
+WAITING = re.compile(r'^vllm:num_requests_waiting\{[^}]*\}\s+(\S+)', re.M)
 
 
 def metric(text: str, pattern: re.Pattern[str]) -> float:
@@ -224,19 +265,49 @@ def metric(text: str, pattern: re.Pattern[str]) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def sampler(engines: list[Engine], t0: float, stop: threading.Event, samples: list[dict]) -> None:
-    blocks = {e.name: metric(e.get("/metrics"), BLOCKS) for e in engines}
+def sample(engines: list[Engine], shm: Path | None) -> dict[str, dict[str, int | None]]:
+    """Per engine now: bytes of blocks requests hold (``used``), bytes of KV memory the engine
+    holds (``held``), requests running and waiting (None: not read).
+
+    Static engines (``shm`` None): vLLM's ``kv_cache_usage_perc`` is the share of its blocks
+    (the placeholder block aside) that requests hold; the memory is the fixed share. Elastic
+    engines: read from their live segments (what ``kvctl list --json`` shows): blocks in use but
+    neither cached nor the placeholder, and the bytes mapped, which is what the shared budget counts.
+    vLLM's gauge means nothing there (its free count is what the shared budget would still grant).
+    """
+    out: dict[str, dict[str, int | None]] = {key: {} for key in ("used", "held", "running", "waiting")}
+    texts: dict[str, str | None] = {}
+    for e in engines:
+        try:
+            texts[e.name] = e.get("/metrics")
+        except OSError:
+            texts[e.name] = None
+    live = {}
+    if shm is not None:
+        from kvcached_core.reader import list_models
+
+        live = {m.model: m for m in list_models(directory=shm) if m.status == "live"}
+    for e in engines:
+        text = texts[e.name]
+        out["running"][e.name] = None if text is None else int(metric(text, RUNNING))
+        out["waiting"][e.name] = None if text is None else int(metric(text, WAITING))
+        if shm is None:
+            used = None if text is None else int(round(metric(text, GAUGE) * (BLOCKS_PER_ENGINE - 1))) * BLOCK_BYTES
+            out["used"][e.name], out["held"][e.name] = used, BLOCKS_PER_ENGINE * BLOCK_BYTES
+        else:
+            m = live.get(e.name)
+            out["used"][e.name] = None if m is None else max(0, m.blocks_used - m.blocks_cached - 1) * m.block_bundle_bytes
+            out["held"][e.name] = None if m is None else m.mapped_bytes
+    return out
+
+
+def sampler(engines: list[Engine], shm: Path | None, t0: float, stop: threading.Event, samples: list[dict]) -> None:
+    """Every 0.5 s: ``{"t": s, "used": {model: bytes}, "held": {...}, "running": {...}, "waiting": {...}}``."""
     while not stop.wait(0.5):
-        row: dict = {"t": round(time.monotonic() - t0, 2)}
-        for e in engines:
-            try:
-                row[e.name] = int(metric(e.get("/metrics"), GAUGE) * blocks[e.name] * BLOCK_TOKENS * TOKEN_BYTES)
-            except OSError:
-                row[e.name] = None
-        samples.append(row)
+        samples.append({"t": round(time.monotonic() - t0, 2), **sample(engines, shm)})
 
 
-def replay(engines: list[Engine], trace: list[dict]) -> tuple[list[Result], list[dict], dict[str, float]]:
+def replay(engines: list[Engine], trace: list[dict], shm: Path | None) -> tuple[list[Result], list[dict], dict[str, float]]:
     by_name = {e.name: e for e in engines}
     before = {e.name: metric(e.get("/metrics"), PREEMPT) for e in engines}
     results: list[Result] = []
@@ -244,7 +315,7 @@ def replay(engines: list[Engine], trace: list[dict]) -> tuple[list[Result], list
     samples: list[dict] = []
     stop = threading.Event()
     t0 = time.monotonic()
-    watch = threading.Thread(target=sampler, args=(engines, t0, stop, samples), daemon=True)
+    watch = threading.Thread(target=sampler, args=(engines, shm, t0, stop, samples), daemon=True)
     watch.start()
     for row in trace:
         delay = row["t"] - (time.monotonic() - t0)
@@ -278,18 +349,23 @@ def summarize(results: list[Result], samples: list[dict], preempt: dict[str, flo
         tpot = [((r.end or 0) - r.sent - (r.ttft or 0)) / (r.tokens - 1) for r in done if r.tokens > 1]
         span = max((r.end or 0) for r in done) - min(r.sent for r in rs) if done else float("nan")
         names = list(preempt) if model == "total" else [model]
-        peak = (max(sum(s.get(n) or 0 for n in names) for s in samples) if samples else 0)
+        used = max((sum(s["used"].get(n) or 0 for n in names) for s in samples), default=0)
+        held = max((sum(s["held"].get(n) or 0 for n in names) for s in samples), default=0)
         out[model] = {
             "requests": len(rs), "answered": len(done),
             "ttft_mean_s": sum(ttft) / len(ttft) if ttft else float("nan"), "ttft_p99_s": p99(ttft),
             "tpot_mean_s": sum(tpot) / len(tpot) if tpot else float("nan"),
             "throughput_tok_s": sum(r.tokens for r in done) / span if done else 0.0,
-            "preemptions": int(sum(preempt.get(n, 0) for n in names)), "peak_kv_bytes": int(peak),
+            "preemptions": int(sum(preempt.get(n, 0) for n in names)), "peak_kv_bytes": int(used),
+            "peak_kv_held_bytes": int(held),
+            "peak_running": max((sum(s["running"].get(n) or 0 for n in names) for s in samples), default=0),
+            "peak_waiting": max((sum(s["waiting"].get(n) or 0 for n in names) for s in samples), default=0),
         }
     return out
 
 
 def plot(runs: dict[str, dict], path: Path) -> Path | None:
+    """TTFT of every request for both configurations; each model's KV bytes stacked over time."""
     try:
         import matplotlib
 
@@ -301,20 +377,32 @@ def plot(runs: dict[str, dict], path: Path) -> Path | None:
     fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
     for name, run in runs.items():
         pts = sorted((r["sent"], r["ttft"]) for r in run["requests"] if r["ttft"] is not None)
-        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], ".", label=name, alpha=0.7)
-    axes[0].set_ylabel("TTFT (s)")
+        p99_s = run["summary"]["total"]["ttft_p99_s"]
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], ".", alpha=0.7,
+                     label=f"{name} (p99 {p99_s:.2f} s)")
+    axes[0].set_ylabel("TTFT (s), by arrival")
     axes[0].set_yscale("log")
-    axes[0].legend()
+    axes[0].legend(loc="upper left")
+    titles = {"static": ("used", "static: KV MiB in use (each model's fixed share dashed)"),
+              "elastic": ("held", "elastic: KV MiB each model holds (shared budget dashed)")}
     for ax, name in zip(axes[1:], ("static", "elastic"), strict=True):
+        key, title = titles[name]
         samples = runs[name]["samples"]
-        models = sorted(k for k in samples[0] if k != "t") if samples else []
-        ax.stackplot([s["t"] for s in samples], [[(s.get(m) or 0) / 2**20 for s in samples] for m in models],
-                     labels=models)
-        ax.set_ylabel(f"{name}: KV MiB held")
+        models = sorted(samples[0][key]) if samples else []
+        ax.stackplot([s["t"] for s in samples], [[(s[key].get(m) or 0) / 2**20 for s in samples] for m in models],
+                     labels=models, alpha=0.8)
+        if name == "static":
+            for i in range(1, len(models) + 1):
+                ax.axhline(i * BLOCKS_PER_ENGINE * BLOCK_BYTES / 2**20, ls="--", color="grey", lw=0.8)
+        else:
+            ax.axhline(runs[name]["capacity_bytes"] / 2**20, ls="--", color="black", lw=1)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("MiB")
         ax.legend(loc="upper right")
     axes[-1].set_xlabel("time since the trace began (s)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
     return path
 
 
@@ -338,31 +426,63 @@ def markdown(report: dict) -> str:
              f"Headline: p99 TTFT static/elastic = **{report['ttft_p99_ratio']:.2f}x**, "
              f"throughput elastic/static = **{report['throughput_ratio']:.2f}x**.", "",
              "| config | model | requests | answered | TTFT mean s | TTFT p99 s | TPOT s | tok/s | preemptions "
-             "| peak KV MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak KV MiB in use | peak KV MiB held |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for config in ("static", "elastic"):
         for model, s in report[config].items():
             lines.append(f"| {config} | {model} | {s['requests']} | {s['answered']} | {s['ttft_mean_s']:.3f} | "
                          f"{s['ttft_p99_s']:.3f} | {s['tpot_mean_s']:.4f} | {s['throughput_tok_s']:.1f} | "
-                         f"{s['preemptions']} | {s['peak_kv_bytes'] / 2**20:.1f} |")
+                         f"{s['preemptions']} | {s['peak_kv_bytes'] / 2**20:.1f} | "
+                         f"{s['peak_kv_held_bytes'] / 2**20:.1f} |")
     return "\n".join(lines) + "\n"
 
 
 # -- main ------------------------------------------------------------------------------------------
+def capacity_bytes(models: int) -> int:
+    """The elastic budget: the static shares added up."""
+    return models * BLOCKS_PER_ENGINE * BLOCK_BYTES
+
+
+def measure(engines: list[Engine], trace: list[dict], shm: Path | None, capacity: int) -> dict:
+    results, samples, preempt = replay(engines, trace, shm)
+    return {"summary": summarize(results, samples, preempt), "samples": samples,
+            "requests": [r.__dict__ for r in results], "capacity_bytes": capacity,
+            "ports": [e.port for e in engines]}
+
+
 def run_config(elastic: bool, trace: list[dict], models: int, workdir: Path) -> dict:
+    """One configuration alone: start its engines, replay ``trace``, stop them."""
     from kvcached_vllm.tiny import build_tiny_llama
 
     model_dir = build_tiny_llama(workdir / "tiny-llama", max_positions=4096)
     names = [f"m{i}" for i in range(models)]
-    capacity = models * BLOCKS_PER_ENGINE * BLOCK_TOKENS * TOKEN_BYTES
-    engines = start_engines(model_dir, names, workdir, elastic, capacity)
+    engines = start_engines(model_dir, names, workdir, elastic, capacity_bytes(models))
     try:
-        results, samples, preempt = replay(engines, trace)
+        return measure(engines, trace, workdir / "shm" if elastic else None, capacity_bytes(models))
     finally:
-        for eng in engines:
-            eng.stop()
-    return {"summary": summarize(results, samples, preempt), "samples": samples,
-            "requests": [r.__dict__ for r in results], "capacity_bytes": capacity,
-            "ports": [e.port for e in engines]}
+        stop_all(engines)
+
+
+def run_both(trace: list[dict], models: int, workdir: Path) -> dict[str, dict]:
+    """Both configurations: every engine started at once (start-up is most of the wall time on two
+    cores), then static replays while the elastic engines stand idle, is stopped, and elastic replays."""
+    from kvcached_vllm.tiny import build_tiny_llama
+
+    model_dir = build_tiny_llama(workdir / "tiny-llama", max_positions=4096)
+    names = [f"m{i}" for i in range(models)]
+    engines: dict[str, list[Engine]] = {}
+    runs: dict[str, dict] = {}
+    try:
+        for config in ("static", "elastic"):
+            (workdir / config).mkdir()
+            engines[config] = launch(model_dir, names, workdir / config, config == "elastic", capacity_bytes(models))
+        wait_ready([e for group in engines.values() for e in group])
+        for config in ("static", "elastic"):
+            shm = workdir / config / "shm" if config == "elastic" else None
+            runs[config] = measure(engines[config], trace, shm, capacity_bytes(models))
+            stop_all(engines[config])
+    finally:
+        stop_all([e for group in engines.values() for e in group])
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -391,14 +511,11 @@ def main(argv: list[str] | None = None) -> int:
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
                     "versions": versions(), "loadavg_start": [round(x, 2) for x in load0]}
-    runs: dict[str, dict] = {}
     tmp = Path(tempfile.mkdtemp(prefix="kvcached-multimodel-"))  # kept on failure: the engines' logs
     try:
-        for config in ("static", "elastic"):
-            workdir = tmp / config
-            workdir.mkdir()
-            runs[config] = run_config(config == "elastic", trace, models, workdir)
-            report[config] = runs[config]["summary"]
+        runs = run_both(trace, models, tmp)
+        for config, run in runs.items():
+            report[config] = run["summary"]
     except KeyboardInterrupt:
         print(f"interrupted: every engine was stopped (logs in {tmp})", file=sys.stderr)
         return 1

@@ -650,7 +650,7 @@ def run(*, demo: bool, demo_models: int, once: bool, interval: float, gpus: list
         try:
             if demo:
                 from kvcached_core.config import shm_dir_problem
-                from kvcached_core.demo import DemoFleet
+                from kvtop.demo import DemoFleet
 
                 problem = shm_dir_problem(writable=True)
                 if problem:

@@ -36,7 +36,7 @@ def test_importing_kvcached_core_pulls_in_no_ui_library():
 
 def test_no_module_of_kvcached_core_pulls_in_a_ui_library():
     result = run_probe(PROBE)
-    assert {"kvcached_core.manager", "kvcached_core.reader", "kvcached_core.control", "kvcached_core.demo",
+    assert {"kvcached_core.manager", "kvcached_core.reader", "kvcached_core.control",
             "kvcached_core.backends.host"} <= set(result["imported"])
     assert result["ui"] == []
 
@@ -57,3 +57,22 @@ def test_tests_take_no_logic_from_benchmarks() -> None:
     importing = sorted(p.name for p in tests.glob("*.py")
                        if re.search(r"^\s*(from|import) benchmarks\b", p.read_text(), re.M))
     assert importing == ["test_docs_benchmarks.py"], importing
+
+
+def test_the_core_holds_no_demo_and_imports_no_front_end() -> None:
+    """The demo workload is a client of the allocator (kvtop/demo.py), not part of it; the core never
+    reaches into kvtop (kvtop, kvctl, the exporter, the demo) or an engine plugin."""
+    import ast
+    from pathlib import Path
+
+    core = Path(__file__).resolve().parents[1] / "kvcached_core"
+    assert not (core / "demo.py").exists() and not (core / "__main__.py").exists()
+    reaching = []
+    for path in sorted(core.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            reaching += [f"{path.name}:{node.lineno} {n}" for n in names
+                         if n.split(".")[0] == "kvtop" or (n.startswith("kvcached_") and n.split(".")[0] != "kvcached_core")]
+    assert reaching == []
+    assert "Demo" not in " ".join(dir(__import__("kvcached_core")))

@@ -216,7 +216,7 @@ def test_demo_models_end_with_kvctl_demo_whatever_the_signal(sig, shm_dir: Path)
 
 def test_a_demo_model_whose_parent_is_gone_before_it_starts_ends_at_once(shm_dir: Path) -> None:
     """The stdin watchdog covers what PR_SET_PDEATHSIG cannot: a parent gone before the child's prctl."""
-    child = subprocess.Popen([sys.executable, "-m", "kvcached_core.demo", "orphan", "vllm", "1", "0", ""],
+    child = subprocess.Popen([sys.executable, "-m", "kvtop.demo", "orphan", "vllm", "1", "0", ""],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(), text=True)
     assert child.stdout.readline() == "ready\n"
     assert (shm_dir / "kvc.orphan").exists()
@@ -566,7 +566,7 @@ def test_the_readme_screen_is_what_kvtop_demo_shows() -> None:
 
 
 def test_the_readme_python_and_kvctl_examples_work_against_the_demo(shm_dir: Path) -> None:
-    from kvcached_core.demo import DemoFleet
+    from kvtop.demo import DemoFleet
 
     with DemoFleet(models=4) as fleet:
         assert fleet.wait_ready(30), fleet.failure

@@ -4,6 +4,9 @@ Each model runs an engine-like loop: requests arrive in bursts and idle phases, 
 allocates a prompt's blocks at once (reusing shared hot prefixes from the prefix cache),
 decode adds one block at a time, requests finish at different moments and their prompt blocks
 go to the prefix cache. Memory is real (host backend), so sizes are kept small.
+
+Not part of the allocator: a client of kvcached_core's public API, as an engine is, that
+``kvctl demo`` and ``kvtop --demo`` start (each model is ``python -m kvtop.demo`` in a child).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
-    from .manager import KVCacheManager
+    from kvcached_core import KVCacheManager
 
 DEMO_MODELS = (
     ("llama-3-8b", "vllm", 4),
@@ -150,7 +153,7 @@ def run_model(name: str, engine: str, layers: int, seed: int, duration: float | 
 
     Says ``ready`` on stdout once its segment exists, or ``failed: <why>`` (one line) and exits 1.
     """
-    from .manager import KVCacheManager
+    from kvcached_core import KVCacheManager
 
     stopping = threading.Event()
 
@@ -203,7 +206,7 @@ class DemoFleet:
         signal follows the thread that started a child, not the process)."""
         for i, name in enumerate(self.names()):
             _base, engine, layers = DEMO_MODELS[i % len(DEMO_MODELS)]
-            cmd = [sys.executable, "-m", "kvcached_core.demo", name, engine, str(layers),
+            cmd = [sys.executable, "-m", "kvtop.demo", name, engine, str(layers),
                    str(self.seed * 1000 + i), "" if self.duration is None else str(self.duration)]
             # stdin: a pipe only this process holds, so a child sees end of file when we are gone;
             # stdout: the child's one line, "ready" or "failed: <why>".
@@ -259,7 +262,7 @@ class DemoFleet:
 
     def _remove_leftovers(self) -> None:
         """A child killed hard cannot unlink its segment: do it for it."""
-        from .names import segment_path
+        from kvcached_core.names import segment_path
 
         for name in self.names():
             with contextlib.suppress(FileNotFoundError, ValueError):

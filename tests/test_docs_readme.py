@@ -46,7 +46,10 @@ def test_its_first_command_installs_the_package_alone_and_starts_the_demo() -> N
 
 
 def test_its_picture_is_a_screen_the_snapshot_tests_draw() -> None:
-    [picture] = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README.read_text())
+    picture, *others = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README.read_text())
+    # The one other picture: what `python -m benchmarks multimodel --quick` drew.
+    assert others == ["benchmarks/results/multimodel-quick.png"], others
+    assert (ROOT / others[0]).read_bytes().startswith(b"\x89PNG")
     match = re.fullmatch(r"tests/__snapshots__/test_kvtop_snapshots/(test_\w+)%5B(\d+x\d+)%5D\.svg", picture)
     assert match, picture
     tests = (ROOT / "tests" / "test_kvtop_snapshots.py").read_text()

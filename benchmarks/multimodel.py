@@ -7,8 +7,11 @@ once by ``--make-trace`` with a fixed seed): **static**, plain vLLM with an equa
 per engine (``--num-gpu-blocks-override``), and **elastic**, the vLLM plugin (``ENABLE_KVCACHED``)
 with one budget shared by every engine through ``KVCACHED_HOST_CAPACITY``; the total KV bytes are
 the same. Per model and in total: TTFT mean and p99, time per output token, throughput,
-preemptions, and the KV bytes each model holds over time (sampled from ``/metrics``). Results go to
-``benchmarks/results/multimodel-*.{md,json}`` and, with matplotlib (the ``plot`` extra), a PNG.
+preemptions, and each model's KV bytes over time, sampled every 0.5 s (static: vLLM's usage gauge;
+elastic: the live segments, as ``kvctl list --json`` reads them). Every engine of both
+configurations starts at once (start-up is most of the wall time on two cores); static replays,
+is stopped, then elastic replays. Results go to ``benchmarks/results/multimodel-*.{md,json}`` and,
+with matplotlib (the ``plot`` extra), a PNG; what they mean on 2 cores: ``multimodel-2cpu.md``.
 Engines are stopped on Ctrl-C and on failure (their whole process group).
 """
 

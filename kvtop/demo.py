@@ -156,9 +156,13 @@ def run_model(name: str, engine: str, layers: int, seed: int, duration: float | 
     from kvcached_core import KVCacheManager
 
     stopping = threading.Event()
+    signalled = False
 
     def _stop(*_: object) -> None:
-        stopping.set()
+        # Only a plain assignment here: Event.set() takes a lock that the interrupted main
+        # thread may hold inside stopping.wait(), and the handler would wait for it forever.
+        nonlocal signalled
+        signalled = True
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
@@ -175,7 +179,7 @@ def run_model(name: str, engine: str, layers: int, seed: int, duration: float | 
         demo = DemoEngine(manager, rng)
         start = time.monotonic()
         period, offset = rng.uniform(12, 24), rng.uniform(0, 10)
-        while not stopping.is_set():
+        while not (signalled or stopping.is_set()):
             now = time.monotonic() - start
             if duration is not None and now >= duration:
                 break

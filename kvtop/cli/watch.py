@@ -18,7 +18,7 @@ from kvtop.cli.common import pick_many, read
 # CSV columns after time and tick: every scalar key of ModelSnapshot.to_dict(), in its order.
 CSV_FIELDS = (
     "name", "model", "engine", "backend", "pid", "device", "status", "legacy", "late", "page_size",
-    "bundle_bytes", "pages_total", "pages_inuse", "pages_reserved", "blocks_per_page", "blocks_used", "blocks_cached",
+    "bundle_bytes", "pages_total", "pages_inuse", "pages_reserved", "pages_free", "blocks_per_page", "blocks_used", "blocks_cached",
     "mapped_bytes", "held_bytes", "pinned_bytes", "reserved_bytes", "cached_bytes", "limit_bytes",
     "limit_status", "requested_limit", "limit_revision", "applied_revision", "waste_ratio", "alloc_count",
     "free_count", "trimmed_total", "idle_returned", "heartbeat_ns", "updated_ns", "tp_world", "device_capacity",

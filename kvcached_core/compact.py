@@ -39,8 +39,7 @@ class CompactResult:
 class CompactStats:
     """The allocator's compaction figures, as the segment's COMPACT words carry them (``layout.COMPACT_FIELDS``)."""
 
-    __slots__ = ("capable", "status", "acked_seq", "compactions", "blocks_moved", "bytes_copied",
-                 "bytes_returned", "took_ns", "acked_copied", "acked_returned")
+    __slots__ = L.COMPACT_FIELDS  # values() follows this order; a field __init__ does not set fails at the first publish
 
     def __init__(self) -> None:
         self.capable = False
@@ -57,8 +56,7 @@ class CompactStats:
         self.took_ns = took_ns
 
     def values(self) -> tuple[int, ...]:
-        return (int(self.capable), self.status, self.acked_seq, self.compactions, self.blocks_moved,
-                self.bytes_copied, self.bytes_returned, self.took_ns, self.acked_copied, self.acked_returned)
+        return tuple(int(getattr(self, name)) for name in L.COMPACT_FIELDS)
 
 
 def plan(pages: PageTable, cache: PrefixCache) -> list[Move]:

@@ -8,12 +8,11 @@ compaction copied and returned). A later request answered first answers this one
 
 from __future__ import annotations
 
-import mmap
 import time
 from pathlib import Path
 
 from . import layout as L
-from .control import DEFAULT_WAIT_S, Ack, ControlError, _target, _wait, write_request
+from .control import DEFAULT_WAIT_S, Ack, ControlError, _target, _wait, bump_sequence
 from .snapshot import ModelSnapshot
 
 
@@ -38,13 +37,7 @@ def request_compact(name: str | ModelSnapshot, *, wait: float = DEFAULT_WAIT_S) 
     if problem is not None:
         raise ControlError(problem)
     started = time.monotonic()
-
-    def write(mm: mmap.mmap) -> int:
-        seq = L.U64.unpack_from(mm, L.COMPACT_REQ_OFF)[0] + 1
-        L.U64.pack_into(mm, L.COMPACT_REQ_OFF, seq)
-        return seq
-
-    seq = write_request(Path(model.path), write)
+    seq = bump_sequence(Path(model.path), L.COMPACT_REQ_OFF)
     pending = Ack(model.name, "compact", "pending", seq)
     if wait <= 0:
         return pending

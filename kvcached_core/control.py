@@ -107,6 +107,18 @@ def write_request(path: Path, write: Callable[[mmap.mmap], int]) -> int:
         os.close(fd)
     return revision
 
+
+def bump_sequence(path: Path, offset: int) -> int:
+    """A sequence-numbered request (trim, compact): add one to the u64 at ``offset`` under the controllers'
+    lock, wake the allocator, and return the new sequence number."""
+    def write(mm: mmap.mmap) -> int:
+        seq = L.U64.unpack_from(mm, offset)[0] + 1
+        L.U64.pack_into(mm, offset, seq)
+        return seq
+
+    return write_request(path, write)
+
+
 def _target(name_or_snapshot: str | ModelSnapshot) -> ModelSnapshot:
     if isinstance(name_or_snapshot, ModelSnapshot):
         return name_or_snapshot
@@ -219,12 +231,7 @@ def request_trim(name: str | ModelSnapshot, *, wait: float = DEFAULT_WAIT_S) -> 
     if model.status != "live":
         raise ControlError(f"{model.name} is {model.status}: its process is gone, nothing to trim")
     started = time.monotonic()
-    def write(mm: mmap.mmap) -> int:
-        seq = L.U64.unpack_from(mm, L.TRIM_REQ_OFF)[0] + 1
-        L.U64.pack_into(mm, L.TRIM_REQ_OFF, seq)
-        return seq
-
-    seq = write_request(Path(model.path), write)
+    seq = bump_sequence(Path(model.path), L.TRIM_REQ_OFF)
     pending = Ack(model.name, "trim", "pending", seq)
     if wait <= 0:
         return pending

@@ -256,7 +256,7 @@ class HelpScreen(_InfoScreen):
         for term, meaning in TERMS:
             terms.add_row(term, meaning)
         with VerticalScroll(id="dialog"):
-            yield Label("kvtop — keys" + ("  (read-only: trim, compact and limit are disabled)" if self.readonly else ""),
+            yield Label("kvtop — keys" + ("  (read-only: trim, compact, sleep/wake and limit are disabled)" if self.readonly else ""),
                         id="question")
             yield Static(keys)
             yield Label("page map", classes="section")

@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import ClassVar
 
@@ -432,14 +432,28 @@ class KvtopApp(App[int]):
             return False
         return True
 
-    def action_trim(self) -> None:
-        if self._refuse_readonly("trim"):
-            return
+    def _control_target(self, action: str, what: str,
+                        problem: Callable[[ModelSnapshot], str | None] | None = None) -> ModelSnapshot | None:
+        """The selected model, read again (the figures a dialog shows are the ones the action acts on), or None
+        after saying why not: kvtop is read-only (``action``), no model or one that cannot take a ``what``,
+        or ``problem`` has a reason."""
+        if self._refuse_readonly(action):
+            return None
         m = self.selected_model()
-        if not self._controllable(m, "trim"):
-            return
+        if not self._controllable(m, what):
+            return None
         assert m is not None
-        m = self.source.reread(m)  # the figures the dialog shows are the ones trim acts on
+        m = self.source.reread(m)
+        reason = None if problem is None else problem(m)
+        if reason is not None:
+            self.notify(reason, severity="warning", markup=False)
+            return None
+        return m
+
+    def action_trim(self) -> None:
+        m = self._control_target("trim", "trim")
+        if m is None:
+            return
 
         def confirmed(yes: bool | None) -> None:
             if yes:
@@ -472,18 +486,10 @@ class KvtopApp(App[int]):
             "Trim all"), confirmed)
 
     def action_compact(self) -> None:
-        if self._refuse_readonly("compact"):
-            return
-        m = self.selected_model()
-        if not self._controllable(m, "compaction"):
-            return
-        assert m is not None
-        m = self.source.reread(m)
         from kvcached_core.compactctl import compact_problem
 
-        problem = compact_problem(m)
-        if problem is not None:
-            self.notify(problem, severity="warning", markup=False)
+        m = self._control_target("compact", "compaction", compact_problem)
+        if m is None:
             return
 
         def confirmed(yes: bool | None) -> None:
@@ -500,18 +506,10 @@ class KvtopApp(App[int]):
 
     def action_sleep_wake(self) -> None:
         """Put the selected model's KV cache to sleep, or wake it when it sleeps (or drains)."""
-        if self._refuse_readonly("sleep/wake"):
-            return
-        m = self.selected_model()
-        if not self._controllable(m, "sleep"):
-            return
-        assert m is not None
-        m = self.source.reread(m)
         from kvcached_core.sleepctl import sleep_problem
 
-        problem = sleep_problem(m)
-        if problem is not None:
-            self.notify(problem, severity="warning", markup=False)
+        m = self._control_target("sleep/wake", "sleep", sleep_problem)
+        if m is None:
             return
         assert m.sleep is not None
         kind = "wake" if m.sleep.state != "awake" else "sleep"
@@ -533,13 +531,9 @@ class KvtopApp(App[int]):
             "Weights stay. The next request wakes it, as does this key.", "Sleep"), confirmed)
 
     def action_limit(self) -> None:
-        if self._refuse_readonly("limit"):
+        m = self._control_target("limit", "limit")
+        if m is None:
             return
-        m = self.selected_model()
-        if not self._controllable(m, "limit"):
-            return
-        assert m is not None
-        m = self.source.reread(m)
 
         def chosen(request: LimitRequest | None) -> None:
             if request is not None:

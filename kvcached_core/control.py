@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import layout as L
-from .legacy import flock_within, limit_refusal, write_legacy_limit
+from .config import ConfigError, host_capacity_bytes
+from .legacy import flock_within, limit_refusal, percent_base, write_legacy_limit
 from .poller import poke
 from .reader import list_models, read_segment, resolve
 from .snapshot import ModelSnapshot
@@ -159,15 +160,11 @@ def limit_percent_base(model: ModelSnapshot) -> tuple[int | None, str]:
     if model.device_capacity:
         return model.device_capacity, ""
     if model.backend == "host":
-        from .config import ConfigError, host_capacity_bytes
-
         try:
             return host_capacity_bytes(), ""
         except ConfigError:
             return None, ""
     if model.legacy:
-        from .legacy import percent_base
-
         return percent_base()
     from . import nvml
 

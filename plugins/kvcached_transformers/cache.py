@@ -277,11 +277,11 @@ class PagedKVCache(Cache):
         with manager.lock:
             for seq, toks in zip(seqs, tokens, strict=True):
                 full = min(seq.length, len(toks)) // self.block_tokens
-                for key, block in zip(index.keys(toks, full), seq.blocks[:full], strict=True):
-                    if index.add(key, block):
-                        keep.append(block)
-                taken = set(keep)
-                seq.blocks = [b for b in seq.blocks if b not in taken]
+                taken = [block for key, block in zip(index.keys(toks, full), seq.blocks[:full], strict=True)
+                         if index.add(key, block)]
+                keep += taken
+                kept = set(taken)  # this sequence's blocks now cached: not its to free
+                seq.blocks = [b for b in seq.blocks if b not in kept]
             if keep:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # their K/V is written before anyone may move them

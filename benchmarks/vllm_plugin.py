@@ -6,7 +6,8 @@ same batch (the order alternates every round), so drift on a shared machine hits
 figure is the median of per-round ratios; the target is at least 0.97x.
 
 The share: in-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one per pool, each timing
-its scheduler's ``schedule`` + ``update_from_output`` and the block pool calls made inside them.
+its scheduler's ``schedule`` + ``update_from_output``, the whole engine step around them (model
+execution included) and the block pool calls made inside them.
 
 Needs vLLM: runs under ``.venv-vllm`` when this interpreter has none (see README, "With vLLM").
 """
@@ -79,6 +80,9 @@ def run(quick: bool) -> list[dict]:
         rows.append({"name": f"{label}: share of scheduler time", "value": round(100 * s["share"], 2), "unit": "%",
                      "note": f"{s['pool_us_per_step']:.1f} us of {s['sched_us_per_step']:.1f} us per step "
                              f"(schedule + update_from_output), {s['steps']} steps"})
+        rows.append({"name": f"{label}: share of an engine step", "value": round(100 * s["step_share"], 2),
+                     "unit": "%", "note": f"{s['pool_us_per_step']:.1f} us of {s['step_us_per_step']:.1f} us per "
+                                          "engine step (schedule, model execution, update_from_output)"})
     return rows
 
 
@@ -143,8 +147,8 @@ def share(args: argparse.Namespace) -> dict:
     core = llm.llm_engine.engine_core.engine_core
     scheduler = core.scheduler
     pool = scheduler.kv_cache_manager.block_pool
-    spent = {"pool": 0.0, "sched": 0.0, "steps": 0}
-    depth = {"pool": 0, "sched": 0}
+    spent = {"pool": 0.0, "sched": 0.0, "step": 0.0, "steps": 0}
+    depth = {"pool": 0, "sched": 0, "step": 0}
 
     def timed(obj, method: str, key: str) -> None:  # noqa: ANN001
         inner = getattr(obj, method)
@@ -165,6 +169,7 @@ def share(args: argparse.Namespace) -> dict:
         timed(pool, method, "pool")
     for method in ("schedule", "update_from_output"):
         timed(scheduler, method, "sched")
+    timed(core, "step_fn", "step")  # what the in-process client calls for each engine step
     inner_schedule = scheduler.schedule
 
     def counted(*a, **k):  # noqa: ANN002, ANN003, ANN202
@@ -173,12 +178,13 @@ def share(args: argparse.Namespace) -> dict:
 
     scheduler.schedule = counted
     _generate(llm, prompts(cfg["requests"], length=cfg["prompt_tokens"], seed=99), cfg["max_tokens"])
-    spent.update(pool=0.0, sched=0.0, steps=0)
+    spent.update(pool=0.0, sched=0.0, step=0.0, steps=0)
     for round_ in range(cfg["rounds"]):
         _generate(llm, prompts(cfg["requests"], length=cfg["prompt_tokens"], seed=round_), cfg["max_tokens"])
     steps = max(1, int(spent["steps"]))
-    result = {"share": spent["pool"] / spent["sched"], "steps": steps,
-              "pool_us_per_step": 1e6 * spent["pool"] / steps, "sched_us_per_step": 1e6 * spent["sched"] / steps}
+    result = {"share": spent["pool"] / spent["sched"], "step_share": spent["pool"] / spent["step"], "steps": steps,
+              "pool_us_per_step": 1e6 * spent["pool"] / steps, "sched_us_per_step": 1e6 * spent["sched"] / steps,
+              "step_us_per_step": 1e6 * spent["step"] / steps}
     del llm
     gc.collect()
     return result

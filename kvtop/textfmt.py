@@ -129,7 +129,7 @@ def list_row(m: ModelSnapshot) -> list[str]:
     return [
         m.name, m.engine, str(m.pid) if m.pid else "-", fmt_device(m), m.display_status,
         fmt_bytes(m.mapped_bytes), fmt_bytes(m.held_bytes), fmt_bytes(m.reserved_bytes),
-        "-" if m.legacy else fmt_bytes(m.cached_bytes),
+        fmt_bytes(m.cached_bytes),  # None ("-") for upstream segments
         fmt_limit(m), fmt_ratio(m.waste_ratio), fmt_pages(m),
     ]
 

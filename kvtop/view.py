@@ -133,7 +133,7 @@ def model_cells(m: ModelSnapshot, history: History | None = None, names: Sequenc
         "limit": limit_cell(m),
         "held": Text(format_bytes(m.held_bytes)),
         "reserved": Text(format_bytes(m.reserved_bytes)),
-        "cached": Text("-" if legacy else format_bytes(m.cached_bytes), style="magenta" if m.blocks_cached else ""),
+        "cached": Text(format_bytes(m.cached_bytes), style="magenta" if m.blocks_cached else ""),
         "waste": Text("-" if m.waste_ratio is None or legacy else f"{m.waste_ratio:.2f}×",
                       style=waste_style(None if legacy else m.waste_ratio)),
         "rate": Text("-" if rate is None else f"{format_bytes(rate)}/s", style="grey50" if not rate else ""),

@@ -110,10 +110,9 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
         text = Text()
         current = "none" if m.limit_bytes is None else format_bytes(m.limit_bytes)
         text.append(f"current {current} · mapped {format_bytes(m.mapped_bytes)} · in use {format_bytes(m.pinned_bytes)}")
-        if self.percent_note and self.percent_of:
-            text.append(f"\n30% = {format_bytes(self.percent_of * 0.3)} {self.percent_note}")
-        elif self.percent_of:
-            text.append(f"\n30% = {format_bytes(self.percent_of * 0.3)} of {format_bytes(self.percent_of)}")
+        if self.percent_of:
+            of = self.percent_note or f"of {format_bytes(self.percent_of)}"
+            text.append(f"\n30% = {format_bytes(self.percent_of * 0.3)} {of}")
         if not m.legacy:
             text.append(f"\nrounded down to whole page bundles of {format_bytes(m.bundle_bytes)}")
         else:

@@ -1,7 +1,8 @@
 """The prefix cache's index: full blocks of finished sequences, found again by the tokens they hold.
 
-A block is keyed by the hash of every token up to its end (a chain: block ``i``'s key hashes block
-``i-1``'s key with its own tokens), so a later prompt that begins with the same tokens finds the
+A block is keyed by a SHA-256 digest of every token up to its end (a chain: block ``i``'s key hashes
+block ``i-1``'s key with its own tokens; 128 bits of it, so two prefixes never share a key in
+practice, where Python's 64-bit ``hash()`` could serve one prefix another's K/V), so a later prompt that begins with the same tokens finds the
 same blocks. The blocks themselves are the allocator's *cached* blocks (``mark_cached``): it may
 evict them (the ids it returns are dropped here) or, through compaction, move them (the remap list
 is applied here by :meth:`PrefixIndex.remap`, after the cache copied their K/V).
@@ -9,6 +10,8 @@ is applied here by :meth:`PrefixIndex.remap`, after the cache copied their K/V).
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Iterable, Sequence
 
 
@@ -25,10 +28,10 @@ class PrefixIndex:
 
     def keys(self, tokens: Sequence[int], blocks: int) -> list[int]:
         """The chain keys of the first ``blocks`` full blocks of ``tokens``."""
-        bt, key, out = self.block_tokens, 0, []
+        bt, digest, out = self.block_tokens, b"", []
         for i in range(blocks):
-            key = hash((key, tuple(tokens[i * bt:(i + 1) * bt])))
-            out.append(key)
+            digest = hashlib.sha256(digest + array("q", tokens[i * bt:(i + 1) * bt]).tobytes()).digest()[:16]
+            out.append(int.from_bytes(digest, "little"))
         return out
 
     def match(self, tokens: Sequence[int]) -> list[int]:

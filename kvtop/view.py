@@ -63,12 +63,12 @@ def waste_style(ratio: float | None) -> str:
 
 
 def filter_models(models: Sequence[ModelSnapshot], text: str) -> list[ModelSnapshot]:
-    """Models whose name, model, engine or status contains ``text`` (case-insensitive)."""
+    """Models whose name, model, engine or shown status (asleep and draining too) contains ``text`` (case-insensitive)."""
     needle = text.strip().lower()
     if not needle:
         return list(models)
     return [m for m in models
-            if any(needle in v.lower() for v in (m.name, m.model, m.engine, m.display_status))]
+            if any(needle in v.lower() for v in (m.name, m.model, m.engine, shown_status(m)))]
 
 
 def sort_models(models: Sequence[ModelSnapshot], key: str, history: History | None = None) -> list[ModelSnapshot]:

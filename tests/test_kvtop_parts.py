@@ -14,7 +14,7 @@ from rich.console import Console
 
 from kvcached_core import layout as L
 from kvcached_core import nvml
-from kvcached_core.snapshot import Problem
+from kvcached_core.snapshot import Problem, SleepInfo
 from kvtop.events import diff
 from kvtop.history import History
 from kvtop.once import print_once, render
@@ -132,6 +132,10 @@ def test_sort_filter_and_cells() -> None:
     assert [m.name for m in filter_models(models, "SGLANG")] == ["qwen2-7b"]
     assert [m.name for m in filter_models(models, "shrink")] == ["qwen2-7b"]
     assert len(filter_models(models, "  ")) == len(models)
+    live = next(m for m in models if m.display_status == "live")
+    sleeping = replace(live, sleep=SleepInfo(capable=True, state="asleep", acked_revision=1, after_idle_s=None,
+                                             slept_bytes=0, took_s=0.0))
+    assert [m.name for m in filter_models([*models, sleeping], "asleep")] == [live.name]  # what the column shows
     qwen = next(m for m in models if m.name == "qwen2-7b")
     cells = model_cells(qwen)
     assert cells["status"].plain == "shrinking" and cells["limit"].plain == "↓12.5 GiB"

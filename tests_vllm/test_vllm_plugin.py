@@ -199,13 +199,13 @@ def test_limit_below_use_queues_requests_and_lifting_it_restores_concurrency(
     assert applied, f"the limit was never applied: {timeline(during)}"
     assert all(s.mapped_bytes <= s.limit_bytes for s in applied)
     # Under the limit requests waited for blocks: queued, or preempted (and recomputed, same tokens).
-    limited_run = [s for s in samples[:served] if s.limit_status != "none"]
+    limited_run = [s for s in samples[:served] if s.limit_status != "none" and s.traffic]
     assert any(s.traffic.waiting for s in limited_run) or \
         limited_run[-1].traffic.preemptions > limited_run[0].traffic.preemptions, timeline(limited_run)
     # Lifted: more pages in use at once, and more requests running in one step than the limit's pages hold
     # (each request takes at least 8 blocks of 128 tokens).
     assert max(s.pages_inuse for s in samples[mark:]) > limit_pages
-    assert max(s.traffic.running for s in samples[mark:]) > limit_pages * samples[0].blocks_per_page // 8
+    assert max(s.traffic.running for s in samples[mark:] if s.traffic) > limit_pages * samples[0].blocks_per_page // 8
     print(f"limit applied while requests ran: {any(s.limit_status == 'applied' for s in samples[:served])}; "
           f"preemptions {limited_run[-1].traffic.preemptions - limited_run[0].traffic.preemptions}")
 

@@ -52,7 +52,10 @@ from kvtop.widgets import (
 )
 
 INTERVALS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
-CONTROL_WAIT_S = 3.0
+# How long kvtop's worker waits for an engine to acknowledge a control. It waits off the UI thread, so
+# it can be generous: on a loaded host an ack can take seconds, and a shorter wait then logs
+# 'not acknowledged' for a request the engine carries out a moment later.
+CONTROL_WAIT_S = 10.0
 KEY_NAMES = {"question_mark": "?", "space": "space", "plus": "+", "minus": "-", "equals_sign": "=",
              "down": "↓", "up": "↑", "enter": "enter", "pageup": "pgup", "pagedown": "pgdn", "escape": "esc"}
 

@@ -84,7 +84,9 @@ def test_kvctl_and_kvtop_show_the_engine_while_it_serves(server: Server, ctl_env
                                 capture_output=True, text=True, timeout=60).stdout
         used = work.result()
     assert [(r["engine"], r["blocks_used"] > 1) for r in rows] == [("vllm", True)], rows
-    assert max(used) >= 8 * 8  # 8 requests of 900+ tokens: at least 8 blocks of 128 tokens each
+    # 8 requests of 900+ tokens hold at least 8 blocks of 128 tokens each; how many overlap depends on the
+    # host's speed (all 8 on a quiet one, CI saw 59 blocks at once on a busy one): at least two at once.
+    assert max(used) >= 2 * 8
     assert (shown["engine"], shown["model"], shown["backend"], shown["device"]) == ("vllm", NAME, "host", 0)
     engine_core = {c.pid for c in psutil.Process(server.proc.pid).children(recursive=True)}
     assert shown["pid"] in engine_core  # the scheduler's process (EngineCore), a child of the server

@@ -570,6 +570,9 @@ class KvtopApp(App[int]):
                         text += " (running requests finish first)"
                     events.append(Event(time.time(), kind, m.name, text,
                                         WARN if ack.status == "superseded" else GOOD))
+                    if ack.status == "draining":  # say so now, then when it is asleep
+                        self.post_message(ControlDone(events))
+                        events = [e for e in (self._asleep_event(m),) if e is not None]
                 elif kind == "trim":
                     ack = self.source.trim(m, CONTROL_WAIT_S)
                     events.append(Event(time.time(), "trimmed", m.name,
@@ -597,6 +600,20 @@ class KvtopApp(App[int]):
             except (ControlError, ModelNotFound, OSError, ValueError) as exc:
                 events.append(Event(time.time(), kind, m.name, f"{kind} failed: {exc}", ERROR))
         self.post_message(ControlDone(events))
+
+    def _asleep_event(self, m: ModelSnapshot) -> Event | None:
+        """In the control worker: a model that acknowledged a sleep while draining, once it is asleep (None
+        when it is still draining after CONTROL_WAIT_S, or was woken: the status column says so)."""
+        deadline = time.monotonic() + CONTROL_WAIT_S
+        while time.monotonic() < deadline:
+            info = self.source.reread(m).sleep
+            if info is None or info.state != "draining":
+                if info is None or info.state != "asleep":
+                    return None
+                return Event(time.time(), "sleep", m.name, f"asleep: {format_bytes(info.slept_bytes)} released "
+                             f"in {info.took_s * 1000:.0f} ms", GOOD)
+            time.sleep(0.1)
+        return None
 
     def on_control_done(self, message: ControlDone) -> None:
         self._add_events(message.events)

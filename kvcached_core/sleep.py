@@ -106,8 +106,10 @@ class SleepControl:
                 self._started = time.monotonic_ns()
                 self._mapped_at_start = self._m.backend_mapped_bytes()
                 self.state = L.SLEEP_DRAINING
-                self._write()
+            # The handler first, then the answer: a controller that reads "draining" may send requests at
+            # once, and the engine has stopped admitting new ones by then (the handler does that first).
             handler("sleep_now" if now else "sleep")
+            self._write()
 
     def ready(self) -> int:
         """The engine holds no block: unmap every page; returns the bytes released since the sleep began."""

@@ -55,6 +55,12 @@ class Sleeper:
 
     # -- the allocator's poller thread ---------------------------------------------------------
     def request(self, action: str) -> None:
+        if action in ("sleep", "sleep_now"):
+            # No new request is scheduled from now on, before the allocator answers "draining" (a plain
+            # attribute write, safe from this thread; the engine's thread does the rest).
+            from vllm.v1.core.sched.interface import PauseState
+
+            self.scheduler.set_pause_state(PauseState.PAUSED_NEW)
         with self._lock:
             self._pending = action  # the later request wins
         poke = self._poke

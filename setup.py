@@ -21,6 +21,6 @@ def native(module: str, source: str) -> Extension:
 
 
 setup(ext_modules=[
-    native("kvcached_core._fastpath", "kvcached_core/fastpath.c"),
+    native("kvcached_core.allocator._fastpath", "kvcached_core/allocator/fastpath.c"),
     native("kvcached_core.backends._cuda_native", "kvcached_core/backends/cuda_native.c"),
 ])

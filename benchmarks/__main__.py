@@ -57,7 +57,7 @@ if not callable(getattr(mod, "run", None)):
     emit(skip="no run(quick): a standalone script, see its docstring")
     sys.exit(0)
 if getattr(mod, "REQUIRES", None) == "gpu":
-    from kvcached_core import nvml
+    from kvcached_core.backends import nvml
     if not nvml.available():
         emit(skip="needs an NVIDIA GPU: " + nvml.unavailable_reason())
         sys.exit(0)

@@ -3,7 +3,7 @@
 * ours: ``request_limit`` / ``request_trim`` from this process against a KVCacheManager in a
   child; the time until the call returns with the allocator's acknowledgement (status applied,
   bytes returned), read back from the segment. The controller pokes the allocator's poller
-  (``kvcached_core.poller``), which applies the request at once.
+  (``kvcached_core.allocator.poller``), which applies the request at once.
 * upstream-style: the controller rewrites the total field of the 24-byte file under an
   exclusive flock; a watcher thread in the child polls the file every ``UPSTREAM_POLL_S`` (open,
   shared flock, mmap, read, close), as upstream's background watcher does, and applies the new
@@ -24,7 +24,7 @@ UPSTREAM_POLL_S = 0.005  # the upstream-style watcher's polling interval (upstre
 
 ALLOCATOR = """
 import sys
-from kvcached_core.manager import KVCacheManager
+from kvcached_core.allocator.manager import KVCacheManager
 m = KVCacheManager("bench-acks", name="bench-acks", num_blocks=4096, block_bytes=16384, num_layers=1,
                    page_size=256 * 1024)
 m.free(m.alloc(4))
@@ -72,8 +72,8 @@ def _stats_ms(samples: list[float]) -> tuple[float, float]:
 def _ours(rounds: int) -> dict[str, list[float]]:
     """Latency until the acknowledgement is back, and until the allocator applied the request
     (the ``updated_ns`` of the publish that carried the acknowledgement: the child is otherwise idle)."""
-    from kvcached_core.control import request_limit, request_trim
-    from kvcached_core.reader import snapshot
+    from kvcached_core.control.requests import request_limit, request_trim
+    from kvcached_core.segment.reader import snapshot
 
     out: dict[str, list[float]] = {"limit": [], "limit applied": [], "trim": [], "trim applied": []}
     child = spawn(ALLOCATOR)

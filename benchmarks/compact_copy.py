@@ -42,7 +42,7 @@ def _timed(fn, torch, reps: int) -> list[float]:  # noqa: ANN001
 
 def _one_layout(layout: str, reps: int, torch) -> list[dict]:  # noqa: ANN001
     from kvcached_core import KVCacheManager
-    from kvcached_core.compact import copy_blocks, plan
+    from kvcached_core.allocator.compact import copy_blocks, plan
 
     os.environ.update(KVCACHED_CUDA_LAYOUT=layout, KVCACHED_MIN_RESERVED_PAGES="0", KVCACHED_MAX_RESERVED_PAGES="0",
                       KVCACHED_MAX_CACHED_TOKENS="-1", KVCACHED_CUDA_ASYNC_UNMAP="0")

@@ -20,7 +20,7 @@ from ._common import child_env, percentile, private_segments, spawn, stop
 
 MODELS = """
 import sys
-from kvcached_core.manager import KVCacheManager
+from kvcached_core.allocator.manager import KVCacheManager
 ms = [KVCacheManager(f"scraped{i}", name=f"scraped{i}", num_blocks=1024, block_bytes=16384, num_layers=1,
                      page_size=256 * 1024) for i in range(8)]
 for m in ms:

@@ -5,7 +5,7 @@ pool is warm, so no pair maps or unmaps anything: what is measured is placement,
 and the publish of each state change. Rows:
 
 * each placement policy (``affinity`` is the default) with our seqlocked publish; ``alloc`` and
-  ``free`` run in C where they can (``kvcached_core/fastpath.c``), and once more in Python for comparison;
+  ``free`` run in C where they can (``kvcached_core/allocator/fastpath.c``), and once more in Python for comparison;
 * upstream-style: the same allocator (``best-fit``, upstream's policy, Python path) with every
   publish replaced by upstream's status update (open, flock, mmap, write, close the 24-byte file);
 * bookkeeping alone (Python path, publish disabled), to show what the publish costs inside the pair;
@@ -23,7 +23,7 @@ BLOCKS = 16
 
 
 def _manager(policy: str, fastpath: bool = True):  # noqa: ANN202
-    from kvcached_core.manager import KVCacheManager
+    from kvcached_core.allocator.manager import KVCacheManager
 
     saved = os.environ.get("KVCACHED_FASTPATH")
     os.environ["KVCACHED_FASTPATH"] = "auto" if fastpath else "0"

@@ -18,7 +18,7 @@ from ._common import percentile, private_segments, spawn, stop
 
 HOLDER = """
 import sys
-from kvcached_core.manager import KVCacheManager
+from kvcached_core.allocator.manager import KVCacheManager
 ms = [KVCacheManager(f"idle{{i}}", name=f"idle{{i}}", num_blocks=256, block_bytes=16384, num_layers=1,
                      page_size=256 * 1024) for i in range({count})]
 for m in ms:
@@ -54,7 +54,7 @@ def idle_cpu_percent(count: int, seconds: float) -> float:
 
 
 def ack_latencies_ms(rounds: int) -> list[float]:
-    from kvcached_core.control import request_limit
+    from kvcached_core.control.requests import request_limit
 
     rng = random.Random(7)
     child = spawn(HOLDER.format(count=1))

@@ -24,7 +24,7 @@ READERS = 3
 
 OUR_READER = """
 from pathlib import Path
-from kvcached_core.reader import read_segment
+from kvcached_core.segment.reader import read_segment
 print("READY", flush=True)
 while True:
     try:
@@ -43,7 +43,7 @@ while True:
 
 
 def _allocator():  # noqa: ANN202
-    from kvcached_core.manager import KVCacheManager
+    from kvcached_core.allocator.manager import KVCacheManager
 
     m = KVCacheManager("bench-publish", num_blocks=4096, block_bytes=32 * 1024, num_layers=1,
                        page_size=2 * 1024 * 1024)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import time
 
-from kvcached_core import layout as L
+from kvcached_core.segment import layout as L
 
 from ._common import percentile, private_segments, spawn, stop
 
@@ -32,7 +32,7 @@ PAGE = 2 * 1024 * 1024
 
 CHILD = f"""
 import json, sys, threading, time
-from kvcached_core.manager import KVCacheManager
+from kvcached_core.allocator.manager import KVCacheManager
 m = KVCacheManager("bench-sleep", name="bench-sleep", num_blocks={GIB // BLOCK}, block_bytes={BLOCK},
                    num_layers=1, page_size={PAGE}, backend="host")
 held = []
@@ -129,8 +129,8 @@ def _engine_figures(quick: bool) -> dict[str, list[float]]:
 
 
 def run(quick: bool) -> list[dict]:
-    from kvcached_core.reader import snapshot
-    from kvcached_core.sleepctl import request_sleep
+    from kvcached_core.control.sleep import request_sleep
+    from kvcached_core.segment.reader import snapshot
 
     rounds = 5 if quick else 20
     with private_segments():

@@ -19,8 +19,8 @@ PAGES = 4096
 
 OWNER = """
 import random, sys, threading, time
-from kvcached_core import layout as L
-from kvcached_core.segment import Identity, SegmentWriter
+from kvcached_core.segment import layout as L
+from kvcached_core.segment.writer import Identity, SegmentWriter
 
 rng = random.Random(64)
 writers = []
@@ -87,7 +87,7 @@ def _sum_every_read(name: str, map_raw: bytes, pages) -> int:  # noqa: ANN001, A
 
 def _baseline(fn):  # noqa: ANN001, ANN202
     """``fn`` run on the previous reader path (the page map summed on every read), for a like-for-like row."""
-    from kvcached_core import reader
+    from kvcached_core.segment import reader
 
     def run() -> object:
         kept, reader.page_sum = reader.page_sum, _sum_every_read
@@ -99,8 +99,8 @@ def _baseline(fn):  # noqa: ANN001, ANN202
 
 
 def run(quick: bool) -> list[dict]:
-    from kvcached_core.frag import fragmentation
-    from kvcached_core.reader import list_models, snapshot
+    from kvcached_core.segment.frag import fragmentation
+    from kvcached_core.segment.reader import list_models, snapshot
 
     count = 30 if quick else 300
     with private_segments():

@@ -10,28 +10,28 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-# The reader's names load at once (the ``snapshot`` function must shadow the submodule of that name);
-# the allocator's and controller's load on first use, so ``kvctl list`` never pays for them.
-from .reader import ModelNotFound, list_models, resolve, scan, snapshot
+# The reader's names load at once; the allocator's and controller's on first use, so ``kvctl list``
+# never pays for them.
+from .segment.reader import ModelNotFound, list_models, resolve, scan, snapshot
+from .segment.snapshot import ModelSnapshot, Problem, Scan
 from .sizes import SizeError, format_bytes, parse_size
-from .snapshot import ModelSnapshot, Problem, Scan
 
 if TYPE_CHECKING:
+    from .allocator.manager import KVCacheManager
     from .backends import BackendError, BackendUnavailable
-    from .control import Ack, AckTimeout, ControlError, request_limit, request_trim
-    from .frag import Fragmentation, fragmentation
-    from .manager import KVCacheManager
-    from .names import InvalidName
-    from .segment import SegmentError
+    from .control.requests import Ack, AckTimeout, ControlError, request_limit, request_trim
+    from .segment.frag import Fragmentation, fragmentation
+    from .segment.names import InvalidName
+    from .segment.writer import SegmentError
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
+_EXPORTS = {  # public name -> the module (under this package) that defines it
     "BackendError": "backends", "BackendUnavailable": "backends",
-    "Ack": "control", "AckTimeout": "control", "ControlError": "control",
-    "request_limit": "control", "request_trim": "control",
-    "Fragmentation": "frag", "fragmentation": "frag", "KVCacheManager": "manager", "InvalidName": "names",
-    "SegmentError": "segment",
+    "Ack": "control.requests", "AckTimeout": "control.requests", "ControlError": "control.requests",
+    "request_limit": "control.requests", "request_trim": "control.requests",
+    "Fragmentation": "segment.frag", "fragmentation": "segment.frag",
+    "KVCacheManager": "allocator.manager", "InvalidName": "segment.names", "SegmentError": "segment.writer",
 }
 
 

@@ -15,7 +15,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .manager import KVCacheManager
+    from .allocator.manager import KVCacheManager
 
 GROUP = "kvcached.engines"
 WAIT_POLL_S = 0.01

@@ -34,7 +34,7 @@ class Part:
 
 
 PARTS = {
-    "fastpath": Part("fastpath", "kvcached_core._fastpath", "fastpath.c", "KVCACHED_FASTPATH", "the C alloc path",
+    "fastpath": Part("fastpath", "kvcached_core.allocator._fastpath", "allocator/fastpath.c", "KVCACHED_FASTPATH", "the C alloc path",
                      "alloc and free run in Python"),
     "cuda": Part("cuda", "kvcached_core.backends._cuda_native", "backends/cuda_native.c", "KVCACHED_CUDA_NATIVE",
                  "the CUDA map loop", "the CUDA backend calls the driver through cuda-python"),
@@ -82,7 +82,7 @@ def say_unavailable(key: str, why: str) -> None:
 
 def report() -> list[tuple[str, bool, str]]:
     """(what, active, why not) for every part under this environment, as ``kvctl --version --verbose``
-    shows them (the fast path serves some policies only: :mod:`kvcached_core.fastpath`)."""
+    shows them (the fast path serves some policies only: :mod:`kvcached_core.allocator.fastpath`)."""
     rows = []
     for part in PARTS.values():
         try:

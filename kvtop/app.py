@@ -29,7 +29,7 @@ from textual.widgets import Footer, Static
 from textual.worker import get_current_worker
 
 from kvcached_core import AckTimeout, ControlError, ModelNotFound, __version__, format_bytes, resolve
-from kvcached_core.snapshot import ModelSnapshot
+from kvcached_core.segment.snapshot import ModelSnapshot
 from kvtop.commands import KvtopCommands
 from kvtop.events import ERROR, GOOD, INFO, WARN, Event, diff
 from kvtop.history import History
@@ -489,7 +489,7 @@ class KvtopApp(App[int]):
             "Trim all"), confirmed)
 
     def action_compact(self) -> None:
-        from kvcached_core.compactctl import compact_problem
+        from kvcached_core.control.compact import compact_problem
 
         m = self._control_target("compact", "compaction", compact_problem)
         if m is None:
@@ -509,7 +509,7 @@ class KvtopApp(App[int]):
 
     def action_sleep_wake(self) -> None:
         """Put the selected model's KV cache to sleep, or wake it when it sleeps (or drains)."""
-        from kvcached_core.sleepctl import sleep_problem
+        from kvcached_core.control.sleep import sleep_problem
 
         m = self._control_target("sleep/wake", "sleep", sleep_problem)
         if m is None:

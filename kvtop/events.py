@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcached_core import format_bytes
-from kvcached_core.snapshot import ModelSnapshot, Problem
+from kvcached_core.segment.snapshot import ModelSnapshot, Problem
 
 INFO, GOOD, WARN, ERROR = "info", "good", "warn", "error"
 

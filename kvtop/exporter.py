@@ -1,6 +1,6 @@
 """Prometheus exporter: every model's segment, plus NVML device memory, as metrics.
 
-A :class:`KVCachedCollector` reads :func:`kvcached_core.scan` and :func:`kvcached_core.nvml.probe`
+A :class:`KVCachedCollector` reads :func:`kvcached_core.scan` and :func:`kvcached_core.backends.nvml.probe`
 on each scrape, or, with ``interval``, a background thread refreshes a cached copy every
 ``interval`` seconds and scrapes serve that copy (cheap scrapes however often Prometheus
 comes). Models that vanish simply stop being emitted. Per-model series carry the labels
@@ -24,8 +24,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
 import kvcached_core
-from kvcached_core import nvml
-from kvcached_core.snapshot import ModelSnapshot
+from kvcached_core.backends import nvml
+from kvcached_core.segment.snapshot import ModelSnapshot
 from kvtop.http_page import Page, PageServer
 
 PREFIX = "kvcached"

@@ -1,12 +1,12 @@
 """Page-map cells for the screen: glyphs and legend over the core's folded cells.
 
-The folding itself (and every page state) is :mod:`kvcached_core.pagemap`, shared by ``kvctl show``
+The folding itself (and every page state) is :mod:`kvcached_core.segment.pagemap`, shared by ``kvctl show``
 (characters) and the kvtop page-map widget (colours).
 """
 
 from __future__ import annotations
 
-from kvcached_core.pagemap import (  # noqa: F401 - the cell API, as the screen modules import it
+from kvcached_core.segment.pagemap import (  # noqa: F401 - the cell API, as the screen modules import it
     CACHED,
     FREE,
     FULL,

@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Protocol
 
 import kvcached_core as kc
-from kvcached_core import config, nvml
-from kvcached_core.legacy import limit_status as legacy_limit_status
-from kvcached_core.nvml import GpuInfo
-from kvcached_core.pagemap import count_pages, page_entry
-from kvcached_core.reader import read_segment
-from kvcached_core.snapshot import ModelSnapshot, Problem
+from kvcached_core import config
+from kvcached_core.backends import nvml
+from kvcached_core.backends.nvml import GpuInfo
+from kvcached_core.interop.legacy import limit_status as legacy_limit_status
+from kvcached_core.segment.pagemap import count_pages, page_entry
+from kvcached_core.segment.reader import read_segment
+from kvcached_core.segment.snapshot import ModelSnapshot, Problem
 
 
 @dataclass(frozen=True)
@@ -124,13 +125,13 @@ class LiveSource:
         return kc.request_trim(model, wait=wait)
 
     def compact(self, model: ModelSnapshot, wait: float) -> kc.Ack:
-        from kvcached_core.compactctl import request_compact
+        from kvcached_core.control.compact import request_compact
 
         return request_compact(model, wait=wait)
 
     def sleep(self, model: ModelSnapshot, action: str, wait: float) -> kc.Ack:
         """``action``: sleep or wake; returns once the model took it (``draining`` while requests finish)."""
-        from kvcached_core.sleepctl import request_sleep
+        from kvcached_core.control.sleep import request_sleep
 
         return request_sleep(model, action, wait=wait)
 

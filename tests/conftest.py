@@ -116,8 +116,8 @@ def wait_heartbeat_late(path: Path, timeout: float = 10.0) -> None:
     """Wait until the segment at ``path`` has a late heartbeat: ``kvctl clean`` never removes a fresh one."""
     import time as _time
 
-    from kvcached_core import layout as _L
-    from kvcached_core.liveness import heartbeat_late
+    from kvcached_core.segment import layout as _L
+    from kvcached_core.segment.liveness import heartbeat_late
 
     deadline = _time.monotonic() + timeout
     while not heartbeat_late(_L.U64.unpack_from(path.read_bytes(), _L.HEARTBEAT_OFF)[0], _time.time_ns()):

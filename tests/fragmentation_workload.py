@@ -29,11 +29,11 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from kvcached_core.compact import host_copy
+from kvcached_core.allocator.compact import host_copy
+from kvcached_core.allocator.manager import KVCacheManager
 from kvcached_core.config import max_cached_blocks
-from kvcached_core.frag import fragmentation
-from kvcached_core.manager import KVCacheManager
-from kvcached_core.reader import snapshot
+from kvcached_core.segment.frag import fragmentation
+from kvcached_core.segment.reader import snapshot
 
 KiB = 1024
 

@@ -4,7 +4,7 @@ Each writer owns one segment and publishes update after update through :class:`S
 (the allocator's own publish path, without the allocator's bookkeeping, so a million updates
 take seconds). Every update rewrites a few page-map entries and all counters, and the values
 are tied together so that a copy mixing two updates breaks an invariant (see
-:func:`violations`). Reader processes take snapshots with :func:`kvcached_core.reader.read_segment`
+:func:`violations`). Reader processes take snapshots with :func:`kvcached_core.segment.reader.read_segment`
 (with and without the page map) as fast as they can and check each accepted one; every
 ``16``th time they also take a plain copy without the seqlock, to show the invariants catch
 tearing. ``tests/test_hardening_concurrency.py`` runs it; ``benchmarks/stress.py`` times it.
@@ -20,11 +20,11 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcached_core import layout as L
-from kvcached_core.names import SEGMENT_PREFIX
-from kvcached_core.reader import SegmentCorrupt, read_segment
-from kvcached_core.segment import Identity, SegmentWriter
-from kvcached_core.snapshot import ModelSnapshot
+from kvcached_core.segment import layout as L
+from kvcached_core.segment.names import SEGMENT_PREFIX
+from kvcached_core.segment.reader import SegmentCorrupt, read_segment
+from kvcached_core.segment.snapshot import ModelSnapshot
+from kvcached_core.segment.writer import Identity, SegmentWriter
 
 PAGES = 64
 BLOCKS_PER_PAGE = 16

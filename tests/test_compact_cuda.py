@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from test_cuda_backend import LAYOUTS, cuda_manager, needs_gpu
 
-from kvcached_core.compact import copy_blocks, device_copy
+from kvcached_core.allocator.compact import copy_blocks, device_copy
 
 BPP = 8  # cuda_manager's 2 MiB pages of 256 KiB blocks
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from kvcached_core import KVCacheManager
-from kvcached_core.compact import Move, host_copy
+from kvcached_core.allocator.compact import Move, host_copy
 
 MiB = 1024 * 1024
 # 2 MiB pages x 8 layers x K/V: one page id costs 32 MiB; 8 blocks a page.
@@ -133,7 +133,7 @@ def test_the_segment_counts_compactions_and_kvctl_frag_shows_them() -> None:
 
     from conftest import kvctl
 
-    from kvcached_core import snapshot
+    from kvcached_core.segment import snapshot
 
     with KVCacheManager("compact-count", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
         scattered(m)
@@ -164,7 +164,7 @@ def test_the_segment_counts_compactions_and_kvctl_frag_shows_them() -> None:
 
 
 SCATTER = f"""
-from kvcached_core.compact import host_copy
+from kvcached_core.allocator.compact import host_copy
 BPP = {BPP}
 ids = [m.alloc(1)[0] for _ in range(8 * BPP)]
 drop = [b for b in ids if (b // BPP < 4 and b % BPP < 2) or (b // BPP >= 4 and b % BPP >= 2)]
@@ -179,7 +179,7 @@ def test_kvctl_compact_returns_pages_and_refuses_a_failing_engine(spawn_allocato
     from conftest import kvctl, send
     from test_docs_reference import assert_documented, key_table
 
-    from kvcached_core import snapshot
+    from kvcached_core.segment import snapshot
 
     proc = spawn_allocator("cc", policy="best-fit", script=SCATTER + """
 def boom(moves):

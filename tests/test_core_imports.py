@@ -36,7 +36,7 @@ def test_importing_kvcached_core_pulls_in_no_ui_library():
 
 def test_no_module_of_kvcached_core_pulls_in_a_ui_library():
     result = run_probe(PROBE)
-    assert {"kvcached_core.manager", "kvcached_core.reader", "kvcached_core.control",
+    assert {"kvcached_core.allocator.manager", "kvcached_core.segment.reader", "kvcached_core.control.requests",
             "kvcached_core.backends.host"} <= set(result["imported"])
     assert result["ui"] == []
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import kvcached_core as kc
-from kvcached_core import layout as L
+from kvcached_core.segment import layout as L
 
 GiB = 1024**3
 LIVE = os.getpgrp()  # a process group that exists and is older than any file a test writes

@@ -8,7 +8,7 @@ import pytest
 from conftest import wait_for
 
 import kvcached_core as kc
-from kvcached_core import layout as L
+from kvcached_core.segment import layout as L
 
 KiB = 1024
 PAGE = 64 * KiB

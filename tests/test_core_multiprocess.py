@@ -10,7 +10,7 @@ import pytest
 from conftest import freeze, send, wait_for
 
 import kvcached_core as kc
-from kvcached_core import layout as L
+from kvcached_core.segment import layout as L
 
 MiB = 1024 * 1024
 BUNDLE = 1 * MiB  # the fixture's child: 256 KiB pages x 2 layers x K/V; 4 blocks of 64 KiB per page

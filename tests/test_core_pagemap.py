@@ -1,4 +1,4 @@
-"""The decoded page map (kvcached_core.pagemap) is what the front ends read; none of them knows the bits."""
+"""The decoded page map (kvcached_core.segment.pagemap) is what the front ends read; none of them knows the bits."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import ast
 from pathlib import Path
 
 import kvcached_core as kc
-from kvcached_core import KVCacheManager, pagemap
-from kvcached_core import layout as L
+from kvcached_core import KVCacheManager
+from kvcached_core.segment import layout as L
+from kvcached_core.segment import pagemap
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONT_ENDS = [ROOT / "kvtop"]  # kvtop, kvctl (kvtop/cli) and the exporter
@@ -16,17 +17,17 @@ SMALL = dict(num_blocks=64, block_bytes=16 * 1024, num_layers=1, page_size=64 * 
 
 
 def bit_layout_uses(path: Path) -> list[str]:
-    """Where ``path`` imports or reads the page-map bit layout of kvcached_core.layout."""
+    """Where ``path`` imports or reads the page-map bit layout of kvcached_core.segment.layout."""
     tree = ast.parse(path.read_text(), str(path))
     layout_aliases: set[str] = set()
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "kvcached_core.layout":
+        if isinstance(node, ast.ImportFrom) and node.module == "kvcached_core.segment.layout":
             found += [f"{path.name}:{node.lineno} imports {a.name}" for a in node.names if a.name in BIT_NAMES]
         if isinstance(node, ast.ImportFrom) and node.module == "kvcached_core":
             layout_aliases |= {a.asname or a.name for a in node.names if a.name == "layout"}
         if isinstance(node, ast.Import):
-            layout_aliases |= {a.asname or a.name for a in node.names if a.name == "kvcached_core.layout"}
+            layout_aliases |= {a.asname or a.name for a in node.names if a.name == "kvcached_core.segment.layout"}
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in BIT_NAMES:
             base = ast.unparse(node.value)
@@ -43,7 +44,7 @@ def test_no_front_end_module_knows_the_page_map_bits() -> None:
 
 def test_the_checker_sees_both_ways_of_reaching_the_bits(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("from kvcached_core import layout as Q\nfrom kvcached_core.layout import decode_page\n"
+    bad.write_text("from kvcached_core import layout as Q\nfrom kvcached_core.segment.layout import decode_page\n"
                    "x = Q.PAGE_MAPPED\n")
     assert len(bit_layout_uses(bad)) == 2
 
@@ -79,9 +80,9 @@ def test_a_page_map_changed_behind_the_writer_is_caught_after_a_good_read(shm_di
 
     import pytest
 
-    from kvcached_core.names import segment_path
-    from kvcached_core.reader import SegmentCorrupt, read_segment
-    from kvcached_core.segment import Identity, SegmentWriter
+    from kvcached_core.segment.names import segment_path
+    from kvcached_core.segment.reader import SegmentCorrupt, read_segment
+    from kvcached_core.segment.writer import Identity, SegmentWriter
 
     ident = Identity(name="memo", model="memo", engine="test", backend="host", device=0, page_size=1 << 18,
                      block_bytes=1 << 16, num_layers=1, num_kv_buffers=2, blocks_per_page=4, num_blocks=64,
@@ -183,7 +184,7 @@ def test_kvctl_kvtop_and_the_exporter_agree_on_one_live_allocator(spawn_allocato
     from conftest import child_env, kvctl, send
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvcached_core import nvml
+    from kvcached_core.backends import nvml
     from kvcached_core.sizes import percent
     from kvtop.exporter import Exporter
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import wait_for
 
 from kvcached_core import KVCacheManager
-from kvcached_core import manager as manager_mod
+from kvcached_core.allocator import manager as manager_mod
 
 MODEL = dict(num_blocks=64 * 16, block_bytes=16 * 1024, num_layers=1, page_size=256 * 1024)  # 16 blocks a page
 

@@ -9,7 +9,7 @@ import pytest
 
 import kvcached_core as kc
 from kvcached_core import InvalidName, KVCacheManager, SegmentError
-from kvcached_core.names import segment_path, validate
+from kvcached_core.segment.names import segment_path, validate
 
 SMALL = dict(num_blocks=64, block_bytes=16 * 1024, num_layers=1, page_size=64 * 1024)
 
@@ -95,7 +95,7 @@ def test_own_stale_segment_is_replaced_in_process(shm_dir):
         m.alloc(5)
         raw = bytearray(m.segment.path.read_bytes())
     # Write back the segment as if its process had died without cleaning up (pid 2**22 never runs).
-    import kvcached_core.layout as L
+    import kvcached_core.segment.layout as L
 
     fields = list(L.HEADER.unpack_from(raw, 0))
     fields[L.HEADER_FIELDS.index("pid")] = 2**22 - 1

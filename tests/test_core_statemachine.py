@@ -26,8 +26,8 @@ from hypothesis.stateful import (
 )
 
 from kvcached_core import KVCacheManager, request_limit
-from kvcached_core import layout as L
-from kvcached_core.reader import read_segment
+from kvcached_core.segment import layout as L
+from kvcached_core.segment.reader import read_segment
 
 KiB = 1024
 PAGE = 64 * KiB

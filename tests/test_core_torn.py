@@ -12,8 +12,8 @@ import pytest
 from conftest import child_env
 
 import kvcached_core as kc
-from kvcached_core import layout as L
-from kvcached_core.reader import SegmentCorrupt, read_segment
+from kvcached_core.segment import layout as L
+from kvcached_core.segment.reader import SegmentCorrupt, read_segment
 
 WRITER = textwrap.dedent("""
     import random, sys, time

@@ -361,7 +361,8 @@ def test_calls_from_a_thread_leave_its_context_as_it_was() -> None:
 @pytest.mark.gpu
 @needs_gpu
 def test_trim_returns_memory_and_the_driver_and_nvml_agree(monkeypatch) -> None:
-    from kvcached_core import nvml, snapshot
+    from kvcached_core.backends import nvml
+    from kvcached_core.segment import snapshot
 
     monkeypatch.setenv("KVCACHED_CUDA_LAYOUT", "layer")
     bundle = 2 * MiB * 8 * 2
@@ -419,7 +420,7 @@ m.close()
 @pytest.mark.gpu
 @needs_gpu
 def test_two_processes_share_the_gpu_and_kvctl_lists_both(shm_dir) -> None:
-    from kvcached_core import nvml
+    from kvcached_core.backends import nvml
 
     procs = []
     try:
@@ -517,7 +518,7 @@ def test_driver_out_of_memory_is_a_miss_not_an_error(monkeypatch) -> None:
 @pytest.mark.gpu
 @needs_gpu
 def test_nvml_probe_reports_the_gpu_and_our_process() -> None:
-    from kvcached_core import nvml
+    from kvcached_core.backends import nvml
 
     assert nvml.available(), nvml.unavailable_reason()
     b = CudaBackend(Geometry(2 * MiB, 64, 2, 2), layout="page")

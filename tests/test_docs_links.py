@@ -88,7 +88,7 @@ def test_every_page_defines_or_links_each_term_before_using_it(page: Path) -> No
                                    f"(or a **definition**): {lines[i]!r}")
 
 
-# -- Python names the pages give (`kvcached_core.frag.fragmentation`) exist ------------------------
+# -- Python names the pages give (`kvcached_core.segment.frag.fragmentation`) exist ------------------------
 
 PY_NAME = re.compile(r"`((?:kvcached_core|kvtop|kvcached_transformers|kvcached_vllm)(?:\.[A-Za-z_]\w*)+)(?:\(\))?`")
 

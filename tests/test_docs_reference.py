@@ -15,8 +15,8 @@ from pathlib import Path
 from conftest import ROOT, send
 
 import kvcached_core as kc
-from kvcached_core import layout as L
-from kvcached_core.snapshot import RankInfo
+from kvcached_core.segment import layout as L
+from kvcached_core.segment.snapshot import RankInfo
 
 DOCS = ROOT / "docs"
 CODE_DIRS = ("kvcached_core", "kvtop", "plugins")
@@ -121,7 +121,8 @@ def variables_in_code() -> set[str]:
 
 def effective_defaults() -> dict[str, str]:
     """What the code does with each variable unset, as the table writes it."""
-    from kvcached_core import config, fastpath, placement
+    from kvcached_core import config
+    from kvcached_core.allocator import fastpath, placement
     from kvcached_core.backends import cuda, cuda_native
     from kvcached_core.tp import broadcast
 

@@ -15,7 +15,7 @@ from conftest import child_env, send, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvcached_core as kc
-from kvcached_core import nvml
+from kvcached_core.backends import nvml
 from kvtop.exporter import Exporter
 
 Samples = dict[tuple[str, frozenset], float]

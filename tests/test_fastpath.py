@@ -6,10 +6,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcached_core import KVCacheManager, fastpath
-from kvcached_core import layout as L
+from kvcached_core import KVCacheManager
+from kvcached_core.allocator import fastpath
 from kvcached_core.config import ConfigError
-from kvcached_core.reader import snapshot
+from kvcached_core.segment import layout as L
+from kvcached_core.segment.reader import snapshot
 
 MODULE, WHY = fastpath.load()
 needs_build = pytest.mark.skipif(MODULE is None, reason=f"C alloc path unavailable here: {WHY}")

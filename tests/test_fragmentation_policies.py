@@ -12,10 +12,10 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from kvcached_core.frag import fragmentation
-from kvcached_core.manager import KVCacheManager
-from kvcached_core.placement import POLICIES, make_policy
-from kvcached_core.reader import snapshot
+from kvcached_core.allocator.manager import KVCacheManager
+from kvcached_core.allocator.placement import POLICIES, make_policy
+from kvcached_core.segment.frag import fragmentation
+from kvcached_core.segment.reader import snapshot
 from kvtop.cli import main as kvctl
 
 KiB = 1024

@@ -21,9 +21,9 @@ from conftest import ROOT, child_env, freeze, send
 from test_hardening_crash import process_state
 
 import kvcached_core as kc
-from kvcached_core import layout as L
 from kvcached_core.config import ConfigError
-from kvcached_core.segment import SegmentError
+from kvcached_core.segment import layout as L
+from kvcached_core.segment.writer import SegmentError
 
 SMALL = dict(num_blocks=64, block_bytes=1 << 16, num_layers=1, page_size=1 << 18)
 DOC = ROOT / "docs" / "bad-input.md"
@@ -66,7 +66,7 @@ def test_renamed_segment_file(shm_dir, spawn_allocator):
 def test_writer_frozen_in_the_middle_of_a_publish(shm_dir):
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import os, signal
-        from kvcached_core.segment import Identity, SegmentWriter
+        from kvcached_core.segment.writer import Identity, SegmentWriter
         w = SegmentWriter(Identity(name="frozen", model="frozen", engine="custom", backend="host", device=0,
                                    page_size=1 << 20, block_bytes=1 << 16, num_layers=1, num_kv_buffers=2,
                                    blocks_per_page=16, num_blocks=64, pages_total=4))

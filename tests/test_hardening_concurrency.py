@@ -13,7 +13,7 @@ from conftest import child_env, send
 from seqlock_stress import Workload, identity, stress, violations
 
 import kvcached_core as kc
-from kvcached_core.segment import SegmentWriter
+from kvcached_core.segment.writer import SegmentWriter
 
 TOTAL_UPDATES = 1_000_000
 

@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvcached_core as kc
-from kvcached_core import layout as L
-from kvcached_core.segment import Identity, SegmentWriter
+from kvcached_core.segment import layout as L
+from kvcached_core.segment.writer import Identity, SegmentWriter
 from kvtop.exporter import KVCachedCollector
 from kvtop.pagemap import fold
 

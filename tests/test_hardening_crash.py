@@ -14,7 +14,7 @@ import pytest
 from conftest import child_env, send, wait_heartbeat_late
 
 import kvcached_core as kc
-from kvcached_core.segment import SegmentError
+from kvcached_core.segment.writer import SegmentError
 
 STALE_WITHIN_S = 2.0
 
@@ -66,7 +66,7 @@ def test_killed_in_the_middle_of_a_publish_reads_as_stale_and_empty(shm_dir):
     """A writer that dies between the two sequence bumps leaves the seqlock odd forever."""
     child = run_child("""
         import os, signal
-        from kvcached_core.segment import Identity, SegmentWriter
+        from kvcached_core.segment.writer import Identity, SegmentWriter
         w = SegmentWriter(Identity(name="torn", model="torn", engine="custom", backend="host", device=0,
                                    page_size=1 << 20, block_bytes=1 << 16, num_layers=2, num_kv_buffers=2,
                                    blocks_per_page=16, num_blocks=256, pages_total=16))

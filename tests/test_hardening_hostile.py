@@ -18,10 +18,10 @@ import pytest
 from conftest import child_env, freeze, kvctl, wait_for, wait_heartbeat_late
 
 import kvcached_core as kc
-from kvcached_core import layout as L
-from kvcached_core import liveness, procinfo
 from kvcached_core.backends.host import LOCK_NAME
-from kvcached_core.removal import RemovalConflict, inode, remove_verified
+from kvcached_core.segment import layout as L
+from kvcached_core.segment import liveness, procinfo
+from kvcached_core.segment.removal import RemovalConflict, inode, remove_verified
 
 SMALL = dict(num_blocks=64, block_bytes=1 << 16, num_layers=1, page_size=1 << 18)
 
@@ -641,7 +641,7 @@ def test_one_poller_thread_serves_every_allocator_of_a_process(shm_dir):
 
 POKED = textwrap.dedent("""
     import sys
-    from kvcached_core import poller
+    from kvcached_core.allocator import poller
     poller.HEARTBEAT_INTERVAL_S = 3600.0  # no tick but the poke's
     import kvcached_core as kc
     m = kc.KVCacheManager("poked", name="poked", num_blocks=64, block_bytes=1 << 16, num_layers=1,

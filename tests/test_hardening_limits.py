@@ -19,7 +19,7 @@ import time
 from conftest import child_env
 
 import kvcached_core as kc
-from kvcached_core import layout as L
+from kvcached_core.segment import layout as L
 
 NUM_BLOCKS, BLOCK_BYTES, PAGE_SIZE, LAYERS = 2048, 16 * 1024, 64 * 1024, 2
 BUNDLE = PAGE_SIZE * LAYERS * 2

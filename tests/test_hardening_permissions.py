@@ -16,8 +16,8 @@ import pytest
 
 import kvcached_core as kc
 from kvcached_core.backends.host import LOCK_NAME
-from kvcached_core.names import InvalidName
-from kvcached_core.segment import SegmentError
+from kvcached_core.segment.names import InvalidName
+from kvcached_core.segment.writer import SegmentError
 from kvtop.cli import main as kvctl_main
 
 OTHER_UID = 4242

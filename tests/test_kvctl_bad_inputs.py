@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvcached_core import layout as L
 from kvcached_core.backends.host import LOCK_NAME
+from kvcached_core.segment import layout as L
 from kvtop.cli import ExitCode, main
 
 OK, FAILURE, USAGE = ExitCode.OK, ExitCode.FAILURE, ExitCode.USAGE

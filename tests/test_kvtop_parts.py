@@ -12,9 +12,9 @@ import pytest
 from conftest import child_env, send
 from rich.console import Console
 
-from kvcached_core import layout as L
-from kvcached_core import nvml
-from kvcached_core.snapshot import Problem, SleepInfo
+from kvcached_core.backends import nvml
+from kvcached_core.segment import layout as L
+from kvcached_core.segment.snapshot import Problem, SleepInfo
 from kvtop.events import diff
 from kvtop.history import History
 from kvtop.once import print_once, render
@@ -93,7 +93,7 @@ def test_history_rate_and_repeated_reads() -> None:
 
 
 def test_history_traffic_rates_and_restarts() -> None:
-    from kvcached_core.snapshot import Traffic
+    from kvcached_core.segment.snapshot import Traffic
 
     def traffic(finished: int, generated: int, read_ns: int) -> Traffic:
         return Traffic(running=1, waiting=0, finished=finished, prompt_tokens=0, generated_tokens=generated,
@@ -265,7 +265,7 @@ def test_help_and_version() -> None:
 
 
 def test_the_fragmentation_panel_shows_compaction_once_one_happened() -> None:
-    from kvcached_core.snapshot import CompactInfo
+    from kvcached_core.segment.snapshot import CompactInfo
     from kvtop.view import frag_table
 
     def text(m) -> str:  # noqa: ANN001

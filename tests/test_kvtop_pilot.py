@@ -11,7 +11,7 @@ from conftest import send
 from textual.pilot import Pilot
 
 import kvcached_core as kc
-from kvcached_core.reader import snapshot as read_model
+from kvcached_core.segment.reader import snapshot as read_model
 from kvtop.app import KvtopApp
 from kvtop.source import LiveSource
 from kvtop.widgets import ConfirmScreen, LimitScreen
@@ -232,7 +232,7 @@ def test_paused_kvtop_stops_reading(spawn_allocator) -> None:
 
 
 COMPACTABLE = """
-from kvcached_core.compact import host_copy
+from kvcached_core.allocator.compact import host_copy
 ids = [m.alloc(1)[0] for _ in range(4 * m.blocks_per_page)]
 bpp = m.blocks_per_page
 m.free([b for b in ids if b % bpp >= 2])  # four pages keep two blocks each

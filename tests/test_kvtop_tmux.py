@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import child_env
 
-from kvcached_core.procinfo import is_alive
-from kvcached_core.reader import list_models
+from kvcached_core.segment.procinfo import is_alive
+from kvcached_core.segment.reader import list_models
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 60.0

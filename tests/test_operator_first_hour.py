@@ -23,7 +23,7 @@ from textual.pilot import Pilot
 
 import kvcached_core as kc
 from kvcached_core.backends.host import LOCK_NAME
-from kvcached_core.procinfo import is_alive
+from kvcached_core.segment.procinfo import is_alive
 from kvtop.app import KvtopApp
 from kvtop.cli import COMMANDS as KVCTL_COMMANDS
 from kvtop.source import LiveSource

@@ -327,7 +327,7 @@ def _asleep(m: kc.ModelSnapshot) -> bool:
 
 
 def test_engine_sleeps_after_its_running_requests_and_wakes_with_the_same_tokens(model, prompts, expected):
-    from kvcached_core.sleepctl import request_sleep
+    from kvcached_core.control.sleep import request_sleep
 
     with make_cache(model) as cache:
         engine = GreedyEngine(model, cache)
@@ -352,7 +352,7 @@ def test_engine_sleeps_after_its_running_requests_and_wakes_with_the_same_tokens
 
 
 def test_engine_sleep_now_preempts_and_the_next_request_wakes_it(model, prompts, expected):
-    from kvcached_core.sleepctl import request_sleep
+    from kvcached_core.control.sleep import request_sleep
 
     with make_cache(model) as cache:
         engine = GreedyEngine(model, cache)
@@ -371,7 +371,7 @@ def test_engine_sleep_now_preempts_and_the_next_request_wakes_it(model, prompts,
 
 
 def test_engine_sleeps_by_the_after_idle_policy(model, prompts, expected):
-    from kvcached_core.sleepctl import request_sleep
+    from kvcached_core.control.sleep import request_sleep
 
     with make_cache(model) as cache:
         engine = GreedyEngine(model, cache)
@@ -393,7 +393,7 @@ def test_prefix_cache_compacts_and_the_tokens_after_are_the_same(model, monkeypa
     """Finished requests leave their full blocks cached, scattered over many pages; kvctl compact (the
     poller runs the cache's handler) moves them into fewer pages, and prompts that hit the moved blocks
     give exactly the tokens they give without any cache."""
-    from kvcached_core.compactctl import request_compact
+    from kvcached_core.control.compact import request_compact
 
     monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
     monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")

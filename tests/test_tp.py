@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from conftest import child_env, freeze, wait_for
 
+from kvcached_core.allocator.manager import KVCacheManager
 from kvcached_core.backends import BackendError, Geometry
-from kvcached_core.control import AckTimeout, request_limit, request_trim
-from kvcached_core.manager import KVCacheManager
-from kvcached_core.procinfo import is_alive
-from kvcached_core.reader import list_models, snapshot
+from kvcached_core.control.requests import AckTimeout, request_limit, request_trim
+from kvcached_core.segment.procinfo import is_alive
+from kvcached_core.segment.reader import list_models, snapshot
 from kvcached_core.tp import RankLost, TPWorker, scheduler
 from kvtop.exporter import KVCachedCollector
 
@@ -280,7 +280,7 @@ def test_kvctl_and_kvtop_group_the_ranks_under_one_model(managers) -> None:
 
     from click.testing import CliRunner
 
-    from kvcached_core.nvml import GpuInfo
+    from kvcached_core.backends.nvml import GpuInfo
     from kvtop.cli import main as kvctl
     from kvtop.source import Frame
     from kvtop.view import device_bars, model_cells
@@ -311,7 +311,7 @@ def test_kvctl_and_kvtop_group_the_ranks_under_one_model(managers) -> None:
 
 
 def _gpu_count() -> int:
-    from kvcached_core import nvml
+    from kvcached_core.backends import nvml
 
     return len(nvml.probe()) if nvml.available() else 0
 

@@ -26,9 +26,9 @@ from conftest import child_env, kvctl, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvcached_core as kc
-from kvcached_core import nvml
-from kvcached_core.legacy import parse_name
-from kvcached_core.pgroups import GroupJudge
+from kvcached_core.backends import nvml
+from kvcached_core.interop.legacy import parse_name
+from kvcached_core.segment.pgroups import GroupJudge
 from kvtop.exporter import Exporter
 from kvtop.view import model_cells
 

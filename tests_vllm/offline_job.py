@@ -19,7 +19,7 @@ def main(spec_path: str) -> None:
               seed=0, enable_prefix_caching=True)
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)
-    from kvcached_core.reader import list_models  # every segment in KVCACHED_SHM_DIR, plugin on or off
+    from kvcached_core.segment.reader import list_models  # every segment in KVCACHED_SHM_DIR, plugin on or off
 
     seen = [{"name": m.name, "model": m.model, "engine": m.engine, "pid": m.pid, "device": m.device,
              "backend": m.backend, "blocks_used": m.blocks_used} for m in list_models()]

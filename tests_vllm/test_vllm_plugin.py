@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvcached_core.reader import snapshot
+from kvcached_core.segment.reader import snapshot
 
 from .conftest import BASELINE_TOKENS, LONG, NAME, REPEATED, SHORT
 from .harness import Server, base_env, kvctl, run_offline

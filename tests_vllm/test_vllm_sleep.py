@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from kvcached_core.pagemap import count_pages
-from kvcached_core.reader import snapshot
-from kvcached_core.sleepctl import request_sleep
-from kvcached_core.snapshot import ModelSnapshot
+from kvcached_core.control.sleep import request_sleep
+from kvcached_core.segment.pagemap import count_pages
+from kvcached_core.segment.reader import snapshot
+from kvcached_core.segment.snapshot import ModelSnapshot
 
 from .conftest import BASELINE_TOKENS, LONG, NAME, SHORT
 from .harness import Server, kvctl

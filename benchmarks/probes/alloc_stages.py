@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import vmm  # noqa: E402
 
 from kvcached_core import KVCacheManager, fastpath  # noqa: E402
-from kvcached_core.placement import Affinity  # noqa: E402
+from kvcached_core.allocator.placement import Affinity  # noqa: E402
 
 SIZES = [1, 1, 2, 2, 4, 8, 16]
 STAGES = ("wrapper", "load_state", "placement", "store_state", "ids_list", "counters", "publish_setup",

@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import vmm  # noqa: E402
 
 from kvcached_core import KVCacheManager  # noqa: E402
-from kvcached_core import manager as manager_module  # noqa: E402
-from kvcached_core import poller as poller_module  # noqa: E402
+from kvcached_core.allocator import manager as manager_module  # noqa: E402
+from kvcached_core.allocator import poller as poller_module  # noqa: E402
 
 SIZES = [1, 1, 2, 2, 4, 8, 16]
 LIBC = ctypes.CDLL(None, use_errno=True)

@@ -727,7 +727,7 @@ class CudaBackend(Backend):
     def all_blocks(self, block_bytes: int) -> Any:
         """Every layer's every KV buffer at once: ``[num_layers * num_kv_buffers, num_pages, blocks_per_page,
         block_bytes]`` bytes, one view (kept, like the others, until :meth:`close`), so that one indexed copy
-        moves a block in every range (:func:`kvcached_core.compact.device_copy`)."""
+        moves a block in every range (:func:`kvcached_core.allocator.compact.device_copy`)."""
         g = self.geometry
         if not 0 < block_bytes <= g.page_size:
             raise ValueError(f"block_bytes {block_bytes} must be in 1..page_size ({g.page_size})")

@@ -20,10 +20,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import layout as L
 from ..config import available_ram_bytes, host_capacity_bytes, shm_dir
-from ..liveness import writer_alive
-from ..names import SEGMENT_PREFIX
+from ..segment import layout as L
+from ..segment.liveness import writer_alive
+from ..segment.names import SEGMENT_PREFIX
 from .base import Backend, BackendError, Geometry
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python's mmap lacks the name but passes the number

@@ -29,10 +29,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .. import layout as L
 from ..backends import Backend, BackendError, Geometry
 from ..backends.host import HostCapacityLedger
 from ..config import host_capacity_bytes
+from ..segment import layout as L
 from ..settings import TP_STRATEGIES, default_of, settings
 from . import protocol as P
 

@@ -112,7 +112,7 @@ def scheduler(model: str, *, world: int, backend: str = "host", devices: Sequenc
     them. ``manager_kwargs`` are the usual geometry and naming arguments (``num_blocks``,
     ``block_bytes`` per rank, ``num_layers``, ...).
     """
-    from ..manager import KVCacheManager
+    from ..allocator.manager import KVCacheManager
 
     group = spawn_workers(world, backend=backend, devices=devices, capacity=worker_capacity, label=model)
     try:

@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 
 from ..backends import Backend, BackendError, Geometry
-from ..procinfo import start_time
+from ..segment.procinfo import start_time
 from ..sizes import SizeError, parse_size
 from . import protocol as P
 from .rank_backends import RANK_BACKENDS, make_rank_backend

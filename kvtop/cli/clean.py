@@ -10,14 +10,14 @@ from pathlib import Path
 import click
 
 from kvcached_core import ModelSnapshot
-from kvcached_core import layout as L
 from kvcached_core.config import shm_dir
-from kvcached_core.legacy import dead_segment
-from kvcached_core.liveness import heartbeat_late, removable
-from kvcached_core.procinfo import is_alive
-from kvcached_core.reader import parse_header
-from kvcached_core.removal import inode, remove_verified
-from kvcached_core.segment import temp_owner
+from kvcached_core.interop.legacy import dead_segment
+from kvcached_core.segment import layout as L
+from kvcached_core.segment.liveness import heartbeat_late, removable
+from kvcached_core.segment.procinfo import is_alive
+from kvcached_core.segment.reader import parse_header
+from kvcached_core.segment.removal import inode, remove_verified
+from kvcached_core.segment.writer import temp_owner
 from kvtop import textfmt as T
 from kvtop.cli import ExitCode
 from kvtop.cli.common import read, warn

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from kvcached_core import fragmentation
-from kvcached_core.pagemap import decoded
+from kvcached_core.segment.pagemap import decoded
 from kvtop.cli import Failure, model_argument
 from kvtop.cli.common import emit_json, pick, problem_line, read, warn
 

@@ -7,8 +7,8 @@ import re
 import click
 
 from kvcached_core import ControlError, ModelSnapshot
-from kvcached_core.control import AckTimeout
-from kvcached_core.reader import ModelNotFound, resolve
+from kvcached_core.control.requests import AckTimeout
+from kvcached_core.segment.reader import ModelNotFound, resolve
 from kvtop import textfmt as T
 from kvtop.cli import Failure, model_argument
 from kvtop.cli.common import emit_json, read
@@ -48,7 +48,7 @@ def _answer(ack_dict: dict, text: str, as_json: bool) -> None:
 
 
 def _run(m: ModelSnapshot, action: str, after_idle: float | None | bool, wait: bool, timeout: float) -> dict:
-    from kvcached_core.sleepctl import request_sleep
+    from kvcached_core.control.sleep import request_sleep
 
     try:
         ack = request_sleep(m, action, after_idle_s=after_idle, wait=timeout if wait else 2.0, until_done=wait)

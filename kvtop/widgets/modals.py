@@ -16,10 +16,10 @@ from textual.validation import ValidationResult, Validator
 from textual.widgets import Button, Input, Label, Static
 
 from kvcached_core import SizeError, format_bytes, parse_size
-from kvcached_core.control import limit_percent_base
-from kvcached_core.frag import fragmentation
-from kvcached_core.legacy import NoDeviceTotal, limit_refusal
-from kvcached_core.snapshot import ModelSnapshot
+from kvcached_core.control.requests import limit_percent_base
+from kvcached_core.interop.legacy import NoDeviceTotal, limit_refusal
+from kvcached_core.segment.frag import fragmentation
+from kvcached_core.segment.snapshot import ModelSnapshot
 from kvtop.pagemap import GLYPHS, LEGEND
 from kvtop.textfmt import fmt_device
 from kvtop.view import STATE_STYLES, frag_table

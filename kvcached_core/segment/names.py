@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .config import shm_dir
+from ..config import shm_dir
 
 SEGMENT_PREFIX = "kvc."
 LEGACY_PREFIX = "kvcached_"

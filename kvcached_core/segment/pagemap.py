@@ -2,7 +2,7 @@
 
 Page states, used and cached blocks per page, counts, evictable pages, and the folding of a map
 into a fixed number of cells. Front ends (kvtop, kvctl, the exporter) use only this module; the
-bit layout stays in :mod:`kvcached_core.layout`. When there are more pages than cells, each cell
+bit layout stays in :mod:`kvcached_core.segment.layout`. When there are more pages than cells, each cell
 covers a group of pages and shows the group's dominant meaning: any in-use page makes the cell in
 use (with the group's mean occupancy of its in-use pages), else any reserved page makes it
 reserved, else it is free. A cell whose used blocks are all cached shows as cached.

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import layout as L
+from ..segment import layout as L
 
 if TYPE_CHECKING:
     from .manager import KVCacheManager

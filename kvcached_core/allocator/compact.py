@@ -4,7 +4,7 @@ A block is relocatable when it is cached and no running request holds it. ``plan
 (source block -> free destination slot) that empty whole pages, sparsest first; the engine copies
 the KV data for the moves it accepts and confirms them; only confirmed sources are freed, so a
 block the engine did not confirm never moves. This module plans and copies; the allocator
-(:meth:`kvcached_core.manager.KVCacheManager.compact`) holds its lock and does the bookkeeping.
+(:meth:`kvcached_core.allocator.manager.KVCacheManager.compact`) holds its lock and does the bookkeeping.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from . import layout as L
+from ..segment import layout as L
 from .pages import PageTable
 from .prefix_cache import PrefixCache
 

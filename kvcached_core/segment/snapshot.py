@@ -205,7 +205,7 @@ class ModelSnapshot:
         return "shrinking" if self.status == "live" and self.shrinking else self.status
 
     def page_entries(self) -> array:
-        """The raw page map (see :mod:`kvcached_core.layout`); empty when not read."""
+        """The raw page map (see :mod:`kvcached_core.segment.layout`); empty when not read."""
         return self.pages if self.pages is not None else array("I")
 
     def to_dict(self) -> dict:

@@ -20,9 +20,9 @@ import struct
 from types import ModuleType
 from typing import Any
 
-from . import layout as L
-from . import native
-from .config import ConfigError, tristate_env
+from .. import native
+from ..config import ConfigError, tristate_env
+from ..segment import layout as L
 
 FASTPATH_ENV = native.PARTS["fastpath"].env
 
@@ -32,7 +32,7 @@ def mode_from_env() -> str:
 
 
 def load() -> tuple[ModuleType | None, str]:
-    """The extension module ``kvcached_core._fastpath``, or None and why not."""
+    """The extension module ``kvcached_core.allocator._fastpath``, or None and why not."""
     return native.load("fastpath")
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from . import layout as L
-from .control import DEFAULT_WAIT_S, Ack, ControlError, _target, _wait, bump_sequence
-from .snapshot import ModelSnapshot
+from ..segment import layout as L
+from ..segment.snapshot import ModelSnapshot
+from .requests import DEFAULT_WAIT_S, Ack, ControlError, _target, _wait, bump_sequence
 
 
 def compact_problem(model: ModelSnapshot) -> str | None:

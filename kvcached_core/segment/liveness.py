@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from . import layout as L
 from .procinfo import is_alive
 
-HEARTBEAT_STALE_S = 3.0  # a heartbeat older than this is late (written every 0.5 s: kvcached_core.poller)
+HEARTBEAT_STALE_S = 3.0  # a heartbeat older than this is late (written every 0.5 s: kvcached_core.allocator.poller)
 HEARTBEAT_GONE_S = 30.0  # a writer judged by its heartbeat alone is gone after this long without one
 FUTURE_SLACK_S = 1.0  # clock steps between processes on one host; later than this is a forged or broken clock
 _NS = 1_000_000_000

@@ -10,10 +10,10 @@ from array import array
 from dataclasses import replace
 from pathlib import Path
 
+from ..config import shm_dir
+from ..interop.legacy import NotLegacy, is_legacy_name, read_legacy
 from . import layout as L
 from . import liveness
-from .config import shm_dir
-from .legacy import NotLegacy, is_legacy_name, read_legacy
 from .liveness import judge, writer_alive
 from .names import SEGMENT_PREFIX, InvalidName, segment_path
 from .pgroups import GroupJudge

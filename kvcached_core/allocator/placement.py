@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..settings import default_of, settings
 from .pages import PageTable
 from .prefix_cache import PrefixCache
-from .settings import default_of, settings
 
 EmptyPage = Callable[[], "int | None"]
 

@@ -1,13 +1,13 @@
 /* The allocator's hot path in C: alloc (placement plus the segment publish that follows it) and free.
  *
- * It mirrors kvcached_core/placement.py (Policy.place, Affinity.place), pages.py (take_blocks,
+ * It mirrors kvcached_core/allocator/placement.py (Policy.place, Affinity.place), pages.py (take_blocks,
  * best_fit, emptiest, free_blocks) and manager.py (free, _release_blocks, _publish) step for step, on the very same Python objects
  * (the page table's lists and sets, the segment's mapping), so the Python code stays the one
  * source of truth and either path may run at any time. tests/test_fastpath.py checks that both
  * produce the same blocks and the same segment bytes. The interpreter's dispatch is what this
  * removes (benchmarks/probes/tight_alloc.py compares the two paths).
  *
- * Built when the package is installed (setup.py), as the optional extension kvcached_core._fastpath;
+ * Built when the package is installed (setup.py), as the optional extension kvcached_core.allocator._fastpath;
  * without it the allocator stays on the Python path and says so once.
  */
 #define PY_SSIZE_T_CLEAN
@@ -995,7 +995,7 @@ static PyMethodDef FastPath_methods[] = {
 
 static PyTypeObject FastPathType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvcached_core._fastpath.FastPath",
+    .tp_name = "kvcached_core.allocator._fastpath.FastPath",
     .tp_basicsize = sizeof(FastPath),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "One allocator's alloc path in C over its own page table and segment.",
@@ -1027,7 +1027,7 @@ static PyMethodDef module_methods[] = {{NULL, NULL, 0, NULL}};
 #endif
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, .m_name = "kvcached_core._fastpath", .m_doc = NULL, .m_size = -1, .m_methods = module_methods,
+    PyModuleDef_HEAD_INIT, .m_name = "kvcached_core.allocator._fastpath", .m_doc = NULL, .m_size = -1, .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__fastpath(void) {

@@ -10,9 +10,9 @@ import mmap
 import time
 from pathlib import Path
 
-from . import layout as L
-from .control import DEFAULT_WAIT_S, Ack, ControlError, _target, _wait, write_request
-from .snapshot import ModelSnapshot
+from ..segment import layout as L
+from ..segment.snapshot import ModelSnapshot
+from .requests import DEFAULT_WAIT_S, Ack, ControlError, _target, _wait, write_request
 
 ACTIONS = {"sleep": L.SLEEP_SOON, "sleep_now": L.SLEEP_NOW, "wake": L.SLEEP_WAKE, "policy": L.SLEEP_POLICY_ONLY}
 

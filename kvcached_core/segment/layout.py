@@ -37,7 +37,7 @@ HEADER_FIELDS = (
     "page_size", "block_bytes", "num_layers", "num_kv_buffers", "blocks_per_page",
     "num_blocks", "created_ns", "ranks_max", "device_capacity",
     "pid_ns",  # the writer's pid namespace (inode of /proc/self/ns/pid); 0 in segments written before it
-    "wake_token",  # names the allocator's wake socket (kvcached_core.poller); 0: none, nobody to poke
+    "wake_token",  # names the allocator's wake socket (kvcached_core.allocator.poller); 0: none, nobody to poke
 )
 HEADER_OFF = 0
 HEADER_SIZE = 512

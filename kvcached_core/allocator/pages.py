@@ -1,10 +1,10 @@
 """Page and block bookkeeping for one model: which pages are mapped, which slots are used.
 
 Partly used pages are indexed by their number of free slots, so a placement policy
-(:mod:`kvcached_core.placement`) finds the best-fitting (fullest) page in a few set lookups.
+(:mod:`kvcached_core.allocator.placement`) finds the best-fitting (fullest) page in a few set lookups.
 Empty mapped pages are the reserve pool. This module does no I/O and makes no placement
 decisions; the allocator holds its lock around every call. The containers are never replaced,
-only changed in place: the C alloc path (:mod:`kvcached_core.fastpath`) holds them.
+only changed in place: the C alloc path (:mod:`kvcached_core.allocator.fastpath`) holds them.
 """
 
 from __future__ import annotations

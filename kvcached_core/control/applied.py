@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .control import Ack, ControlError
-from .reader import ModelNotFound, snapshot
-from .snapshot import ModelSnapshot
+from ..segment.reader import ModelNotFound, snapshot
+from ..segment.snapshot import ModelSnapshot
+from .requests import Ack, ControlError
 
 POLL_S = 0.05
 

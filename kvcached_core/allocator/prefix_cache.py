@@ -5,7 +5,7 @@ the next ``mark_cached`` makes it young again), so age order is least-recently-u
 Both dicts keep insertion order, which *is* age order: the oldest cached block is the first
 key of ``blocks`` and a page's oldest and newest cached blocks are the first and last keys of
 its ``by_page`` entry, without a search. The ledger only records; the placement policy
-(:mod:`kvcached_core.placement`) chooses victims and the allocator frees them.
+(:mod:`kvcached_core.allocator.placement`) chooses victims and the allocator frees them.
 """
 
 from __future__ import annotations

@@ -10,16 +10,17 @@ import weakref
 from collections.abc import Iterable, Sequence
 from numbers import Integral
 
-from . import config, fastpath, poller
-from . import layout as L
-from .backends import Backend, BackendError, Geometry, make_backend
+from .. import config
+from ..backends import Backend, BackendError, Geometry, make_backend
+from ..segment import layout as L
+from ..segment.names import sanitize, segment_path, validate
+from ..segment.writer import Identity, SegmentError, SegmentWriter, owned_stale
+from . import fastpath, poller
 from .compact import CompactHandler, CompactResult, CompactStats, plan
-from .names import sanitize, segment_path, validate
 from .pages import PageTable
 from .placement import Policy, make_policy, place_draining
 from .poller import HEARTBEAT_INTERVAL_S
 from .prefix_cache import PrefixCache
-from .segment import Identity, SegmentError, SegmentWriter, owned_stale
 from .sleep import SleepControl, SleepHandler
 
 # While traffic keeps draining the pool, the refill thread looks for work every REFILL_POLL_S
@@ -128,7 +129,7 @@ class KVCacheManager:
         self.policy = make_policy(policy)
         self.cache = PrefixCache(bpp, config.max_cached_blocks(block_tokens))
         if tp_workers is not None:
-            from .tp.broadcast import BroadcastBackend
+            from ..tp.broadcast import BroadcastBackend
 
             self.backend: Backend = BroadcastBackend(self.geometry, backend, tp_workers, strategy=tp_strategy,
                                                      timeout=tp_timeout)
@@ -163,7 +164,7 @@ class KVCacheManager:
         self._map_error: BackendError | None = None  # see _raise_map_error
         self._refill_requested = False  # set by traffic; a trim or an idle model stays trimmed
         self._refill_polling = False  # the refill thread looks by itself: no need to wake it
-        self.sleep = SleepControl(self)  # sleep and wake (kvcached_core.sleep)
+        self.sleep = SleepControl(self)  # sleep and wake (kvcached_core.allocator.sleep)
         self._compact_handler: CompactHandler | None = None  # the engine's copy (see compact)
         self.compaction = CompactStats()  # the segment's COMPACT words
         self._publish()
@@ -187,7 +188,7 @@ class KVCacheManager:
         ]
         for thread in self._threads:
             thread.start()
-        # Controls, idle return and the heartbeat: the process's one poller thread (see kvcached_core.poller).
+        # Controls, idle return and the heartbeat: the process's one poller thread (see kvcached_core.allocator.poller).
         self._watch = poller.register(self, self.segment.wake_token, _watch_tick, _WatchState())
 
     @staticmethod
@@ -343,7 +344,7 @@ class KVCacheManager:
             return L.LIMIT_STATUS_NAMES[self.limit_status]
 
     def set_sleep_handler(self, handler: SleepHandler | None) -> None:
-        """Declare that this engine can sleep (see :mod:`kvcached_core.sleep`); None withdraws it."""
+        """Declare that this engine can sleep (see :mod:`kvcached_core.allocator.sleep`); None withdraws it."""
         self.sleep.set_handler(handler)
 
     def backend_mapped_bytes(self) -> int:
@@ -418,7 +419,7 @@ class KVCacheManager:
             return evicted
 
     def set_compact_handler(self, handler: CompactHandler | None) -> None:
-        """The engine's copy for :meth:`compact` (see :mod:`kvcached_core.compact`); None removes it.
+        """The engine's copy for :meth:`compact` (see :mod:`kvcached_core.allocator.compact`); None removes it.
 
         The handler is called with the manager's lock held, from the thread that asked: the engine's
         own (``compact()``, idle packing in ``mark_cached``) or the process's poller (``kvctl compact``);

@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import layout as L
-from .config import ipc_name_override
-from .names import LEGACY_PREFIX
-from .pgroups import GroupJudge
-from .sizes import format_bytes
-from .snapshot import ModelSnapshot
+from ..config import ipc_name_override
+from ..segment import layout as L
+from ..segment.names import LEGACY_PREFIX
+from ..segment.pgroups import GroupJudge
+from ..segment.snapshot import ModelSnapshot
+from ..sizes import format_bytes
 
 READ_LOCK_TIMEOUT_S = 0.1  # upstream holds its flock for microseconds; longer means a hung holder
 WRITE_LOCK_TIMEOUT_S = 1.0
@@ -43,7 +43,7 @@ class NoDeviceTotal(ValueError):
 def percent_base() -> tuple[int, str]:
     """What a percentage limit of an upstream segment is taken of: device 0's memory total by NVML,
     and the line that says so; NoDeviceTotal (with NVML's reason) when NVML cannot tell it."""
-    from . import nvml
+    from ..backends import nvml
 
     gpus = nvml.probe([ASSUMED_DEVICE])
     total = gpus[0].total_bytes if gpus else None

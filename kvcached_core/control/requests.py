@@ -15,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import layout as L
-from .config import ConfigError, host_capacity_bytes
-from .legacy import flock_within, limit_refusal, percent_base, write_legacy_limit
-from .poller import poke
-from .reader import list_models, read_segment, resolve
-from .snapshot import ModelSnapshot
+from ..allocator.poller import poke
+from ..config import ConfigError, host_capacity_bytes
+from ..interop.legacy import flock_within, limit_refusal, percent_base, write_legacy_limit
+from ..segment import layout as L
+from ..segment.reader import list_models, read_segment, resolve
+from ..segment.snapshot import ModelSnapshot
 
 POLL_S = 0.002
 FIRST_POLL_S = 0.0001  # the first looks for the acknowledgement come sooner, doubling up to POLL_S
@@ -154,7 +154,7 @@ def limit_percent_base(model: ModelSnapshot) -> tuple[int | None, str]:
 
     Its own device capacity; else (host backend) the host capacity; else (an upstream segment, which
     does not say its device) device 0's NVML total, with the note that says so; else its device's
-    NVML total. ``(None, "")`` when unknown. Raises :class:`~kvcached_core.legacy.NoDeviceTotal`
+    NVML total. ``(None, "")`` when unknown. Raises :class:`~kvcached_core.interop.legacy.NoDeviceTotal`
     for an upstream segment when NVML cannot tell the total. kvctl limit and kvtop's dialog both use it.
     """
     if model.device_capacity:
@@ -166,7 +166,7 @@ def limit_percent_base(model: ModelSnapshot) -> tuple[int | None, str]:
             return None, ""
     if model.legacy:
         return percent_base()
-    from . import nvml
+    from ..backends import nvml
 
     gpus = nvml.probe([model.device])
     return (gpus[0].total_bytes if gpus else None), ""

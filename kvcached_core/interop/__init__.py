@@ -1,0 +1,1 @@
+"""Reading segments written by other allocators (the public kvcached's)."""

@@ -36,9 +36,8 @@ try:
 except ImportError:
     sys.exit("examples/generate.py needs torch and transformers: pip install '.[transformers]'")
 
-from kvcached_core import format_bytes, parse_size
+from kvcached_core import format_bytes, parse_size, snapshot
 from kvcached_core.engines import KVCacheExhausted
-from kvcached_core.segment import snapshot
 from kvcached_transformers import GreedyEngine, PagedKVCache, cache_arg, random_prompts, tiny_llama
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

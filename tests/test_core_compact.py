@@ -133,7 +133,7 @@ def test_the_segment_counts_compactions_and_kvctl_frag_shows_them() -> None:
 
     from conftest import kvctl
 
-    from kvcached_core.segment import snapshot
+    from kvcached_core import snapshot
 
     with KVCacheManager("compact-count", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
         scattered(m)
@@ -179,7 +179,7 @@ def test_kvctl_compact_returns_pages_and_refuses_a_failing_engine(spawn_allocato
     from conftest import kvctl, send
     from test_docs_reference import assert_documented, key_table
 
-    from kvcached_core.segment import snapshot
+    from kvcached_core import snapshot
 
     proc = spawn_allocator("cc", policy="best-fit", script=SCATTER + """
 def boom(moves):

@@ -7,8 +7,8 @@ import time
 
 from conftest import kvctl, send, wait_for
 
+from kvcached_core import snapshot
 from kvcached_core.control.sleep import request_sleep
-from kvcached_core.segment import snapshot
 
 # The child's "engine": it holds blocks; asked to sleep it frees them and says ready, asked to wake it
 # takes its blocks again. "hold" keeps the blocks (running requests) until the test lets them go.

@@ -9,7 +9,7 @@ import json
 from conftest import kvctl, send, wait_for
 from test_exporter import scrape, value
 
-from kvcached_core.segment import snapshot
+from kvcached_core import snapshot
 from kvtop.exporter import Exporter
 
 PUBLISH = "m.publish_traffic(3, 2, 7, 1200, 345, 1, time.time_ns() - 2_000_000_000)"

@@ -361,8 +361,8 @@ def test_calls_from_a_thread_leave_its_context_as_it_was() -> None:
 @pytest.mark.gpu
 @needs_gpu
 def test_trim_returns_memory_and_the_driver_and_nvml_agree(monkeypatch) -> None:
+    from kvcached_core import snapshot
     from kvcached_core.backends import nvml
-    from kvcached_core.segment import snapshot
 
     monkeypatch.setenv("KVCACHED_CUDA_LAYOUT", "layer")
     bundle = 2 * MiB * 8 * 2

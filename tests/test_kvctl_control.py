@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import freeze, kvctl, send, wait_for
 
+from kvcached_core import snapshot
 from kvcached_core.segment import layout as L
-from kvcached_core.segment import snapshot
 
 MiB = 1024 * 1024
 BUNDLE = MiB  # the spawn_allocator default: 256 KiB pages x 2 layers x 2 buffers, 4 blocks per page

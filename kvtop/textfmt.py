@@ -76,7 +76,8 @@ def print_table(columns: Sequence[Column], rows: Sequence[Sequence[str]], *, ric
     console.print(table)
 
 
-STATUS_STYLES = {"live": "green", "shrinking": "magenta", "late": "yellow", "stale": "red", "legacy": "yellow"}
+STATUS_STYLES = {"live": "green", "shrinking": "magenta", "late": "yellow", "stale": "red", "legacy": "yellow",
+                 "draining": "yellow", "asleep": "blue"}
 
 
 def cell_style(header: str, cell: str) -> str:

@@ -64,12 +64,12 @@ def waste_style(ratio: float | None) -> str:
 
 
 def filter_models(models: Sequence[ModelSnapshot], text: str) -> list[ModelSnapshot]:
-    """Models whose name, model, engine or shown status (asleep and draining too) contains ``text`` (case-insensitive)."""
+    """Models whose name, model, engine or status (asleep and draining too) contains ``text`` (case-insensitive)."""
     needle = text.strip().lower()
     if not needle:
         return list(models)
     return [m for m in models
-            if any(needle in v.lower() for v in (m.name, m.model, m.engine, shown_status(m)))]
+            if any(needle in v.lower() for v in (m.name, m.model, m.engine, m.display_status))]
 
 
 def sort_models(models: Sequence[ModelSnapshot], key: str, history: History | None = None) -> list[ModelSnapshot]:
@@ -113,19 +113,11 @@ def mapped_cell(m: ModelSnapshot) -> Text:
     return Text(format_bytes(m.mapped_bytes), style=style)
 
 
-def shown_status(m: ModelSnapshot) -> str:
-    """The status column: a live model that sleeps (or drains toward sleep) says so."""
-    status = m.display_status
-    if status == "live" and m.sleep is not None and m.sleep.state != "awake":
-        return m.sleep.state
-    return status
-
-
 def model_cells(m: ModelSnapshot, history: History | None = None, names: Sequence[str] = ()) -> dict[str, Text]:
     """One table row, keyed like :data:`COLUMNS`; ``names`` (every model) picks the colour swatch."""
     legacy = m.legacy
     rate = history.rate(m.name) if history else None
-    status = shown_status(m)
+    status = m.display_status
     return {
         "name": Text.assemble(("■ ", model_colour(m.name, names) if names else "grey50"),
                               (m.name, "bold" if status == "live" else "")),

@@ -123,10 +123,13 @@ def test_sleep_state_reaches_watch_and_the_exporter(spawn_allocator) -> None:
     records = {r["name"]: r for r in csv.DictReader(io.StringIO(watched.stdout))}
     assert records["eng"]["sleep_state"] == "asleep" and records["eng"]["sleep_after_idle_s"] == "300.0"
     assert records["plain"]["sleep_state"] == "awake" and records["plain"]["sleep_after_idle_s"] == ""
+    rows = {line.split()[0]: line.split() for line in kvctl("list").stdout.splitlines()[1:] if line.strip()}
+    assert "asleep" in rows["eng"] and "live" in rows["plain"]  # kvctl's status column, as kvtop's
     with Exporter("127.0.0.1", 0) as exporter:
         samples = scrape(exporter.url)
         assert value(samples, "kvcached_sleep_state", model="eng", state="asleep") == 1
         assert value(samples, "kvcached_sleep_state", model="eng", state="awake") == 0
+        assert value(samples, "kvcached_model_info", model="eng", status="asleep") == 1
         assert value(samples, "kvcached_sleep_after_idle_seconds", model="eng") == 300
         assert value(samples, "kvcached_slept_bytes", model="eng") == snapshot("eng").sleep.slept_bytes > 0
 

@@ -199,10 +199,15 @@ class ModelSnapshot:
 
     @property
     def display_status(self) -> str:
-        """live/stale/legacy, late while a live process does not beat, shrinking while a lowered limit waits for pages."""
-        if self.status == "live" and self.late:
+        """What every front end shows: live/stale/legacy; for a live model, late while its process does
+        not beat, draining or asleep while it goes to or is asleep, shrinking while a lowered limit waits."""
+        if self.status != "live":
+            return self.status
+        if self.late:
             return "late"
-        return "shrinking" if self.status == "live" and self.shrinking else self.status
+        if self.sleep is not None and self.sleep.state != "awake":
+            return self.sleep.state
+        return "shrinking" if self.shrinking else "live"
 
     def page_entries(self) -> array:
         """The raw page map (see :mod:`kvcached_core.segment.layout`); empty when not read."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import layout as L
@@ -55,15 +56,41 @@ def heartbeat_late(heartbeat_ns: int, now_ns: int) -> bool:
     return age < -FUTURE_SLACK_S * _NS or age >= HEARTBEAT_STALE_S * _NS
 
 
+AliveCheck = Callable[[int, int, int | None], bool]  # procinfo.is_alive's shape: (pid, start time, uid)
+
+
 def judge(pid: int, start_time: int, pid_ns: int, heartbeat_ns: int, now_ns: int,
-          owner_uid: int | None = None) -> Verdict:
-    """The verdict on a writer from its header fields and heartbeat, read at ``now_ns`` (CLOCK_REALTIME)."""
+          owner_uid: int | None = None, alive: AliveCheck = is_alive) -> Verdict:
+    """The verdict on a writer from its header fields and heartbeat, read at ``now_ns`` (CLOCK_REALTIME).
+
+    ``alive`` answers for pid + start time: :func:`procinfo.is_alive`, or a scan's memo of it
+    (:class:`AliveMemo`) so that 64 models of one process cost one look at /proc, not 64.
+    """
     age = now_ns - heartbeat_ns
     future = age < -FUTURE_SLACK_S * _NS
     late = heartbeat_late(heartbeat_ns, now_ns)
     if identifiable(pid, start_time, pid_ns):
-        return Verdict(is_alive(pid, start_time, owner_uid), late, True)
+        return Verdict(alive(pid, start_time, owner_uid), late, True)
     return Verdict(not future and age < HEARTBEAT_GONE_S * _NS, late, False)
+
+
+class AliveMemo:
+    """:func:`procinfo.is_alive`, asked once per (pid, start time, uid) for the life of the memo: one scan.
+
+    A scan is one instant; a process that dies during it is seen dead by the next scan.
+    """
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[int, int, int | None], bool] = {}
+
+    def __call__(self, pid: int, started: int, uid: int | None = None) -> bool:
+        key = (pid, started, uid)
+        verdict = self._seen.get(key)
+        if verdict is None:
+            verdict = self._seen[key] = is_alive(pid, started, uid)
+        return verdict
 
 
 def writer_alive(header: dict, body: bytes, owner_uid: int | None = None) -> bool:

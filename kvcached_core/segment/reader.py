@@ -1,10 +1,19 @@
-"""Discover and read segments without locks: list_models(), snapshot(), scan()."""
+"""Discover and read segments without locks: list_models(), snapshot(), scan().
+
+A dashboard scans the same files again and again, so :func:`scan` keeps the files it read open
+until the next scan (:class:`_KeptFiles`): a file is read again through the descriptor it was
+opened with only while the directory still lists its name with the same inode (an inode we hold
+open cannot be reused by another file), and every read still copies the bytes and checks the
+header, the seqlock and both sums. A segment is never mapped: a writer that truncates its file
+would kill a mapping reader with SIGBUS.
+"""
 
 from __future__ import annotations
 
 import errno
 import os
 import stat
+import threading
 import time
 from array import array
 from dataclasses import replace
@@ -14,11 +23,11 @@ from ..config import shm_dir
 from ..interop.legacy import NotLegacy, is_legacy_name, read_legacy
 from . import layout as L
 from . import liveness
-from .liveness import judge, writer_alive
+from .liveness import AliveCheck, AliveMemo, judge, writer_alive
 from .names import SEGMENT_PREFIX, InvalidName, segment_path
 from .pgroups import GroupJudge
 from .procinfo import is_alive
-from .snapshot import CompactInfo, ModelSnapshot, Problem, RankInfo, Scan, SleepInfo, Traffic
+from .snapshot import CompactInfo, ModelSnapshot, Problem, RankInfo, Scan, SleepInfo, Traffic, model_from_fields
 
 HEARTBEAT_STALE_S = liveness.HEARTBEAT_STALE_S
 READ_RETRIES = 32
@@ -26,6 +35,7 @@ DEAD_WRITER_CHECK = 12  # odd-sequence attempts (~8 ms) before asking whether th
 SWAP_RETRIES = 3  # scans snapshot() makes while the file it found keeps vanishing before it is read
 QUIET_FAILURES = 3  # failed checks of an unchanging copy before the file is called corrupt
 MAX_PAGES = L.MAX_PAGES  # more is a damaged (or forged) header
+MAX_KEPT_OPEN = 256  # files a scan keeps open for the next one; past this many, the rest are opened each time
 
 
 class ModelNotFound(LookupError):
@@ -95,39 +105,61 @@ def _backoff(attempt: int) -> None:
     time.sleep(0 if attempt < 8 else min(0.0005 * 2 ** (attempt - 8), 0.02))
 
 
-_SUMS: dict[str, tuple[bytes, int]] = {}  # per segment name: the last page map summed, and its sum
+_SUMS: dict[str, tuple[bytes, list[int]]] = {}  # per segment name: the last page map summed, its parts' sums
 _SUMS_MAX = 4096
+SUM_PART = 1024  # bytes of page map (256 entries) summed apart: a publish changes a few entries, not all
 
 
 def page_sum(name: str, map_raw: bytes, pages: array) -> int:
     """The page map's sum mod 2**64, as the writer keeps it in ``page_sum``.
 
     A map byte-identical to the last one summed for ``name`` costs one compare instead of a sum
-    over every page: between publishes (most reads of a dashboard) nothing is recomputed.
+    over every page: between publishes (most reads of a dashboard) nothing is recomputed. A map
+    that changed is summed again only in its parts of :data:`SUM_PART` bytes that changed.
     """
     last = _SUMS.get(name)
     if last is not None and last[0] == map_raw:
-        return last[1]
-    total = sum(pages) & 0xFFFFFFFFFFFFFFFF
+        return sum(last[1]) & 0xFFFFFFFFFFFFFFFF
+    if last is None or len(last[0]) != len(map_raw):
+        parts = [sum(pages[i:i + SUM_PART // 4]) for i in range(0, len(pages), SUM_PART // 4)]
+    else:
+        before, parts = last[0], last[1].copy()
+        for k, off in enumerate(range(0, len(map_raw), SUM_PART)):
+            if map_raw[off:off + SUM_PART] != before[off:off + SUM_PART]:
+                parts[k] = sum(pages[off // 4:(off + SUM_PART) // 4])
     if len(_SUMS) >= _SUMS_MAX:
         _SUMS.clear()
-    _SUMS[name] = (map_raw, total)
-    return total
+    _SUMS[name] = (map_raw, parts)
+    return sum(parts) & 0xFFFFFFFFFFFFFFFF
 
 
-def _consistent_copy(fd: int, header: dict, with_pages: bool) -> tuple[dict, array | None, bytes]:
-    """Copy counters (and the page map) until one copy passes the seqlock and both checksums."""
+class _HeaderChanged(Exception):
+    """The header in the file is no longer the one parsed: parse it again."""
+
+
+def _consistent_copy(fd: int, header: dict, with_pages: bool,
+                     kept: _Open | None = None) -> tuple[dict, array | None, bytes]:
+    """Copy counters (and the page map) until one copy passes the seqlock and both checksums.
+
+    With ``kept`` (a file kept open since its header was parsed), a copy whose header differs
+    raises :class:`_HeaderChanged` (the file may have been written over since), and counters
+    byte-identical to the last ones checked for it (sequence and checksum included) are not
+    checked and decoded again.
+    """
+    header_raw = kept.header_raw if kept is not None else None
     pages_total = header["pages_total"]
     size = L.total_size(pages_total, header["ranks_max"])
     end = size if with_pages else L.PAGE_MAP_OFF
-    if os.fstat(fd).st_size < size:
-        raise SegmentCorrupt("file shorter than its header says")
     seqs_seen: set[int] = set()
     quiet_failures = 0
     for attempt in range(READ_RETRIES):
         raw = os.pread(fd, end, 0)
         if len(raw) < end:
-            raise SegmentCorrupt("file shrank while reading")
+            raise SegmentCorrupt("file shorter than its header says" if attempt == 0 else "file shrank while reading")
+        if header_raw is not None:
+            if raw[:L.HEADER.size] != header_raw:
+                raise _HeaderChanged
+            header_raw = None  # once per read: the writer never rewrites it
         seq = L.U64.unpack_from(raw, L.SEQ_OFF)[0]
         seqs_seen.add(seq)
         if seq & 1:
@@ -139,15 +171,18 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool) -> tuple[dict, arr
             _backoff(attempt)  # the writer moved on during the copy: check again right away, no work wasted
             continue
         # The sequence was even and unchanged around the copy: verify it (on weakly ordered CPUs too).
-        payload = raw[L.COUNTERS_OFF:L.CHECKSUM_OFF]
-        check = L.U64.unpack_from(raw, L.CHECKSUM_OFF)[0]
+        region = raw[L.SEQ_OFF:L.CHECKSUM_OFF + 8]
         pages = None
-        if seq == 0:  # never published yet: all zeros
+        if kept is not None and kept.counted is not None and kept.counted[0] == region:
+            counters = kept.counted[1]  # these very bytes passed the checksum before
+        elif seq == 0:  # never published yet: all zeros
             counters = _unpublished_counters()
-        elif check != L.counters_checksum(payload, seq):
+        elif L.U64.unpack_from(raw, L.CHECKSUM_OFF)[0] != L.counters_checksum(raw[L.COUNTERS_OFF:L.CHECKSUM_OFF], seq):
             counters = None
         else:
-            counters = dict(zip(L.COUNTER_FIELDS, L.COUNTERS.unpack(payload), strict=False))
+            counters = dict(zip(L.COUNTER_FIELDS, L.COUNTERS.unpack_from(raw, L.COUNTERS_OFF), strict=False))
+            if kept is not None:
+                kept.counted = (region, counters)
         if counters is not None and with_pages:
             map_raw = raw[L.PAGE_MAP_OFF:L.PAGE_MAP_OFF + 4 * pages_total]
             pages = array("I")
@@ -191,37 +226,106 @@ def _rank_bytes(fd: int, header: dict, body: bytes) -> bytes:
     return raw
 
 
+class _Open:
+    """A segment file opened for reading, with what its header said once it was checked."""
+
+    __slots__ = ("compaction", "counted", "fd", "fields", "header", "header_raw", "ino", "keep", "sleep", "static")
+
+    def __init__(self, fd: int, ino: int, keep: bool) -> None:
+        self.fd, self.ino, self.keep = fd, ino, keep
+        self.header: dict | None = None
+        self.header_raw = b""
+        self.static: dict = {}  # the snapshot fields the header fixes
+        self.counted: tuple[bytes, dict] | None = None  # the last counters region checked, decoded
+        self.fields: tuple[dict, dict] | None = None  # the snapshot fields those counters alone fix
+        self.sleep: tuple[bytes, SleepInfo] | None = None  # the last words decoded, and what they said
+        self.compaction: tuple[bytes, CompactInfo] | None = None
+
+    @classmethod
+    def of(cls, path: str | Path, ino: int = -1, dev: int = -1) -> _Open:
+        """Open ``path`` (never through a symbolic link); ``keep`` when it is the inode ``ino`` on ``dev``."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise SegmentCorrupt("not a regular file: a symbolic link (never followed)") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SegmentCorrupt("not a regular file")
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, st.st_ino, st.st_ino == ino and st.st_dev == dev)
+
+    def check_header(self, path: str) -> dict:
+        """Parse and check the header (once; again after :meth:`forget`)."""
+        if self.header is None:
+            fd = self.fd
+            raw = os.pread(fd, L.HEADER.size, 0)
+            header = parse_header(raw)
+            if os.path.basename(path) != SEGMENT_PREFIX + header["name"]:
+                raise SegmentCorrupt(f"the header names segment {header['name']!r}, not this file")
+            if os.fstat(fd).st_size < L.total_size(header["pages_total"], header["ranks_max"]):
+                raise SegmentCorrupt("file shorter than its header says")
+            self.header, self.header_raw = header, raw
+            self.static = {
+                "name": header["name"], "path": path, "model": header["model"], "engine": header["engine"],
+                "backend": header["backend"], "pid": header["pid"], "uid": header["uid"], "device": header["device"],
+                "page_size": header["page_size"], "block_bytes": header["block_bytes"],
+                "num_layers": header["num_layers"], "num_kv_buffers": header["num_kv_buffers"],
+                "blocks_per_page": header["blocks_per_page"], "num_blocks": header["num_blocks"],
+                "pages_total": header["pages_total"], "start_time": header["start_time"],
+                "pid_ns": header["pid_ns"], "tp_world": header["tp_world"],
+                "device_capacity": header["device_capacity"], "legacy_reserved": 0, "legacy": False,
+            }
+        return self.header
+
+    def forget(self) -> None:
+        self.header, self.sleep, self.compaction, self.counted, self.fields = None, None, None, None, None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
 def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = None) -> ModelSnapshot:
     """Read one of our segments; raises SegmentCorrupt, BlockingIOError or OSError."""
+    file = _Open.of(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise SegmentCorrupt("not a regular file: a symbolic link (never followed)") from None
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise SegmentCorrupt("not a regular file")
-        header = parse_header(os.pread(fd, L.HEADER.size, 0))
-        if path.name != SEGMENT_PREFIX + header["name"]:
-            raise SegmentCorrupt(f"the header names segment {header['name']!r}, not this file")
-        try:
-            counters, pages, body = _consistent_copy(fd, header, with_pages)
-        except PublishUnfinished as exc:
-            if writer_alive(header, os.pread(fd, L.PAGE_MAP_OFF, 0)):
-                raise BlockingIOError(f"{exc}: its writer (pid {header['pid']}) is alive but stuck") from None
-            # The writer died mid-publish: whatever it counted is no longer held. Show it stale and empty.
-            counters = _unpublished_counters()
-            body = os.pread(fd, L.total_size(header["pages_total"], header["ranks_max"]) if with_pages
-                            else L.PAGE_MAP_OFF, 0)
-            pages = array("I", bytes(4 * header["pages_total"])) if with_pages else None
-        rank_raw = _rank_bytes(fd, header, body) if header["tp_world"] > 1 else b""
+        return _read(file, str(path), with_pages, now_ns, is_alive)
     finally:
-        os.close(fd)
-    control = dict(zip(("limit", "revision", "check", "trim_seq"), L.CONTROL.unpack_from(body, L.CONTROL_OFF), strict=False))
+        file.close()
+
+
+def _read(file: _Open, path: str, with_pages: bool, now_ns: int | None, alive: AliveCheck) -> ModelSnapshot:
+    """One snapshot of the open segment ``file`` (found at ``path``)."""
+    fd = file.fd
+    fresh = file.header is None
+    header = file.check_header(path)
+    if not fresh and not with_pages and not os.pread(fd, 1, L.total_size(header["pages_total"], header["ranks_max"]) - 1):
+        raise SegmentCorrupt("file shorter than its header says")  # cut since it was kept (a copy with the map sees it)
+    try:
+        # A header parsed just now is compared by the copy only when the file was kept open since.
+        counters, pages, body = _consistent_copy(fd, header, with_pages, None if fresh else file)
+    except _HeaderChanged:
+        file.forget()
+        return _read(file, path, with_pages, now_ns, alive)  # parsed afresh: no second comparison
+    except PublishUnfinished as exc:
+        if writer_alive(header, os.pread(fd, L.PAGE_MAP_OFF, 0)):
+            raise BlockingIOError(f"{exc}: its writer (pid {header['pid']}) is alive but stuck") from None
+        # The writer died mid-publish: whatever it counted is no longer held. Show it stale and empty.
+        counters = _unpublished_counters()
+        body = os.pread(fd, L.total_size(header["pages_total"], header["ranks_max"]) if with_pages
+                        else L.PAGE_MAP_OFF, 0)
+        pages = array("I", bytes(4 * header["pages_total"])) if with_pages else None
+    rank_raw = _rank_bytes(fd, header, body) if header["tp_world"] > 1 else b""
+    control = L.CONTROL.unpack_from(body, L.CONTROL_OFF)  # limit, revision, check, trim_seq
     heartbeat = L.U64.unpack_from(body, L.HEARTBEAT_OFF)[0]
     now_ns = now_ns or time.time_ns()
-    verdict = judge(header["pid"], header["start_time"], header["pid_ns"], heartbeat, now_ns)
+    verdict = judge(header["pid"], header["start_time"], header["pid_ns"], heartbeat, now_ns, alive=alive)
     status = "live" if verdict.alive and not counters["closing"] else "stale"
     ranks: tuple[RankInfo, ...] = ()
     if rank_raw:
@@ -230,40 +334,60 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
             r = dict(zip(L.RANK_FIELDS, L.RANK.unpack_from(rank_raw, i * L.RANK.size), strict=False))
             lost = bool(r["flags"] & L.RANK_LOST)
             found.append(RankInfo(r["rank"], r["device"], r["pid"], r["mapped_bytes"],
-                                  not lost and is_alive(r["pid"], r["start_time"])))
+                                  not lost and alive(r["pid"], r["start_time"], None)))
         ranks = tuple(found)
-    effective = counters["effective_limit"]
     # A controller's request not yet applied shows as asked; otherwise what the allocator applied
     # last, which also covers limits the engine set itself with set_limit().
-    pending = control["revision"] > counters["applied_revision"]
-    requested = control["limit"] if pending else counters["requested_limit"]
+    revision = control[1]
+    pending = revision > counters["applied_revision"]
+    requested = control[0] if pending else counters["requested_limit"]
     limit_status = L.LIMIT_STATUS_NAMES.get(counters["limit_status"], "unknown")
-    if status == "stale" and control["revision"] > counters["applied_revision"]:
+    if status == "stale" and pending:
         limit_status = "stale"
-    return ModelSnapshot(
-        name=header["name"], path=str(path), model=header["model"], engine=header["engine"],
-        backend=header["backend"], pid=header["pid"], uid=header["uid"],
-        device=header["device"], status=status, page_size=header["page_size"],
-        block_bytes=header["block_bytes"], num_layers=header["num_layers"],
-        num_kv_buffers=header["num_kv_buffers"], blocks_per_page=header["blocks_per_page"],
-        num_blocks=header["num_blocks"], pages_total=header["pages_total"],
-        pages_inuse=counters["pages_inuse"], pages_reserved=counters["pages_reserved"],
-        blocks_used=counters["blocks_used"], blocks_cached=counters["blocks_cached"],
-        mapped_bytes=counters["mapped_bytes"],
-        limit_bytes=None if effective < 0 else effective, limit_status=limit_status,
-        requested_limit=None if requested < 0 else requested, limit_revision=control["revision"],
-        applied_revision=counters["applied_revision"], trim_seq=control["trim_seq"],
-        trim_ack_seq=counters["trim_ack_seq"], trim_bytes=counters["trim_bytes"],
-        trimmed_total=counters["trimmed_total"], idle_returned=counters["idle_returned"],
-        alloc_count=counters["alloc_count"], free_count=counters["free_count"],
-        alloc_blocks=counters["alloc_blocks"], free_blocks=counters["free_blocks"],
-        evicted_blocks=counters["evicted_blocks"], updated_ns=counters["updated_ns"],
-        heartbeat_ns=heartbeat, read_ns=now_ns, start_time=header["start_time"],
-        late=status == "live" and verdict.late, pid_ns=header["pid_ns"],
-        tp_world=header["tp_world"], ranks=ranks, pages=pages,
-        device_capacity=header["device_capacity"], traffic=_traffic(body, now_ns), sleep=_sleep(body),
-        compaction=_compaction(body),
+    values = file.static.copy()
+    values.update(_counter_fields(file, counters))
+    values.update(
+        status=status, limit_status=limit_status, requested_limit=None if requested < 0 else requested,
+        limit_revision=revision, trim_seq=control[3], heartbeat_ns=heartbeat, read_ns=now_ns,
+        late=status == "live" and verdict.late, ranks=ranks, pages=pages, traffic=_traffic(body, now_ns),
+        sleep=_kept_sleep(file, body), compaction=_kept_compaction(file, body),
     )
+    return model_from_fields(values)
+
+
+def _counter_fields(file: _Open, counters: dict) -> dict:
+    """The snapshot fields the counters alone fix; the same dict again while the counters are the same object."""
+    if file.fields is not None and file.fields[0] is counters:
+        return file.fields[1]
+    effective = counters["effective_limit"]
+    fields = {
+        "pages_inuse": counters["pages_inuse"], "pages_reserved": counters["pages_reserved"],
+        "blocks_used": counters["blocks_used"], "blocks_cached": counters["blocks_cached"],
+        "mapped_bytes": counters["mapped_bytes"], "limit_bytes": None if effective < 0 else effective,
+        "applied_revision": counters["applied_revision"], "trim_ack_seq": counters["trim_ack_seq"],
+        "trim_bytes": counters["trim_bytes"], "trimmed_total": counters["trimmed_total"],
+        "idle_returned": counters["idle_returned"], "alloc_count": counters["alloc_count"],
+        "free_count": counters["free_count"], "alloc_blocks": counters["alloc_blocks"],
+        "free_blocks": counters["free_blocks"], "evicted_blocks": counters["evicted_blocks"],
+        "updated_ns": counters["updated_ns"],
+    }
+    file.fields = (counters, fields)
+    return fields
+
+
+def _kept_sleep(file: _Open, body: bytes) -> SleepInfo:
+    """The sleep words as last decoded for this file when they have not changed (frozen, so shared)."""
+    raw = body[L.SLEEP_OFF:L.SLEEP_OFF + L.SLEEP.size]
+    if file.sleep is None or file.sleep[0] != raw:
+        file.sleep = (raw, _sleep(body))
+    return file.sleep[1]
+
+
+def _kept_compaction(file: _Open, body: bytes) -> CompactInfo:
+    raw = body[L.COMPACT_OFF:L.COMPACT_OFF + L.COMPACT.size]
+    if file.compaction is None or file.compaction[0] != raw:
+        file.compaction = (raw, _compaction(body))
+    return file.compaction[1]
 
 
 def _sleep(body: bytes) -> SleepInfo:
@@ -290,44 +414,111 @@ def _traffic(body: bytes, now_ns: int) -> Traffic | None:
     return Traffic(**values, read_ns=now_ns)
 
 
+class _KeptFiles:
+    """The segment files the last scan of a directory read, kept open for the next scan of it.
+
+    Bounded (:data:`MAX_KEPT_OPEN`), one directory at a time (scanning another closes them), and
+    a file the directory no longer lists, or lists with another inode, is closed by the scan that
+    notices. A scan takes the whole set and gives it back when done, so two threads scanning at
+    once never share a descriptor (the second opens its own). A forked child closes its copies.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._where: tuple[str, int] | None = None
+        self._files: dict[str, _Open] = {}
+
+    def take(self, where: tuple[str, int]) -> dict[str, _Open]:
+        with self._lock:
+            if self._where != where:
+                return {}
+            files, self._files, self._where = self._files, {}, None
+            return files
+
+    def give(self, where: tuple[str, int], files: dict[str, _Open]) -> None:
+        with self._lock:
+            old, self._files, self._where = self._files, files, where
+        _close_all(old)
+
+    def clear(self) -> None:
+        self.give(("", -1), {})
+
+    def open_count(self) -> int:
+        return len(self._files)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        files, self._files, self._where = self._files, {}, None
+        _close_all(files)
+
+
+def _close_all(files: dict[str, _Open]) -> None:
+    for file in files.values():
+        file.close()
+
+
+_KEPT = _KeptFiles()
+os.register_at_fork(after_in_child=_KEPT._after_fork)
+
+
 def scan(*, with_pages: bool = False, directory: Path | None = None) -> Scan:
     """Every segment in the directory, plus a Problem for each file we could not use."""
     base = directory or shm_dir()
     models: list[ModelSnapshot] = []
     problems: list[Problem] = []
     try:
-        entries = sorted(os.listdir(base))
+        with os.scandir(base) as listing:
+            entries = sorted((entry.name, entry.inode()) for entry in listing)
+        where = (os.fspath(base), os.stat(base).st_dev)
     except OSError as exc:
         return Scan((), (Problem(str(base), "unreadable", exc.strerror or str(exc)),))
+    prefix = str(base / "_")[:-1]  # pathlib's own join, once: str(base / filename) for every name
     now_ns = time.time_ns()
+    alive = AliveMemo()  # one look at /proc per writer process, however many models it runs
     judge = GroupJudge()
-    for filename in entries:
-        path = base / filename
-        if filename.startswith(SEGMENT_PREFIX):
-            try:
-                models.append(read_segment(path, with_pages=with_pages, now_ns=now_ns))
-            except HeaderOverwritten as exc:
-                problems.append(Problem(str(path), "corrupt", str(exc), exc.writer_alive))
-            except SegmentCorrupt as exc:
-                kind = "foreign" if "magic" in str(exc) or "regular file" in str(exc) else "corrupt"
-                problems.append(Problem(str(path), kind, str(exc)))
-            except BlockingIOError as exc:
-                problems.append(Problem(str(path), "busy", str(exc)))
-            except FileNotFoundError:
-                continue  # removed while we listed
-            except (OSError, ValueError, OverflowError, MemoryError) as exc:
-                problems.append(Problem(str(path), "unreadable", str(exc)))
-        elif not filename.startswith(".") and ((named := is_legacy_name(filename)) or _legacy_sized(path)):
-            try:
-                models.append(read_legacy(path, named=named, judge=judge))
-            except FileNotFoundError:
-                continue
-            except BlockingIOError as exc:
-                problems.append(Problem(str(path), "busy", str(exc)))
-            except NotLegacy as exc:
-                problems.append(Problem(str(path), "foreign", str(exc)))
-            except (OSError, ValueError) as exc:
-                problems.append(Problem(str(path), "unreadable" if isinstance(exc, OSError) else "foreign", str(exc)))
+    kept = _KEPT.take(where)
+    keep: dict[str, _Open] = {}
+    try:
+        for filename, ino in entries:
+            path = prefix + filename
+            if filename.startswith(SEGMENT_PREFIX):
+                file = kept.pop(filename, None)
+                if file is not None and file.ino != ino:  # replaced since: the name holds another file now
+                    file.close()
+                    file = None
+                try:
+                    file = file or _Open.of(path, ino, where[1])
+                    models.append(_read(file, path, with_pages, now_ns, alive))
+                    if file.keep and len(keep) < MAX_KEPT_OPEN:
+                        keep[filename], file = file, None
+                except HeaderOverwritten as exc:
+                    problems.append(Problem(path, "corrupt", str(exc), exc.writer_alive))
+                except SegmentCorrupt as exc:
+                    kind = "foreign" if "magic" in str(exc) or "regular file" in str(exc) else "corrupt"
+                    problems.append(Problem(path, kind, str(exc)))
+                except BlockingIOError as exc:
+                    problems.append(Problem(path, "busy", str(exc)))
+                except FileNotFoundError:
+                    continue  # removed while we listed
+                except (OSError, ValueError, OverflowError, MemoryError) as exc:
+                    problems.append(Problem(path, "unreadable", str(exc)))
+                finally:
+                    if file is not None:
+                        file.close()
+            elif not filename.startswith(".") and ((named := is_legacy_name(filename)) or _legacy_sized(path)):
+                try:
+                    models.append(read_legacy(Path(path), named=named, judge=judge))
+                except FileNotFoundError:
+                    continue
+                except BlockingIOError as exc:
+                    problems.append(Problem(path, "busy", str(exc)))
+                except NotLegacy as exc:
+                    problems.append(Problem(path, "foreign", str(exc)))
+                except (OSError, ValueError) as exc:
+                    problems.append(Problem(path, "unreadable" if isinstance(exc, OSError) else "foreign", str(exc)))
+    finally:
+        _close_all(kept)  # files the directory no longer lists
+        _KEPT.give(where, keep)
     models.sort(key=lambda m: m.name)
     return Scan(tuple(_printable(m) for m in models), tuple(_printable_problem(p) for p in problems))
 
@@ -343,7 +534,7 @@ def _printable_problem(p: Problem) -> Problem:
     return p if (path, reason) == (p.path, p.reason) else replace(p, path=path, reason=reason)
 
 
-def _legacy_sized(path: Path) -> bool:
+def _legacy_sized(path: str) -> bool:
     """A regular file of exactly upstream's struct size: a candidate whatever its name (upstream's test)."""
     try:
         st = os.lstat(path)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -241,6 +241,21 @@ class ModelSnapshot:
             "sleep": None if self.sleep is None else self.sleep.to_dict(),
             "compaction": None if self.compaction is None else self.compaction.to_dict(),
         }
+
+
+MODEL_FIELDS = frozenset(f.name for f in fields(ModelSnapshot))
+
+
+def model_from_fields(values: dict) -> ModelSnapshot:
+    """A :class:`ModelSnapshot` of ``values``, which names every field (:data:`MODEL_FIELDS`) once.
+
+    The same object the constructor makes, without its one ``object.__setattr__`` per field (a
+    frozen dataclass of 50 fields: about 10 µs, 0.6 ms of a 64-model scan). The class has no
+    ``__post_init__`` and no slots; tests/test_core_reader_kept.py checks that both ways make equal objects.
+    """
+    snap = object.__new__(ModelSnapshot)
+    snap.__dict__.update(values)
+    return snap
 
 
 @dataclass(frozen=True)

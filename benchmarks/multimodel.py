@@ -1,6 +1,6 @@
 """Several real vLLM engines sharing one KV budget under staggered bursty traffic.
 
-    python -m benchmarks multimodel [--quick] [--no-write]
+    python -m benchmarks multimodel [--quick] [--no-write] [--keep-logs]
 
 Two configurations replay the same recorded trace (``benchmarks/traces/multimodel.json``, made
 once by ``--make-trace`` with a fixed seed): **static**, plain vLLM with an equal fixed block count
@@ -10,8 +10,11 @@ the same. Per model and in total: TTFT mean and p99, time per output token, thro
 preemptions, and each model's KV bytes over time, sampled every 0.5 s (static: vLLM's usage gauge;
 elastic: the live segments, as ``kvctl list --json`` reads them). Every engine of both
 configurations starts at once (start-up is most of the wall time on two cores); static replays,
-is stopped, then elastic replays. Results go to ``benchmarks/results/multimodel-*.{md,json}`` and,
-with matplotlib (the ``plot`` extra), a PNG; what they mean on 2 cores: ``multimodel-2cpu.md``.
+is stopped, then elastic replays. The tiny model and vLLM's cache (its model-class inspection) are
+kept under ``~/.cache/kvcached/`` between runs: the first run on a machine starts about 40 s slower.
+Results, with where the wall time went (each engine's start, each replay and stop), go to
+``benchmarks/results/multimodel-*.{md,json}`` and, with matplotlib (the ``plot`` extra), a PNG;
+what they mean on 2 cores: ``multimodel-2cpu.md``.
 Engines are stopped on Ctrl-C and on failure (their whole process group).
 """
 
@@ -143,11 +146,51 @@ def group_alive(pgid: int) -> bool:
         return True
 
 
+def vllm_cache() -> Path:
+    """vLLM's cache root for every engine of every run: ``$XDG_CACHE_HOME/kvcached/multimodel-vllm``.
+
+    Kept between runs for the model-class inspection vLLM caches there (keyed by its model file's
+    hash): without it, each engine's API server runs the inspection in a subprocess that imports
+    vLLM's model code once more, 10 s of CPU an engine, 38 s of a four-engine start on two cores.
+    With ``--enforce-eager`` nothing else is written there (no compiled graphs).
+    """
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "kvcached" / "multimodel-vllm"
+
+
+TINY = {"seed": 0, "layers": LAYERS, "hidden": 256, "heads": 4, "kv_heads": KV_HEADS, "max_positions": 4096}
+
+
+def tiny_model(workdir: Path) -> Path:
+    """The tiny Llama the engines load, built once and kept next to :func:`vllm_cache`.
+
+    A kept build whose stamp (``kvcached-tiny.json``, written last by ``build_tiny_llama``) matches
+    is used without importing torch and transformers (7 s on two cores); otherwise the model is
+    built under ``workdir`` and moved into place whole (a run reading it never sees half a build).
+    """
+    kept = vllm_cache().parent / "multimodel-tiny-llama"
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads((kept / "kvcached-tiny.json").read_text()) == TINY:
+            return kept
+    from kvcached_vllm.tiny import build_tiny_llama
+
+    built = build_tiny_llama(workdir / "tiny-llama", **TINY)
+    staged = kept.with_name(f"{kept.name}.{os.getpid()}")
+    try:
+        shutil.copytree(built, staged)
+        shutil.rmtree(kept, ignore_errors=True)  # a stale build (another stamp)
+        os.rename(staged, kept)
+    except OSError:  # another run moved its own build in first, or the cache is not writable
+        shutil.rmtree(staged, ignore_errors=True)
+        return built
+    return kept
+
+
 def engine_env(workdir: Path, elastic: bool, core: int, capacity: int) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("ENABLE_KVCACHED", None)
     env.update({"KVCACHED_SHM_DIR": str(workdir / "shm"), "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), "VLLM_NO_USAGE_STATS": "1",
+                "VLLM_CACHE_ROOT": str(vllm_cache()), "VLLM_NO_USAGE_STATS": "1",
                 "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
                 "VLLM_CPU_OMP_THREADS_BIND": str(core % max(1, os.cpu_count() or 1))})
     if elastic:
@@ -184,12 +227,20 @@ def launch(model_dir: Path, names: list[str], workdir: Path, elastic: bool, capa
     return engines
 
 
-def wait_ready(engines: list[Engine]) -> None:
-    """Until every server answers; RuntimeError (every engine stopped) when one exits or is too slow."""
-    deadline = time.monotonic() + START_TIMEOUT_S
+def wait_ready(engines: list[Engine]) -> dict[str, float]:
+    """Until every server answers; RuntimeError (every engine stopped) when one exits or is too slow.
+
+    Every engine is polled in turn, so each one's ready time (seconds from this call) is its own.
+    """
+    started = time.monotonic()
+    deadline = started + START_TIMEOUT_S
+    ready: dict[str, float] = {}
     try:
-        for eng in engines:
-            while True:
+        while len(ready) < len(engines):
+            for eng in engines:
+                key = f"{eng.log.stem}"
+                if key in ready:
+                    continue
                 if eng.proc.poll() is not None:
                     raise RuntimeError(f"engine {eng.name} exited with {eng.proc.returncode}: "
                                        f"{eng.log.read_text()[-1500:]}")
@@ -197,12 +248,15 @@ def wait_ready(engines: list[Engine]) -> None:
                     raise RuntimeError(f"engine {eng.name} did not answer in {START_TIMEOUT_S:.0f} s; log: {eng.log}")
                 try:
                     eng.get("/v1/models", timeout=5)
-                    break
+                    ready[key] = round(time.monotonic() - started, 1)
                 except OSError:
-                    time.sleep(1)
+                    pass
+            if len(ready) < len(engines):
+                time.sleep(0.5)
     except BaseException:
         stop_all(engines)
         raise
+    return ready
 
 
 def stop_all(engines: list[Engine]) -> None:
@@ -211,12 +265,6 @@ def stop_all(engines: list[Engine]) -> None:
         eng.interrupt()
     for eng in engines:
         eng.stop(interrupted=True)
-
-
-def start_engines(model_dir: Path, names: list[str], workdir: Path, elastic: bool, capacity: int) -> list[Engine]:
-    engines = launch(model_dir, names, workdir, elastic, capacity)
-    wait_ready(engines)
-    return engines
 
 
 # -- load ------------------------------------------------------------------------------------------
@@ -287,7 +335,7 @@ def sample(engines: list[Engine], shm: Path | None) -> dict[str, dict[str, int |
             texts[e.name] = None
     live = {}
     if shm is not None:
-        from kvcached_core.reader import list_models
+        from kvcached_core import list_models
 
         live = {m.model: m for m in list_models(directory=shm) if m.status == "live"}
     for e in engines:
@@ -421,11 +469,23 @@ def versions() -> dict[str, str]:
     return got
 
 
+def wall_time(report: dict) -> list[str]:
+    """Where the run's wall time went (a paragraph and a blank line), or nothing for an older report."""
+    ph = report.get("phases")
+    if not ph:
+        return []
+    ready = ", ".join(f"{k} {v:.0f} s" for k, v in sorted(ph["ready_s"].items(), key=lambda kv: kv[1]))
+    return [f"Wall time {report['seconds']:.0f} s: engines started in {ph['start_s']:.0f} s (ready: {ready}); "
+            f"static replayed in {ph['static_replay_s']:.0f} s and stopped in {ph['static_stop_s']:.0f} s, "
+            f"elastic in {ph['elastic_replay_s']:.0f} s and {ph['elastic_stop_s']:.0f} s.", ""]
+
+
 def markdown(report: dict) -> str:
     lines = [f"# Several vLLM engines, one KV budget ({report['mode']})", "",
              f"`{report['command']}` on {report['date']}; machine: {report['machine']}; versions: "
              f"{', '.join(f'{k} {v}' for k, v in report['versions'].items())}; load average at start "
              f"{report['loadavg_start']}, at end {report['loadavg_end']}.", "",
+             *wall_time(report),
              f"Headline: p99 TTFT static/elastic = **{report['ttft_p99_ratio']:.2f}x**, "
              f"throughput elastic/static = **{report['throughput_ratio']:.2f}x**.", "",
              "| config | model | requests | answered | TTFT mean s | TTFT p99 s | TPOT s | tok/s | preemptions "
@@ -452,37 +512,35 @@ def measure(engines: list[Engine], trace: list[dict], shm: Path | None, capacity
             "ports": [e.port for e in engines]}
 
 
-def run_config(elastic: bool, trace: list[dict], models: int, workdir: Path) -> dict:
-    """One configuration alone: start its engines, replay ``trace``, stop them."""
-    from kvcached_vllm.tiny import build_tiny_llama
-
-    model_dir = build_tiny_llama(workdir / "tiny-llama", max_positions=4096)
-    names = [f"m{i}" for i in range(models)]
-    engines = start_engines(model_dir, names, workdir, elastic, capacity_bytes(models))
-    try:
-        return measure(engines, trace, workdir / "shm" if elastic else None, capacity_bytes(models))
-    finally:
-        stop_all(engines)
-
-
-def run_both(trace: list[dict], models: int, workdir: Path) -> dict[str, dict]:
+def run_both(trace: list[dict], models: int, workdir: Path, phases: dict | None = None) -> dict[str, dict]:
     """Both configurations: every engine started at once (start-up is most of the wall time on two
-    cores), then static replays while the elastic engines stand idle, is stopped, and elastic replays."""
-    from kvcached_vllm.tiny import build_tiny_llama
+    cores), then static replays while the elastic engines stand idle, is stopped, and elastic replays.
 
-    model_dir = build_tiny_llama(workdir / "tiny-llama", max_positions=4096)
+    ``phases`` (when given) is filled with where the wall time went, in seconds: building the model,
+    each engine's ready time from launch, the start-up of all of them, each configuration's replay and stop.
+    """
+    phases = {} if phases is None else phases
+    mark = time.monotonic()
+    model_dir = tiny_model(workdir)
     names = [f"m{i}" for i in range(models)]
     engines: dict[str, list[Engine]] = {}
     runs: dict[str, dict] = {}
+    phases["build_model_s"] = round(time.monotonic() - mark, 1)
     try:
+        mark = time.monotonic()
         for config in ("static", "elastic"):
             (workdir / config).mkdir()
             engines[config] = launch(model_dir, names, workdir / config, config == "elastic", capacity_bytes(models))
-        wait_ready([e for group in engines.values() for e in group])
+        phases["ready_s"] = wait_ready([e for group in engines.values() for e in group])
+        phases["start_s"] = round(time.monotonic() - mark, 1)
         for config in ("static", "elastic"):
             shm = workdir / config / "shm" if config == "elastic" else None
+            mark = time.monotonic()
             runs[config] = measure(engines[config], trace, shm, capacity_bytes(models))
+            phases[f"{config}_replay_s"] = round(time.monotonic() - mark, 1)
+            mark = time.monotonic()
             stop_all(engines[config])
+            phases[f"{config}_stop_s"] = round(time.monotonic() - mark, 1)
     finally:
         stop_all([e for group in engines.values() for e in group])
     return runs
@@ -492,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks multimodel", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two models, a third of the time (under 3 minutes)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the engines' logs (their folder is printed)")
     parser.add_argument("--trace", type=Path, help="replay this trace instead (the smoke test's short one)")
     parser.add_argument("--make-trace", action="store_true", help="write the recorded trace again (fixed seed)")
     args = parser.parse_args(argv)
@@ -516,7 +575,9 @@ def main(argv: list[str] | None = None) -> int:
                     "versions": versions(), "loadavg_start": [round(x, 2) for x in load0]}
     tmp = Path(tempfile.mkdtemp(prefix="kvcached-multimodel-"))  # kept on failure: the engines' logs
     try:
-        runs = run_both(trace, models, tmp)
+        phases: dict = {}
+        runs = run_both(trace, models, tmp, phases)
+        report["phases"] = phases
         for config, run in runs.items():
             report[config] = run["summary"]
     except KeyboardInterrupt:
@@ -525,7 +586,10 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"multimodel: {exc} (logs in {tmp})", file=sys.stderr)
         return 1
-    shutil.rmtree(tmp, ignore_errors=True)
+    if args.keep_logs:
+        print(f"engine logs: {tmp}", file=sys.stderr)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     s, e = report["static"]["total"], report["elastic"]["total"]
     report["ttft_p99_ratio"] = s["ttft_p99_s"] / e["ttft_p99_s"] if e["ttft_p99_s"] else float("nan")
     report["throughput_ratio"] = (e["throughput_tok_s"] / s["throughput_tok_s"] if s["throughput_tok_s"]

@@ -1,0 +1,38 @@
+"""The multimodel benchmark keeps its tiny model and vLLM's cache between runs (start-up is most of its wall time)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import multimodel
+
+
+def test_the_tiny_model_is_built_once_and_a_stale_build_is_replaced(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    kept = tmp_path / "cache" / "kvcached" / "multimodel-tiny-llama"
+    assert multimodel.tiny_model(tmp_path / "run1") == kept
+    assert json.loads((kept / "kvcached-tiny.json").read_text()) == multimodel.TINY
+    assert (kept / "model.safetensors").is_file()
+    # A second run takes the kept build as it is, without building (run2 stays empty).
+    weights = (kept / "model.safetensors").stat().st_mtime_ns
+    assert multimodel.tiny_model(tmp_path / "run2") == kept
+    assert not (tmp_path / "run2").exists()
+    assert (kept / "model.safetensors").stat().st_mtime_ns == weights
+    # A build with another stamp is not used: it is built again and replaced.
+    (kept / "kvcached-tiny.json").write_text(json.dumps(dict(multimodel.TINY, layers=2)))
+    assert multimodel.tiny_model(tmp_path / "run3") == kept
+    assert (tmp_path / "run3" / "tiny-llama").is_dir()
+    assert json.loads((kept / "kvcached-tiny.json").read_text()) == multimodel.TINY
+    assert not list(kept.parent.glob("multimodel-tiny-llama.*")), "a staged copy was left behind"
+
+
+def test_every_engine_of_both_configurations_shares_one_kept_vllm_cache(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    roots = {multimodel.engine_env(tmp_path / config, config == "elastic", core, 1 << 26)["VLLM_CACHE_ROOT"]
+             for config in ("static", "elastic") for core in (0, 1)}
+    assert roots == {str(tmp_path / "cache" / "kvcached" / "multimodel-vllm")}

@@ -181,8 +181,9 @@ def tiny_model(workdir: Path) -> Path:
         shutil.rmtree(kept, ignore_errors=True)  # a stale build (another stamp)
         os.rename(staged, kept)
     except OSError:  # another run moved its own build in first, or the cache is not writable
-        shutil.rmtree(staged, ignore_errors=True)
         return built
+    finally:  # also on Ctrl-C: no half copy is left behind
+        shutil.rmtree(staged, ignore_errors=True)
     return kept
 
 

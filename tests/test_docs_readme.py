@@ -107,5 +107,5 @@ def test_every_test_file_ci_names_exists() -> None:
     """.ci/run's second passes (the Python alloc path, transformers' lowest release) name test files: a
     renamed file must not quietly drop out of them."""
     named = re.findall(r"\btests(?:_vllm)?/[\w/]+\.py\b", (ROOT / ".ci" / "run").read_text())
-    assert len(named) >= 6, named
+    assert len(named) >= 2, named  # the build's own tests, left out of the Python path's pass; transformers
     assert [n for n in named if not (ROOT / n).is_file()] == []

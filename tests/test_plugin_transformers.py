@@ -429,3 +429,37 @@ def test_prefix_cache_compacts_and_the_tokens_after_are_the_same(model, monkeypa
         engine.run()
         assert cache.prefix_hit_tokens == 12 * 32  # every later prompt reused its two moved blocks
         assert [r.output for r in reqs] == expected
+
+
+def test_a_lowered_limit_evicts_cached_blocks_of_an_idle_engine_and_tokens_stay_right(model, monkeypatch):
+    """An idle engine whose memory is all prefix cache: a limit below it (kvctl limit, served by the poller) has
+    the cache's evict handler give up whole cached pages, as many as the limit needs, so it applies at once; the
+    index forgets them, and later prompts (hitting what is left, or not) give the tokens they give uncached."""
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", "-1")
+    prefixes = random_prompts(10, seed=11, min_len=33, max_len=40)  # two full 16-token blocks each
+    later = [p[:32] + [9 + i, 3] for i, p in enumerate(prefixes)]
+    expected = [alone(model, p, 6) for p in later]
+    manager = kc.KVCacheManager("tiny-limit", name="tiny-limit", num_blocks=512, block_bytes=8 * KiB,
+                                num_layers=4, page_size=PAGE, engine="transformers", block_tokens=16)
+    with PagedKVCache(manager, kv_heads=4, head_dim=32, dtype=torch.float32, owns_manager=True) as cache:
+        engine = GreedyEngine(model, cache, max_batch=1, prefix_cache=True)  # one at a time fits one page
+        for p in prefixes:
+            engine.submit(p, 30)
+        engine.run()
+        before = kc.snapshot("tiny-limit")
+        assert before.blocks_used == before.blocks_cached == len(cache.prefix) > 8  # idle: all of it is cache
+        assert before.pages_inuse >= 3
+
+        ack = kc.request_limit("tiny-limit", before.bundle_bytes, wait=10)
+        after = kc.snapshot("tiny-limit")
+        assert ack.status == "applied" and after.limit_status == "applied"
+        assert after.pages_inuse == 1 and after.mapped_bytes == before.bundle_bytes
+        assert 0 < after.blocks_cached <= 8  # one page's worth kept: only what the limit needed went
+        assert set(cache.prefix.hash_of) == set(manager.cache.blocks)
+
+        reqs = [engine.submit(p, 6) for p in later]
+        engine.run()
+        assert [r.output for r in reqs] == expected
+        assert kc.snapshot("tiny-limit").limit_status == "applied"

@@ -17,6 +17,8 @@ import psutil
 import pytest
 
 from kvcached_core.segment.reader import snapshot
+from kvcached_core.segment.snapshot import ModelSnapshot
+from kvcached_vllm.tiny import prompts
 
 from .conftest import BASELINE_TOKENS, LONG, NAME, REPEATED, SHORT
 from .harness import Server, base_env, kvctl, run_offline
@@ -210,6 +212,43 @@ def test_limit_below_use_queues_requests_and_lifting_it_restores_concurrency(
     assert max(s.traffic.running for s in samples[mark:] if s.traffic) > limit_pages * samples[0].blocks_per_page // 8
     print(f"limit applied while requests ran: {any(s.limit_status == 'applied' for s in samples[:served])}; "
           f"preemptions {limited_run[-1].traffic.preemptions - limited_run[0].traffic.preemptions}")
+
+
+def test_a_limit_below_an_idle_engines_prefix_cache_applies_and_hits_stay_right(
+        server: Server, ctl_env: dict[str, str], baseline: list[list[int]]) -> None:
+    """An idle engine whose pages hold mostly prefix cache: a limit below it applies within a poller tick or
+    two (the allocator asks, the engine evicts whole cached pages on its own thread, hashes first), only what
+    the limit needs goes, and the same prefixes afterwards give the same tokens."""
+    directory = Path(ctl_env["KVCACHED_SHM_DIR"])
+    shared = REPEATED[:512]  # four 128-token blocks every prompt below begins with
+    variants = [shared + p[1:] for p in prompts(4, length=400, seed=5)]
+    batch = [REPEATED, *variants]
+    first = complete_all(server, batch, BASELINE_TOKENS)
+    assert first[0] == baseline[-1]
+
+    def idle() -> ModelSnapshot | None:
+        m = snapshot(NAME, directory=directory, with_pages=False)
+        return m if m.traffic and not m.traffic.running and m.blocks_used - m.blocks_cached == 1 else None
+
+    before = wait_for(idle, timeout=30)
+    assert before.blocks_cached >= 12 and before.pages_inuse >= 2, (before.blocks_cached, before.pages_inuse)
+    limit = (before.pages_inuse - 1) * before.bundle_bytes  # below what the cache pins
+    try:
+        asked = time.monotonic()
+        out = kvctl("limit", NAME, f"{limit}B", "--json", env=ctl_env).stdout
+        assert json.loads(out)[0]["requested_bytes"] == limit
+        after = wait_for(lambda: (m := snapshot(NAME, directory=directory, with_pages=False)).limit_status
+                         == "applied" and m, timeout=5, every=0.02)
+        took = time.monotonic() - asked
+        assert after.mapped_bytes <= limit and after.pages_inuse == before.pages_inuse - 1
+        assert before.blocks_cached - after.blocks_cached <= before.blocks_per_page  # one page's cache, no more
+        again = [server.complete(p, BASELINE_TOKENS) for p in batch]  # under the limit, hitting what is left
+        assert again == first
+        assert snapshot(NAME, directory=directory, with_pages=False).limit_status == "applied"
+    finally:
+        kvctl("limit", NAME, "none", env=ctl_env)
+    print(f"limit applied {took:.2f} s after kvctl limit; cached blocks {before.blocks_cached} -> "
+          f"{after.blocks_cached}, pages {before.pages_inuse} -> {after.pages_inuse}")
 
 
 def timeline(samples: list) -> str:

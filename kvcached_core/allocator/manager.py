@@ -7,7 +7,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from numbers import Integral
 
 from .. import config
@@ -18,7 +18,7 @@ from ..segment.writer import Identity, SegmentError, SegmentWriter, owned_stale
 from . import fastpath, poller
 from .compact import CompactHandler, CompactResult, CompactStats, plan
 from .pages import PageTable
-from .placement import Policy, make_policy, place_draining
+from .placement import Policy, drain_victims, make_policy, place_draining
 from .poller import HEARTBEAT_INTERVAL_S
 from .prefix_cache import PrefixCache
 from .sleep import SleepControl, SleepHandler
@@ -34,6 +34,10 @@ RELEASE_CHECK_S = 5.0  # an idle refill thread looks again this often, waiting w
 # pool right after a wake) must not take CPU from the step that serves the request (benchmarks/sleep.py).
 REFILL_NICE = 10
 _IDLE = -1.0  # _refill_step: nothing to do until an alloc asks
+# The engine's evict handler: a lowered limit is deferred while whole cached pages pin memory. Called with the
+# allocator's lock held (from the poller or the thread that set the limit); it returns at once and has the
+# engine call evict_for_limit() where its prefix index may change (its own thread, or under this lock).
+EvictHandler = Callable[[], None]
 INFLIGHT_WAIT_S = 1.0  # the most a limit waits for the refill thread's batch in flight to land
 # (the process's poller serves the other allocators only after this: it stays well under a late heartbeat)
 
@@ -166,6 +170,7 @@ class KVCacheManager:
         self._refill_polling = False  # the refill thread looks by itself: no need to wake it
         self.sleep = SleepControl(self)  # sleep and wake (kvcached_core.allocator.sleep)
         self._compact_handler: CompactHandler | None = None  # the engine's copy (see compact)
+        self._evict_handler: EvictHandler | None = None  # see set_evict_handler
         self.compaction = CompactStats()  # the segment's COMPACT words
         self._publish()
         self.segment.publish_compaction(self.compaction.values())
@@ -346,6 +351,30 @@ class KVCacheManager:
     def set_sleep_handler(self, handler: SleepHandler | None) -> None:
         """Declare that this engine can sleep (see :mod:`kvcached_core.allocator.sleep`); None withdraws it."""
         self.sleep.set_handler(handler)
+
+    def set_evict_handler(self, handler: EvictHandler | None) -> None:
+        """Let a lowered limit take memory from the prefix cache: while the limit is deferred and whole cached
+        pages hold it up, the allocator calls ``handler()`` (at once, then at every poller tick) and the engine
+        answers with :meth:`evict_for_limit`. Without one a limit waits for the engine to evict. None removes it."""
+        with self._lock:
+            self._evict_handler = handler
+            self._ask_evict()
+
+    def evict_for_limit(self) -> list[int]:
+        """Under a deferred limit, evict the cached blocks that keep it from applying: whole cached pages,
+        cheapest first, no more pages than are over the limit (``placement.drain_victims``); active blocks stay.
+        Returns them: the engine drops them from its prefix index. [] when no limit waits on cached blocks
+        (a look without the lock first: cheap enough for every engine step) or once closed."""
+        if self.limit_status != L.LIMIT_DEFERRED or not self.cache.blocks or self._closed:
+            return []
+        with self._lock:
+            if self._closed or self.limit_status != L.LIMIT_DEFERRED or self.limit_pages is None:
+                return []
+            victims = self._drop_cached(drain_victims(self.cache, self.pages, self.limit_pages))
+            if victims:
+                self._update_limit_status()
+                self._publish()
+            return victims
 
     def backend_mapped_bytes(self) -> int:
         """Bytes mapped now (every mapped page bundle)."""
@@ -715,6 +744,19 @@ class KVCacheManager:
             self._mapping_done.wait(left)
             self._unmap_excess()
         self._update_limit_status()
+        self._ask_evict()
+
+    def _ask_evict(self) -> None:
+        """A deferred limit that whole cached pages hold up: ask the engine's evict handler to evict them."""
+        handler = self._evict_handler
+        if handler is None or self._closed or self.limit_status != L.LIMIT_DEFERRED or self.limit_pages is None:
+            return
+        if not drain_victims(self.cache, self.pages, self.limit_pages):
+            return  # active blocks hold it up: nothing to ask until they go
+        try:
+            handler()
+        except Exception:  # noqa: BLE001 - the limit stays deferred, as without a handler
+            logging.getLogger(__name__).exception("%s: the engine's evict handler failed", self.name)
 
     def _unmap_excess(self, *, newest: bool = False) -> None:
         """Unmap reserved pages until what is mapped (and being mapped) fits the limit, as far as pages allow."""
@@ -890,6 +932,9 @@ class KVCacheManager:
                                          or request.compact_seq > self.compaction.acked_seq)
         if idle or asked:
             self._serve_controls(idle)
+        elif self.limit_status == L.LIMIT_DEFERRED and self._evict_handler is not None and self.cache.blocks:
+            with self._lock:  # still deferred: the engine may have cached blocks since (an idle one evicts nothing)
+                self._ask_evict()
         self.sleep.tick(now - state.active_at)
         now = time.monotonic()
         if now - state.last_beat >= HEARTBEAT_INTERVAL_S * 0.9:  # every tick: ticks come at the interval

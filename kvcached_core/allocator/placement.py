@@ -24,7 +24,8 @@ decide what an idle model still pins. A policy is chosen per allocator
     sparsest pages until it pins at most ``pack_ratio`` x its packed floor, and unmaps them.
 
 Whatever the policy, while a lowered limit is deferred the allocator places with
-:func:`place_draining` (fullest pages first) so that sparse pages empty and the limit applies.
+:func:`place_draining` (fullest pages first) so that sparse pages empty and the limit applies, and
+:func:`drain_victims` names the cached blocks whose eviction lets it apply now.
 
 Nothing here moves a block. A policy only chooses; the allocator applies the choices under
 its lock and publishes them.
@@ -32,6 +33,7 @@ its lock and publishes them.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 
 from ..settings import default_of, settings
@@ -205,6 +207,26 @@ def place_draining(pages: PageTable, n: int, taken: list[int]) -> bool:
         taken += got
         n -= len(got)
     return True
+
+
+def drain_victims(cache: PrefixCache, pages: PageTable, limit_pages: int) -> list[int]:
+    """The cached blocks to evict so that a deferred limit applies: whole cached pages (no active block on
+    them), the cheapest first (fewest cached blocks lost per page returned), least recently used among
+    equals, and only as many pages as are in use over the limit.
+
+    A page that also holds an active block is left alone: evicting its cached blocks would give nothing
+    back until that request ends, and then it is a whole cached page, taken at the next look.
+    """
+    over = pages.pages_inuse - limit_pages
+    if over <= 0 or not cache.blocks:
+        return []
+    used = pages.used
+    whole = [(len(on_page), next(reversed(on_page.values())), page)
+             for page, on_page in cache.by_page.items() if len(on_page) == used[page]]
+    victims: list[int] = []
+    for _cost, _age, page in heapq.nsmallest(over, whole):
+        victims += cache.by_page[page]
+    return victims
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FirstFit, Policy, Affinity)}

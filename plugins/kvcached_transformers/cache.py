@@ -253,10 +253,12 @@ class PagedKVCache(Cache):
     # -- prefix cache ------------------------------------------------------------------------
     def enable_prefix_cache(self) -> None:
         """Keep the full blocks of finished sequences for later prompts that begin with the same tokens, and
-        let the allocator compact them (``kvctl compact``, idle packing): this cache is its compact handler."""
+        let the allocator compact them (``kvctl compact``, idle packing) and evict them for a lowered limit:
+        this cache is its compact and evict handler."""
         if self.prefix is None:
             self.prefix = PrefixIndex(self.block_tokens)
             self.manager.set_compact_handler(self._compact_moves)
+            self.manager.set_evict_handler(self._evict_for_limit)
 
     def drop_prefix_cache(self) -> int:
         """Free every cached block (sleep does this first); returns how many."""
@@ -300,6 +302,15 @@ class PagedKVCache(Cache):
             torch.cuda.synchronize(self.device)  # the sources are freed (and may be unmapped) when this returns
         self.prefix.remap(moves)
         return moves
+
+    def _evict_for_limit(self) -> None:
+        """The allocator's evict handler (a lowered limit waits on cached blocks): evict them and drop them from
+        the index now. It runs on the poller's thread (or the one that set the limit) with the allocator's lock
+        held, and this cache reads its index only under that lock (lookup to ``reuse``), so it is never torn."""
+        if self.prefix is None:
+            return
+        with self.manager.lock:
+            self.prefix.forget(self.manager.evict_for_limit())
 
     # -- stepping ----------------------------------------------------------------------------
     def begin_step(self, new_lengths: Sequence[int], query_len: int | None = None) -> StepPlan:
@@ -544,6 +555,7 @@ class PagedKVCache(Cache):
         self.reset()
         if self.prefix is not None and not self.manager._closed:  # noqa: SLF001 - a manager closed first needs nothing
             self.manager.set_compact_handler(None)
+            self.manager.set_evict_handler(None)
         self._closed = True
         self.pools = []  # release the views so the backend can unmap its range
         if self.owns_manager:

@@ -9,7 +9,8 @@ prefix-cache hash map); what changes is where a free block comes from and where 
   ``free`` or ``mark_cached``, so cached blocks show in the page map and the prefix-cache budget
   (``KVCACHED_MAX_CACHED_TOKENS``) holds;
 - a prefix hit on a cached block is ``reuse``; whenever kvcached evicts cached blocks (budget,
-  idle packing, room for new blocks) their hashes leave vLLM's map before anything else runs.
+  idle packing, room for new blocks, a lowered limit: :meth:`KvcachedBlockPool.evict_for_limit`) their
+  hashes leave vLLM's map before anything else runs.
 
 The free count vLLM schedules against is ``KVCacheManager.schedulable_blocks``: what kvcached
 can hand out under its limit plus the cached blocks it could evict (under a deferred limit, only
@@ -140,6 +141,14 @@ class KvcachedBlockPool(BlockPool):
         """kvcached evicted these cached blocks: drop their hashes so no request can hit them."""
         for block_id in block_ids:
             self._maybe_evict_cached_block(self.blocks[block_id])
+
+    def evict_for_limit(self) -> None:
+        """A lowered limit waits on cached blocks: evict them (kvcached picks whole cached pages, only as many as the
+        limit needs) and drop their hashes. On the engine's thread between steps only, never inside
+        ``allocate_slots``: there a prefix hit found before the free count is taken only afterwards."""
+        evicted = self.manager.evict_for_limit()
+        if evicted:
+            self._forget(evicted)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         freed = []

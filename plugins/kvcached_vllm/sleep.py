@@ -15,9 +15,16 @@ touched by two threads at once:
   and with it every request that waited (those that arrived while it drained, those ``sleep_now``
   preempted).
 
+The same poke serves a lowered limit (``kvctl limit``) that cached blocks hold up: the allocator's evict
+handler (:meth:`Sleeper.evict_asked`) pokes the loop, and :meth:`Sleeper.service`, on the engine's thread,
+evicts the whole cached pages the limit needs through the block pool, so their hashes go first. It does so
+at every step too (a look without a lock when no limit waits): a busy engine gives up its cache to the limit
+as soon as requests end, an idle one within a poller tick.
+
 Only the multiprocess engine (``EngineCoreProc``: ``vllm serve`` and ``vllm.LLM`` by default) has a
 busy loop to poke; the in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) registers no
-handler, so ``kvctl sleep`` says that its engine cannot sleep.
+handler, so ``kvctl sleep`` says that its engine cannot sleep, and a limit its cache holds up applies at its
+next step, not while it is idle.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class Sleeper:
         self._core = core
         self._poke = poke
         self.manager.set_sleep_handler(self.request)
+        self.manager.set_evict_handler(self.evict_asked)
 
     # -- the allocator's poller thread ---------------------------------------------------------
     def request(self, action: str) -> None:
@@ -67,9 +75,17 @@ class Sleeper:
         if poke is not None:
             poke()
 
+    def evict_asked(self) -> None:
+        """The allocator's evict handler: a lowered limit waits on cached blocks; :meth:`service` evicts them."""
+        poke = self._poke
+        if poke is not None:
+            poke()
+
     # -- the engine's thread -------------------------------------------------------------------
     def service(self) -> None:
-        """Serve an action asked for, and finish a drain that can finish; cheap when there is nothing."""
+        """Serve an action asked for, evict what a lowered limit waits on, and finish a drain that can finish;
+        cheap when there is nothing."""
+        self.pool.evict_for_limit()
         if self._pending is not None:
             with self._lock:
                 action, self._pending = self._pending, None

@@ -317,3 +317,51 @@ def test_odd_hints_and_subclasses_behave_as_in_python(deterministic: None, monke
     with small("fp-sub", pages=4, cls=Counting) as m:
         assert m._fast is not None and "alloc" not in m.__dict__
         assert len(m.alloc(3)) == 3 and calls == [3]
+
+
+@needs_build
+def test_the_c_publish_writes_every_counter_as_python_does(deterministic: None,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """manager._publish is the C publish once attached: every counter the Python publish writes, the same bytes."""
+    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
+    m = small("fp-publish")
+    try:
+        held = m.alloc(BPP + 2)
+        assert held is not None
+        m.mark_cached(held[:3])
+
+        def python_publish() -> None:
+            raise AssertionError("the Python publish ran")
+
+        with m._lock:
+            for i, name in enumerate(("alloc_count", "free_count", "alloc_blocks", "free_blocks", "evicted_blocks",
+                                      "applied_revision", "trim_ack_seq", "trim_bytes", "trimmed_total",
+                                      "idle_returned", "requested_limit")):
+                setattr(m, name, 1000 + 7 * i)
+            m.limit_status, m.limit_pages = L.LIMIT_CONFLICT, 3
+            for closing in (True, False):
+                m._closed = closing
+                m._dirty.update(range(3))
+                m._publish_python = python_publish  # type: ignore[method-assign]
+                m._publish()
+                c_path = state(m)
+                c_snap = snapshot(m.name)
+                del m._publish_python
+                m._dirty.update(range(3))
+                m._publish_python()
+                assert state(m)[-4:-2] == c_path[-4:-2]  # the counters (but the clock) and the page map
+                clockless = {"updated_ns": 0, "idle_s": None}
+                assert snapshot(m.name).to_dict() | clockless == c_snap.to_dict() | clockless
+        assert (c_snap.blocks_cached, c_snap.limit_bytes, c_snap.trim_bytes, c_snap.status) == (
+            3, 3 * m.bundle_bytes, 1000 + 7 * 7, "live")
+    finally:
+        m._closed = False
+        m.close()
+
+
+def test_a_counter_the_c_publish_does_not_write_keeps_the_python_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fastpath, "C_COUNTERS", fastpath.C_COUNTERS - {"trim_bytes"})
+    monkeypatch.setenv("KVCACHED_FASTPATH", "auto")
+    with small("fp-unknown") as m:
+        assert m._fast is None and "trim_bytes" in m.fastpath_reason
+        assert m.alloc(3) is not None

@@ -36,7 +36,8 @@ static unsigned long long kvc_now(void) {
 static PyObject *S_nonempty, *S_pages_inuse, *S_blocks_used, *S_alloc_count, *S_alloc_blocks, *S_seq,
     *S_page_sum, *S_by_page, *S_free_count, *S_free_blocks, *S_blocks, *S_limit_pages, *S_limit_status,
     *S_max_reserved, *S_inflight, *S_closed, *S_map_error, *S_min_reserved, *S_refill_requested,
-    *S_refill_polling, *S_near;
+    *S_refill_polling, *S_near, *S_evicted_blocks, *S_applied_revision, *S_trim_ack_seq, *S_trim_bytes,
+    *S_requested_limit, *S_trimmed_total, *S_idle_returned;
 
 typedef struct {
     PyObject_HEAD
@@ -55,6 +56,9 @@ typedef struct {
     Py_ssize_t seq_off, counters_off, counters_len, checksum_off, page_map_off;
     Py_ssize_t o_inuse, o_reserved, o_blocks_used, o_mapped, o_alloc_count, o_alloc_blocks, o_updated, o_page_sum;
     Py_ssize_t o_free_count, o_free_blocks;
+    /* the counters only a full publish (manager._publish) writes */
+    Py_ssize_t o_cached, o_evicted, o_limit_status, o_closing, o_effective, o_applied, o_trim_ack, o_trim_bytes,
+        o_requested, o_trimmed, o_idle_returned, o_ranks_active;
     /* page-table integers, cached in C for the length of one call */
     long inuse, blocks_used;
     PyObject *nonempty;
@@ -459,12 +463,61 @@ static int place_affinity(FastPath *f, long n, long near, Ids *taken) {
 }
 
 static inline void put_u64(char *buf, Py_ssize_t off, uint64_t v) { memcpy(buf + off, &v, 8); }
+static inline void put_i32(char *buf, Py_ssize_t off, int32_t v) { memcpy(buf + off, &v, 4); }
 
-/* manager._publish for an alloc or a free: the touched pages' entries and the counters those
- * change (every other counter is as the last full publish left it); the operation's own two
- * counters (alloc_count/alloc_blocks or free_count/free_blocks) come as offset and value. */
+/* What a full publish (manager._publish) writes besides the page table's figures: the manager's
+ * counters, read before the seqlock opens, so that no Python runs inside its window. */
+typedef struct {
+    long long cached, alloc_count, free_count, alloc_blocks, free_blocks, evicted, limit_status, closing,
+        effective, applied, trim_ack, trim_bytes, requested, trimmed, idle_returned;
+} Full;
+
+static int read_full(FastPath *f, Full *c) {
+    struct { PyObject *name; long long *dst; } ints[] = {
+        {S_alloc_count, &c->alloc_count}, {S_free_count, &c->free_count}, {S_alloc_blocks, &c->alloc_blocks},
+        {S_free_blocks, &c->free_blocks}, {S_evicted_blocks, &c->evicted}, {S_limit_status, &c->limit_status},
+        {S_applied_revision, &c->applied}, {S_trim_ack_seq, &c->trim_ack}, {S_trim_bytes, &c->trim_bytes},
+        {S_requested_limit, &c->requested}, {S_trimmed_total, &c->trimmed}, {S_idle_returned, &c->idle_returned},
+    };
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
+        long v;
+        if (get_long_attr(f->mgr_d, ints[i].name, &v) < 0) return -1;
+        *ints[i].dst = v;
+    }
+    PyObject *blocks = PyObject_GetAttr(f->cache, S_blocks); /* len(manager.cache) is len(cache.blocks) */
+    if (!blocks) return -1;
+    Py_ssize_t cached = PyDict_Check(blocks) ? PyDict_GET_SIZE(blocks) : PyObject_Length(blocks);
+    Py_DECREF(blocks);
+    if (cached < 0) return -1;
+    c->cached = cached;
+    PyObject *closed = PyDict_GetItemWithError(f->mgr_d, S_closed), *limit;
+    if (!closed) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, S_closed);
+        return -1;
+    }
+    int truth = PyObject_IsTrue(closed);
+    if (truth < 0) return -1;
+    c->closing = truth;
+    if (!(limit = PyDict_GetItemWithError(f->mgr_d, S_limit_pages))) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, S_limit_pages);
+        return -1;
+    }
+    if (limit == Py_None) {
+        c->effective = -1;
+    } else {
+        long pages = PyLong_AsLong(limit);
+        if (pages == -1 && PyErr_Occurred()) return -1;
+        c->effective = pages * f->bundle_bytes;
+    }
+    return 0;
+}
+
+/* manager._publish: the touched pages' entries and the counters, under the seqlock. With ``full``
+ * (manager._publish itself) every counter; without (an alloc or a free) only those the operation
+ * changes, every other counter being as the last full publish left it: the operation's own two
+ * (alloc_count/alloc_blocks or free_count/free_blocks) come as offset and value. */
 static int publish(FastPath *f, Py_ssize_t off_count, long long count_value, Py_ssize_t off_blocks,
-                   long long blocks_value) {
+                   long long blocks_value, const Full *full) {
     Py_buffer b;
     PyObject *by_page = NULL, *it = NULL, *item;
     long seq0, page_sum0;
@@ -519,8 +572,27 @@ static int publish(FastPath *f, Py_ssize_t off_count, long long count_value, Py_
     put_u64(buf, f->o_reserved, (uint64_t)reserved);
     put_u64(buf, f->o_blocks_used, (uint64_t)f->blocks_used);
     put_u64(buf, f->o_mapped, (uint64_t)((f->inuse + reserved) * f->bundle_bytes));
-    put_u64(buf, off_count, (uint64_t)count_value);
-    put_u64(buf, off_blocks, (uint64_t)blocks_value);
+    if (full) {
+        put_u64(buf, f->o_cached, (uint64_t)full->cached);
+        put_u64(buf, f->o_alloc_count, (uint64_t)full->alloc_count);
+        put_u64(buf, f->o_free_count, (uint64_t)full->free_count);
+        put_u64(buf, f->o_alloc_blocks, (uint64_t)full->alloc_blocks);
+        put_u64(buf, f->o_free_blocks, (uint64_t)full->free_blocks);
+        put_u64(buf, f->o_evicted, (uint64_t)full->evicted);
+        put_i32(buf, f->o_limit_status, (int32_t)full->limit_status);
+        put_i32(buf, f->o_closing, (int32_t)full->closing);
+        put_u64(buf, f->o_effective, (uint64_t)full->effective);
+        put_u64(buf, f->o_applied, (uint64_t)full->applied);
+        put_u64(buf, f->o_trim_ack, (uint64_t)full->trim_ack);
+        put_u64(buf, f->o_trim_bytes, (uint64_t)full->trim_bytes);
+        put_u64(buf, f->o_requested, (uint64_t)full->requested);
+        put_u64(buf, f->o_trimmed, (uint64_t)full->trimmed);
+        put_u64(buf, f->o_idle_returned, (uint64_t)full->idle_returned);
+        put_u64(buf, f->o_ranks_active, 1); /* the C path serves single-rank allocators only */
+    } else {
+        put_u64(buf, off_count, (uint64_t)count_value);
+        put_u64(buf, off_blocks, (uint64_t)blocks_value);
+    }
     put_u64(buf, f->o_updated, (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec);
     put_u64(buf, f->o_page_sum, (uint64_t)page_sum);
     seq += 1;
@@ -589,7 +661,7 @@ static PyObject *FastPath_alloc(FastPath *f, PyObject *const *args, Py_ssize_t n
     if (set_long_attr(f->mgr_d, S_alloc_count, count + 1) < 0 || set_long_attr(f->mgr_d, S_alloc_blocks, blocks + n) < 0)
         goto fail;
     STAMP(5);
-    if (publish(f, f->o_alloc_count, count + 1, f->o_alloc_blocks, blocks + n) < 0) goto fail;
+    if (publish(f, f->o_alloc_count, count + 1, f->o_alloc_blocks, blocks + n, NULL) < 0) goto fail;
     STAMP(9);
     ids_free(&taken);
     return list;
@@ -810,10 +882,22 @@ static PyObject *FastPath_free(FastPath *f, PyObject *ids) {
         return NULL;
     if (slow_publish) {
         if (call0(f->publish_all) < 0) return NULL;
-    } else if (publish(f, f->o_free_count, count + 1, f->o_free_blocks, blocks + n) < 0) {
+    } else if (publish(f, f->o_free_count, count + 1, f->o_free_blocks, blocks + n, NULL) < 0) {
         return NULL;
     }
     Py_RETURN_TRUE;
+}
+
+/* publish() -> None: all of manager._publish for a single-rank allocator (the caller holds its lock).
+ * The manager calls this instead of its Python publish once the C path is attached: the same bytes
+ * (tests/test_fastpath.py), without the interpreter inside the seqlock window. */
+static PyObject *FastPath_publish(FastPath *f, PyObject *Py_UNUSED(unused)) {
+    Full full;
+    if (get_long_attr(f->pages_d, S_pages_inuse, &f->inuse) < 0 || get_long_attr(f->pages_d, S_blocks_used, &f->blocks_used) < 0 ||
+        read_full(f, &full) < 0)
+        return NULL;
+    if (publish(f, 0, 0, 0, 0, &full) < 0) return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *attr(PyObject *obj, const char *name) { return PyObject_GetAttrString(obj, name); }
@@ -897,6 +981,10 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
         {"alloc_count", &f->o_alloc_count}, {"alloc_blocks", &f->o_alloc_blocks}, {"updated_ns", &f->o_updated},
         {"free_count", &f->o_free_count}, {"free_blocks", &f->o_free_blocks},
         {"page_sum", &f->o_page_sum}, {"cached_shift", NULL}, {"page_mapped", NULL}, {"bundle_bytes", NULL},
+        {"blocks_cached", &f->o_cached}, {"evicted_blocks", &f->o_evicted}, {"limit_status", &f->o_limit_status},
+        {"closing", &f->o_closing}, {"effective_limit", &f->o_effective}, {"applied_revision", &f->o_applied},
+        {"trim_ack_seq", &f->o_trim_ack}, {"trim_bytes", &f->o_trim_bytes}, {"requested_limit", &f->o_requested},
+        {"trimmed_total", &f->o_trimmed}, {"idle_returned", &f->o_idle_returned}, {"ranks_active", &f->o_ranks_active},
     };
     for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
         PyObject *o = PyDict_GetItemString(offsets, fields[i].key);
@@ -910,6 +998,12 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
         else if (!strcmp(fields[i].key, "cached_shift")) f->cached_shift = (int)x;
         else if (!strcmp(fields[i].key, "page_mapped")) f->page_mapped = (unsigned long)x;
         else f->bundle_bytes = x;
+    }
+    /* limit_status and closing are the counters' two 32-bit words (layout.COUNTERS: "ii"); the rest are 64-bit */
+    if (f->o_closing != f->o_limit_status + 4 || f->o_effective != f->o_closing + 4) {
+        PyErr_SetString(PyExc_ValueError, "the counters' layout changed: limit_status and closing are no longer "
+                                          "two adjacent 32-bit words; update fastpath.c");
+        return -1;
     }
     return 0;
 }
@@ -987,6 +1081,7 @@ static void FastPath_dealloc(FastPath *f) {
 
 static PyMethodDef FastPath_methods[] = {
     {"free", (PyCFunction)FastPath_free, METH_O, "free(ids) -> True when done, False when Python must do it"},
+    {"publish", (PyCFunction)FastPath_publish, METH_NOARGS, "publish() -> None: manager._publish, every counter"},
     {"alloc", (PyCFunction)(void (*)(void))FastPath_alloc, METH_FASTCALL, "alloc(n, near) -> block ids, or None when pages ran out"},
     {"manager_alloc", (PyCFunction)(void (*)(void))FastPath_manager_alloc, METH_FASTCALL | METH_KEYWORDS,
      "manager_alloc($self, n, *, near=None)\n--\n\nKVCacheManager.alloc, lock and all: ``n`` block ids, or None"},
@@ -1053,6 +1148,13 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     S_refill_requested = PyUnicode_InternFromString("_refill_requested");
     S_refill_polling = PyUnicode_InternFromString("_refill_polling");
     S_near = PyUnicode_InternFromString("near");
+    S_evicted_blocks = PyUnicode_InternFromString("evicted_blocks");
+    S_applied_revision = PyUnicode_InternFromString("applied_revision");
+    S_trim_ack_seq = PyUnicode_InternFromString("trim_ack_seq");
+    S_trim_bytes = PyUnicode_InternFromString("trim_bytes");
+    S_requested_limit = PyUnicode_InternFromString("requested_limit");
+    S_trimmed_total = PyUnicode_InternFromString("trimmed_total");
+    S_idle_returned = PyUnicode_InternFromString("idle_returned");
     if (PyType_Ready(&FastPathType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

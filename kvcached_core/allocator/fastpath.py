@@ -6,7 +6,9 @@ rows measure both paths; BENCHMARKS.md has the figures). The C version walks the
 objects and writes the same segment bytes, so the Python code stays the reference and the two
 may interleave freely (tests/test_fastpath.py compares them block for block, byte for byte).
 ``free`` likewise; what it triggers beyond the page table (a prefix-cache removal, an unmap, a
-limit's status) it asks of the manager's own Python methods.
+limit's status) it asks of the manager's own Python methods. ``publish`` is all of the manager's
+publish (``KVCacheManager._publish`` calls it once attached): every counter, the same bytes as
+``_publish_python``, without the interpreter inside the seqlock window.
 
 ``KVCACHED_FASTPATH``: ``auto`` (default: use it when it was built, else say once why not and stay
 in Python), ``0`` (never), ``1`` (always: the allocator fails to start without it). It serves the ``affinity`` and ``best-fit``
@@ -25,6 +27,14 @@ from ..config import ConfigError, tristate_env
 from ..segment import layout as L
 
 FASTPATH_ENV = native.PARTS["fastpath"].env
+# The counters fastpath.c's full publish writes (read_full, publish). A counter added to layout.COUNTER_FIELDS
+# but not written there keeps allocators on the Python path (and fails tests/test_fastpath.py) until it is.
+C_COUNTERS = frozenset((
+    "pages_inuse", "pages_reserved", "blocks_used", "blocks_cached", "mapped_bytes", "alloc_count", "free_count",
+    "alloc_blocks", "free_blocks", "evicted_blocks", "updated_ns", "limit_status", "closing", "effective_limit",
+    "applied_revision", "trim_ack_seq", "trim_bytes", "requested_limit", "trimmed_total", "idle_returned",
+    "ranks_active", "page_sum",
+))
 
 
 def mode_from_env() -> str:
@@ -65,6 +75,9 @@ def attach(manager: Any, policy: Any, mode: str | None = None) -> tuple[Any | No
         return None, f"policy {policy.name!r} runs in Python"
     if manager.tp_world > 1:
         return None, "tensor parallelism publishes per-rank records: Python path"
+    unknown = [name for name in L.COUNTER_FIELDS if name not in C_COUNTERS]
+    if unknown:
+        return None, f"the C publish does not write counter(s) {', '.join(unknown)} (fastpath.c): Python path"
     require(mode)
     module, why = load()
     if module is None:

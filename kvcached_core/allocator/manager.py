@@ -9,6 +9,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from numbers import Integral
+from typing import Any
 
 from .. import config
 from ..backends import Backend, BackendError, Geometry, make_backend
@@ -172,6 +173,7 @@ class KVCacheManager:
         self._compact_handler: CompactHandler | None = None  # the engine's copy (see compact)
         self._evict_handler: EvictHandler | None = None  # see set_evict_handler
         self.compaction = CompactStats()  # the segment's COMPACT words
+        self._fast: Any = None  # the C path, attached below (fastpath.attach): it publishes too
         self._publish()
         self.segment.publish_compaction(self.compaction.values())
         try:
@@ -775,6 +777,20 @@ class KVCacheManager:
             self.limit_status = L.LIMIT_APPLIED
 
     def _publish(self) -> None:
+        """Publish the state under the seqlock: the pages changed since the last publish, every counter.
+
+        With the C path attached, its ``publish`` (fastpath.c) writes the same bytes
+        (tests/test_fastpath.py compares them) without the interpreter inside the seqlock window:
+        on a busy host that window is what a preemption lands in (the publish's p99.9,
+        benchmarks/publish.py). :meth:`_publish_python` is the reference, and the path without C.
+        """
+        fast = self._fast
+        if fast is not None:
+            fast.publish()
+        else:
+            self._publish_python()
+
+    def _publish_python(self) -> None:
         seg, pages, cached_by_page = self.segment, self.pages, self.cache.by_page
         seg.begin()
         dirty = self._dirty

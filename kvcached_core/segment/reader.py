@@ -408,9 +408,10 @@ def _compaction(body: bytes) -> CompactInfo:
 
 def _traffic(body: bytes, now_ns: int) -> Traffic | None:
     """The engine's traffic words, or None when it publishes none."""
-    values = dict(zip(L.TRAFFIC_FIELDS, L.TRAFFIC.unpack_from(body, L.TRAFFIC_OFF), strict=True))
-    if not values.pop("published"):
+    if not L.U64.unpack_from(body, L.TRAFFIC_OFF)[0]:  # published: 0 until an engine writes them
         return None
+    values = dict(zip(L.TRAFFIC_FIELDS, L.TRAFFIC.unpack_from(body, L.TRAFFIC_OFF), strict=True))
+    del values["published"]
     return Traffic(**values, read_ns=now_ns)
 
 
@@ -507,7 +508,7 @@ def scan(*, with_pages: bool = False, directory: Path | None = None) -> Scan:
                         file.close()
             elif not filename.startswith(".") and ((named := is_legacy_name(filename)) or _legacy_sized(path)):
                 try:
-                    models.append(read_legacy(Path(path), named=named, judge=judge))
+                    models.append(_printable(read_legacy(Path(path), named=named, judge=judge)))
                 except FileNotFoundError:
                     continue
                 except BlockingIOError as exc:
@@ -520,7 +521,8 @@ def scan(*, with_pages: bool = False, directory: Path | None = None) -> Scan:
         _close_all(kept)  # files the directory no longer lists
         _KEPT.give(where, keep)
     models.sort(key=lambda m: m.name)
-    return Scan(tuple(_printable(m) for m in models), tuple(_printable_problem(p) for p in problems))
+    # Our segments' strings are printable already (layout.decode_text; a file name that is not fails the name check)
+    return Scan(tuple(models), tuple(_printable_problem(p) for p in problems))
 
 
 def _printable(m: ModelSnapshot) -> ModelSnapshot:

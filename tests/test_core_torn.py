@@ -188,3 +188,30 @@ def test_a_writer_that_died_mid_publish_leaks_none_of_its_half_written_numbers(q
     assert snap.status == "stale"
     assert (snap.blocks_used, snap.blocks_cached, snap.pages_inuse, snap.mapped_bytes) == (0, 0, 0, 0)
     assert not any(snap.page_entries())
+
+
+def test_failed_copies_while_the_writer_moves_are_not_called_corrupt(quiet_segment, tmp_path, monkeypatch):
+    """A copy made while the writer publishes can fail its checksum although the sequence matched around
+    it (the kernel may load the bytes out of order); only failures at one unchanging sequence make a
+    file corrupt. Here the sequence moves between every two copies, as a busy writer's does."""
+    import os
+
+    from kvcached_core.segment import reader
+
+    raw = _counter_flipped(bytearray(quiet_segment[0]), bytearray())
+    path = write_copy(tmp_path / "moving", raw)
+    fd = os.open(path, os.O_RDWR)
+
+    def writer_publishes(attempt: int) -> None:  # between two copies, the writer finishes a publish
+        seq = L.U64.unpack_from(os.pread(fd, 8, L.SEQ_OFF))[0]
+        os.pwrite(fd, L.U64.pack(seq + 2), L.SEQ_OFF)
+
+    monkeypatch.setattr(reader, "_backoff", writer_publishes)
+    try:
+        with pytest.raises(BlockingIOError, match="very busy"):
+            read_segment(path, with_pages=True)
+    finally:
+        os.close(fd)
+    monkeypatch.undo()  # the writer stops: the same bytes at one sequence are corrupt
+    with pytest.raises(SegmentCorrupt, match="quiet segment"):
+        read_segment(path, with_pages=True)

@@ -151,7 +151,7 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool,
     size = L.total_size(pages_total, header["ranks_max"])
     end = size if with_pages else L.PAGE_MAP_OFF
     seqs_seen: set[int] = set()
-    quiet_failures = 0
+    quiet_failures, failed_seq = 0, -1
     for attempt in range(READ_RETRIES):
         raw = os.pread(fd, end, 0)
         if len(raw) < end:
@@ -190,7 +190,11 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool,
             if page_sum(header["name"], map_raw, pages) != counters["page_sum"]:
                 counters = None
         if counters is None:
-            quiet_failures += 1  # the writer did not move: the file really holds this
+            # Failed copies at one and the same sequence: the writer did not move, the file really holds
+            # this. A copy made while it moved can fail although its sequence matched around it (the
+            # kernel's copy may load the bytes out of order), so a new sequence starts the count again.
+            quiet_failures = quiet_failures + 1 if seq == failed_seq else 1
+            failed_seq = seq
             if quiet_failures >= QUIET_FAILURES:
                 raise SegmentCorrupt("checksum mismatch in a quiet segment")
             _backoff(attempt)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,3 +38,30 @@ def test_every_engine_of_both_configurations_shares_one_kept_vllm_cache(tmp_path
     roots = {multimodel.engine_env(tmp_path / config, config == "elastic", core, 1 << 26)["VLLM_CACHE_ROOT"]
              for config in ("static", "elastic") for core in (0, 1)}
     assert roots == {str(tmp_path / "cache" / "kvcached" / "multimodel-vllm")}
+
+
+def test_vllm_model_inspection_is_cached_once_ahead_of_the_engines(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process fills vLLM's own inspection cache, which vLLM then takes as valid (no engine inspects)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert not multimodel.model_info_cached()
+    proc = multimodel.warm_model_info()
+    assert proc is not None
+    multimodel.wait_warm(proc)
+    assert proc.returncode == 0
+    assert multimodel.model_info_cached()
+    assert multimodel.warm_model_info() is None  # a second run starts no process
+    monkeypatch.setenv("VLLM_CACHE_ROOT", multimodel.engine_env(tmp_path, False, 0, 0)["VLLM_CACHE_ROOT"])
+    from vllm.model_executor.models import registry
+
+    lazy = registry.ModelRegistry.models[multimodel.ARCH]
+    model_file = Path(registry.__file__).parent / f"{lazy.module_name.split('.')[-1]}.py"
+    info = lazy._load_modelinfo_from_cache(lazy._get_modelinfo_module_hash(model_file))
+    assert info is not None and info.architecture == multimodel.ARCH and info.is_text_generation_model
+
+
+def test_a_failed_warm_up_costs_one_stderr_line(capsys: pytest.CaptureFixture[str]) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit('no vllm here')"], stderr=subprocess.PIPE)
+    multimodel.wait_warm(proc)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no vllm here" in err and "each engine inspects the model itself" in err

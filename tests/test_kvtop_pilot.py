@@ -35,7 +35,8 @@ async def until(pilot: Pilot, condition: Callable[[], object], what: str, timeou
         if condition():
             return
         await pilot.pause(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    log = "\n".join(line for line in pilot.app.event_log.lines_text) if hasattr(pilot.app, "event_log") else ""
+    raise AssertionError(f"timed out waiting for {what}; the event log:\n{log}")
 
 
 def log_has(app: KvtopApp, text: str) -> bool:

@@ -215,3 +215,18 @@ def test_failed_copies_while_the_writer_moves_are_not_called_corrupt(quiet_segme
     monkeypatch.undo()  # the writer stops: the same bytes at one sequence are corrupt
     with pytest.raises(SegmentCorrupt, match="quiet segment"):
         read_segment(path, with_pages=True)
+
+
+def test_a_model_too_busy_to_read_is_not_reported_missing_to_a_controller(quiet_segment, tmp_path, monkeypatch):
+    """A limit for a model whose writer is mid-publish (alive) waits for it, then says it is busy;
+    it used to say there was no such model."""
+    from kvcached_core.control.requests import ControlError
+
+    stuck = _odd_sequence(bytearray(quiet_segment[0]), bytearray())  # its writer (this process) lives
+    directory = tmp_path / "stuck"
+    write_copy(directory, stuck)
+    monkeypatch.setenv("KVCACHED_SHM_DIR", str(directory))
+    with pytest.raises(ControlError, match="too busy to read right now"):
+        kc.request_limit("copy", 4 * 65536, wait=1)
+    with pytest.raises(kc.ModelNotFound, match="no model named 'other'"):
+        kc.request_limit("other", 4 * 65536, wait=1)

@@ -19,7 +19,8 @@ from ..allocator.poller import poke
 from ..config import ConfigError, host_capacity_bytes
 from ..interop.legacy import flock_within, limit_refusal, percent_base, write_legacy_limit
 from ..segment import layout as L
-from ..segment.reader import list_models, read_segment, resolve
+from ..segment.names import SEGMENT_PREFIX
+from ..segment.reader import ModelNotFound, read_segment, resolve, scan
 from ..segment.snapshot import ModelSnapshot
 
 POLL_S = 0.002
@@ -120,10 +121,28 @@ def bump_sequence(path: Path, offset: int) -> int:
     return write_request(path, write)
 
 
+BUSY_RETRIES = 5  # scans (each retries its copy for ~0.4 s), while the named model's writer is too busy to read
+
+
 def _target(name_or_snapshot: str | ModelSnapshot) -> ModelSnapshot:
+    """The model to ask: a busy writer (no consistent copy in one read) is looked at again, not
+    reported as missing; still busy after about 2 s, it is a :class:`ControlError` that says so."""
     if isinstance(name_or_snapshot, ModelSnapshot):
         return name_or_snapshot
-    return resolve(name_or_snapshot, list_models())
+    attempt = 0
+    while True:
+        found = scan()
+        try:
+            return resolve(name_or_snapshot, list(found.models))
+        except ModelNotFound:
+            busy = [p for p in found.problems if p.status == "busy" and Path(p.path).name == SEGMENT_PREFIX + name_or_snapshot]
+            attempt += 1
+            if not busy:
+                raise
+            if attempt == BUSY_RETRIES:
+                raise ControlError(f"{name_or_snapshot} is too busy to read right now ({busy[0].reason}); "
+                                   "try again") from None
+        time.sleep(0.05)
 
 
 def _wait(model: ModelSnapshot, done, wait: float, kind: str, pending: Ack, started: float) -> Ack:

@@ -292,7 +292,7 @@ def wait_ready(engines: list[Engine]) -> dict[str, float]:
     try:
         while len(ready) < len(engines):
             for eng in engines:
-                key = f"{eng.log.stem}"
+                key = eng.log.stem
                 if key in ready:
                     continue
                 if eng.proc.poll() is not None:
@@ -304,7 +304,7 @@ def wait_ready(engines: list[Engine]) -> dict[str, float]:
                     eng.get("/v1/models", timeout=5)
                     ready[key] = round(time.monotonic() - started, 1)
                 except OSError:
-                    pass
+                    continue  # not answering yet: look at the next engine
             if len(ready) < len(engines):
                 time.sleep(0.5)
     except BaseException:

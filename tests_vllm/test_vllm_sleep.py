@@ -72,11 +72,20 @@ def test_requests_before_during_and_after_a_sleep_match_plain_vllm(
     with ThreadPoolExecutor(max_workers=8) as pool:
         # Long requests run while the sleep is asked for: they finish first (draining).
         running = [pool.submit(server.complete, p, RUNNING_TOKENS) for p in LONG[:4]]
-        wait_for(lambda: model(ctl_env).blocks_used >= 8)
+        # All four scheduled (blocks_used alone is no sign: an earlier test's cached blocks count there).
+        wait_for(lambda: (t := model(ctl_env).traffic) is not None and t.running == 4, every=0.005)
+        asked_at = time.monotonic()
         asked = json.loads(kvctl("sleep", NAME, "--json", env=ctl_env).stdout)
         assert asked["state"] == "draining", asked
         # Requests sent while it drains wait in vLLM's queue: none rejected, none scheduled.
         during = [pool.submit(server.complete, p, BASELINE_TOKENS) for p in SHORT[2:4]]
+        # They reach vLLM's queue while it drains (or is asleep by then); one that came after the drain
+        # ended would rightly wake the model, and this test would prove nothing: say so.
+        queued = wait_for(lambda: (m := model(ctl_env)).traffic is not None
+                          and (m.traffic.waiting == 2 or m.sleep.state == "awake") and m, every=0.005)
+        assert queued.sleep.state != "awake" and queued.traffic is not None and queued.traffic.waiting == 2, (
+            f"the drain ended before the requests sent during it arrived ({time.monotonic() - asked_at:.2f} s "
+            f"after the sleep was asked; running requests done: {[f.done() for f in running]})")
         asleep = wait_for(lambda: (m := model(ctl_env, pages=True)).sleep.state == "asleep" and m)
         got_running = [f.result(timeout=120) for f in running]  # they finished: the sleep waited for them
         assert asleep.sleep.slept_bytes > 0

@@ -365,3 +365,34 @@ def test_a_counter_the_c_publish_does_not_write_keeps_the_python_path(monkeypatc
     with small("fp-unknown") as m:
         assert m._fast is None and "trim_bytes" in m.fastpath_reason
         assert m.alloc(3) is not None
+
+
+@needs_build
+def test_the_binding_names_every_role_c_needs_and_each_exists_on_a_live_allocator(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """fastpath.BINDING is the whole contract between fastpath.c and the Python objects: a role C needs and the
+    table lacks, or an attribute renamed in Python but not there, fails here rather than inside an alloc."""
+    assert MODULE is not None
+    assert set(fastpath.BINDING) == set(MODULE.FIELD_ROLES) | set(MODULE.OBJECT_ROLES)
+    assert {r for r, (_o, _a, how) in fastpath.BINDING.items() if how == "field"} == set(MODULE.FIELD_ROLES)
+    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
+    with small("fp-binding") as m:
+        owners = {"manager": m, "pages": m.pages, "cache": m.cache, "segment": m.segment}
+        for role, (owner, attr, how) in fastpath.BINDING.items():
+            if how == "field":  # read through the owner's __dict__: a property or a slot would not do
+                assert attr in vars(owners[owner]), f"{role}: {owner}.{attr} is not an instance attribute"
+            else:
+                assert hasattr(owners[owner], attr), f"{role}: {owner} has no {attr}"
+
+
+@needs_build
+def test_a_binding_without_a_role_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert MODULE is not None
+    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
+    with small("fp-unbound") as m:
+        names = {role: attr for role, (_o, attr, _h) in fastpath.BINDING.items()}
+        for role in ("seq", "release_blocks"):  # a field and an object
+            partial = {k: v for k, v in names.items() if k != role}
+            with pytest.raises(KeyError, match=f"no attribute for {role} "):
+                MODULE.FastPath(m, False, 0.0, fastpath._offsets(m.bundle_bytes), partial)
+        assert m.alloc(3) is not None  # the allocator's own binding is untouched

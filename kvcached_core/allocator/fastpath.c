@@ -3,7 +3,8 @@
  * It mirrors kvcached_core/allocator/placement.py (Policy.place, Affinity.place), pages.py (take_blocks,
  * best_fit, emptiest, free_blocks) and manager.py (free, _release_blocks, _publish) step for step, on the very same Python objects
  * (the page table's lists and sets, the segment's mapping), so the Python code stays the one
- * source of truth and either path may run at any time. tests/test_fastpath.py checks that both
+ * source of truth and either path may run at any time. Which attributes it works on is fastpath.py's
+ * BINDING, passed in as ``names``: FIELD_ROLES and OBJECT_ROLES below list the roles it needs. tests/test_fastpath.py checks that both
  * produce the same blocks and the same segment bytes. The interpreter's dispatch is what this
  * removes (benchmarks/probes/tight_alloc.py compares the two paths).
  *
@@ -33,16 +34,55 @@ static unsigned long long kvc_now(void) {
 #define STAMP(i) ((void)0)
 #endif
 
-static PyObject *S_nonempty, *S_pages_inuse, *S_blocks_used, *S_alloc_count, *S_alloc_blocks, *S_seq,
-    *S_page_sum, *S_by_page, *S_free_count, *S_free_blocks, *S_blocks, *S_limit_pages, *S_limit_status,
-    *S_max_reserved, *S_inflight, *S_closed, *S_map_error, *S_min_reserved, *S_refill_requested,
-    *S_refill_polling, *S_near, *S_evicted_blocks, *S_applied_revision, *S_trim_ack_seq, *S_trim_bytes,
-    *S_requested_limit, *S_trimmed_total, *S_idle_returned;
+/* The attributes C reads and writes through an owner's __dict__, by role. Which attribute of which
+ * object plays each role is fastpath.py's BINDING, handed to FastPath() as ``names``: this file names
+ * no Python attribute itself. */
+#define FIELD_ROLES(X) \
+    X(nonempty) \
+    X(pages_inuse) \
+    X(blocks_used) \
+    X(alloc_count) \
+    X(alloc_blocks) \
+    X(seq) \
+    X(page_sum) \
+    X(by_page) \
+    X(free_count) \
+    X(free_blocks) \
+    X(blocks) \
+    X(limit_pages) \
+    X(limit_status) \
+    X(max_reserved) \
+    X(inflight) \
+    X(closed) \
+    X(map_error) \
+    X(min_reserved) \
+    X(refill_requested) \
+    X(refill_polling) \
+    X(evicted_blocks) \
+    X(applied_revision) \
+    X(trim_ack_seq) \
+    X(trim_bytes) \
+    X(requested_limit) \
+    X(trimmed_total) \
+    X(idle_returned)
+#define ROLE_ENUM(r) R_##r,
+#define ROLE_NAME(r) #r,
+enum { FIELD_ROLES(ROLE_ENUM) N_FIELDS };
+static const char *const FIELD_ROLE_NAMES[N_FIELDS] = {FIELD_ROLES(ROLE_NAME)};
+/* The objects FastPath() fetches once by role (role_attr): containers worked in place, methods called. */
+#define OBJECT_ROLES(X) \
+    X(pages) X(cache) X(segment) X(buf) X(used) X(cap) X(slots) X(partial) X(reserved) X(block_used) \
+    X(touched) X(mapped) X(bpp) X(remove) X(empty_page) X(release_blocks) X(pool_overflow) \
+    X(update_limit_status) X(publish) X(alloc_missed) X(lock) X(refill_wanted)
+static const char *const OBJECT_ROLE_NAMES[] = {OBJECT_ROLES(ROLE_NAME)};
+
+static PyObject *S_near; /* alloc()'s keyword argument */
 
 typedef struct {
     PyObject_HEAD
     PyObject *mgr, *pages, *cache, *seg, *view;       /* owners */
     PyObject *mgr_d, *pages_d, *seg_d;                 /* their __dict__s */
+    PyObject *n[N_FIELDS];                             /* the attribute names of FIELD_ROLES, from BINDING */
     PyObject *used, *cap, *slots, *partial, *reserved, *block_used, *touched, *mapped;
     PyObject *empty_page, *release_blocks;             /* bound methods of the manager */
     PyObject *pool_overflow, *update_limit, *publish_all, *cache_remove;
@@ -53,6 +93,7 @@ typedef struct {
     long long bundle_bytes;
     unsigned long page_mapped;
     int cached_shift;
+    long limit_deferred; /* layout.LIMIT_DEFERRED */
     Py_ssize_t seq_off, counters_off, counters_len, checksum_off, page_map_off;
     Py_ssize_t o_inuse, o_reserved, o_blocks_used, o_mapped, o_alloc_count, o_alloc_blocks, o_updated, o_page_sum;
     Py_ssize_t o_free_count, o_free_blocks;
@@ -197,11 +238,11 @@ static int set_long_attr(PyObject *dict, PyObject *name, long long v) {
 
 /* -- the page table's integers: loaded at the start of a call, stored before any Python callback -- */
 static int load_state(FastPath *f) {
-    if (get_long_attr(f->pages_d, S_pages_inuse, &f->inuse) < 0) return -1;
-    if (get_long_attr(f->pages_d, S_blocks_used, &f->blocks_used) < 0) return -1;
-    PyObject *nonempty = PyDict_GetItemWithError(f->pages_d, S_nonempty);
+    if (get_long_attr(f->pages_d, f->n[R_pages_inuse], &f->inuse) < 0) return -1;
+    if (get_long_attr(f->pages_d, f->n[R_blocks_used], &f->blocks_used) < 0) return -1;
+    PyObject *nonempty = PyDict_GetItemWithError(f->pages_d, f->n[R_nonempty]);
     if (!nonempty) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, S_nonempty);
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, f->n[R_nonempty]);
         return -1;
     }
     Py_XSETREF(f->nonempty, Py_NewRef(nonempty));
@@ -215,15 +256,15 @@ static int load_state(FastPath *f) {
 }
 
 static int store_state(FastPath *f) {
-    if (set_long_attr(f->pages_d, S_pages_inuse, f->inuse) < 0) return -1;
-    if (set_long_attr(f->pages_d, S_blocks_used, f->blocks_used) < 0) return -1;
+    if (set_long_attr(f->pages_d, f->n[R_pages_inuse], f->inuse) < 0) return -1;
+    if (set_long_attr(f->pages_d, f->n[R_blocks_used], f->blocks_used) < 0) return -1;
     if (f->bits_c && f->bits != f->bits_loaded) {
         PyObject *o = PyLong_FromUnsignedLongLong(f->bits);
         if (!o) return -1;
         Py_SETREF(f->nonempty, o);
         f->bits_loaded = f->bits;
     }
-    return PyDict_SetItem(f->pages_d, S_nonempty, f->nonempty);
+    return PyDict_SetItem(f->pages_d, f->n[R_nonempty], f->nonempty);
 }
 
 /* nonempty |= 1 << bit (set) or nonempty &= ~(1 << bit) (clear), as PageTable._list / _unlist */
@@ -474,32 +515,32 @@ typedef struct {
 
 static int read_full(FastPath *f, Full *c) {
     struct { PyObject *name; long long *dst; } ints[] = {
-        {S_alloc_count, &c->alloc_count}, {S_free_count, &c->free_count}, {S_alloc_blocks, &c->alloc_blocks},
-        {S_free_blocks, &c->free_blocks}, {S_evicted_blocks, &c->evicted}, {S_limit_status, &c->limit_status},
-        {S_applied_revision, &c->applied}, {S_trim_ack_seq, &c->trim_ack}, {S_trim_bytes, &c->trim_bytes},
-        {S_requested_limit, &c->requested}, {S_trimmed_total, &c->trimmed}, {S_idle_returned, &c->idle_returned},
+        {f->n[R_alloc_count], &c->alloc_count}, {f->n[R_free_count], &c->free_count}, {f->n[R_alloc_blocks], &c->alloc_blocks},
+        {f->n[R_free_blocks], &c->free_blocks}, {f->n[R_evicted_blocks], &c->evicted}, {f->n[R_limit_status], &c->limit_status},
+        {f->n[R_applied_revision], &c->applied}, {f->n[R_trim_ack_seq], &c->trim_ack}, {f->n[R_trim_bytes], &c->trim_bytes},
+        {f->n[R_requested_limit], &c->requested}, {f->n[R_trimmed_total], &c->trimmed}, {f->n[R_idle_returned], &c->idle_returned},
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
         long v;
         if (get_long_attr(f->mgr_d, ints[i].name, &v) < 0) return -1;
         *ints[i].dst = v;
     }
-    PyObject *blocks = PyObject_GetAttr(f->cache, S_blocks); /* len(manager.cache) is len(cache.blocks) */
+    PyObject *blocks = PyObject_GetAttr(f->cache, f->n[R_blocks]); /* len(manager.cache) is len(cache.blocks) */
     if (!blocks) return -1;
     Py_ssize_t cached = PyDict_Check(blocks) ? PyDict_GET_SIZE(blocks) : PyObject_Length(blocks);
     Py_DECREF(blocks);
     if (cached < 0) return -1;
     c->cached = cached;
-    PyObject *closed = PyDict_GetItemWithError(f->mgr_d, S_closed), *limit;
+    PyObject *closed = PyDict_GetItemWithError(f->mgr_d, f->n[R_closed]), *limit;
     if (!closed) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, S_closed);
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, f->n[R_closed]);
         return -1;
     }
     int truth = PyObject_IsTrue(closed);
     if (truth < 0) return -1;
     c->closing = truth;
-    if (!(limit = PyDict_GetItemWithError(f->mgr_d, S_limit_pages))) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, S_limit_pages);
+    if (!(limit = PyDict_GetItemWithError(f->mgr_d, f->n[R_limit_pages]))) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, f->n[R_limit_pages]);
         return -1;
     }
     if (limit == Py_None) {
@@ -521,8 +562,8 @@ static int publish(FastPath *f, Py_ssize_t off_count, long long count_value, Py_
     Py_buffer b;
     PyObject *by_page = NULL, *it = NULL, *item;
     long seq0, page_sum0;
-    if (get_long_attr(f->seg_d, S_seq, &seq0) < 0 || get_long_attr(f->seg_d, S_page_sum, &page_sum0) < 0) return -1;
-    by_page = PyObject_GetAttr(f->cache, S_by_page);
+    if (get_long_attr(f->seg_d, f->n[R_seq], &seq0) < 0 || get_long_attr(f->seg_d, f->n[R_page_sum], &page_sum0) < 0) return -1;
+    by_page = PyObject_GetAttr(f->cache, f->n[R_by_page]);
     if (!by_page) return -1;
     if (PyObject_GetBuffer(f->view, &b, PyBUF_WRITABLE) < 0) {
         Py_DECREF(by_page);
@@ -603,8 +644,8 @@ static int publish(FastPath *f, Py_ssize_t off_count, long long count_value, Py_
     put_u64(buf, f->seq_off, seq);
     PyBuffer_Release(&b);
     Py_DECREF(by_page);
-    if (set_long_attr(f->seg_d, S_seq, (long long)seq) < 0) return -1;
-    return set_long_attr(f->seg_d, S_page_sum, page_sum);
+    if (set_long_attr(f->seg_d, f->n[R_seq], (long long)seq) < 0) return -1;
+    return set_long_attr(f->seg_d, f->n[R_page_sum], page_sum);
 fail:
     Py_XDECREF(it);
     PyBuffer_Release(&b);
@@ -656,9 +697,9 @@ static PyObject *FastPath_alloc(FastPath *f, PyObject *const *args, Py_ssize_t n
         Py_RETURN_NONE;
     }
     long count, blocks;
-    if (get_long_attr(f->mgr_d, S_alloc_count, &count) < 0 || get_long_attr(f->mgr_d, S_alloc_blocks, &blocks) < 0)
+    if (get_long_attr(f->mgr_d, f->n[R_alloc_count], &count) < 0 || get_long_attr(f->mgr_d, f->n[R_alloc_blocks], &blocks) < 0)
         goto fail;
-    if (set_long_attr(f->mgr_d, S_alloc_count, count + 1) < 0 || set_long_attr(f->mgr_d, S_alloc_blocks, blocks + n) < 0)
+    if (set_long_attr(f->mgr_d, f->n[R_alloc_count], count + 1) < 0 || set_long_attr(f->mgr_d, f->n[R_alloc_blocks], blocks + n) < 0)
         goto fail;
     STAMP(5);
     if (publish(f, f->o_alloc_count, count + 1, f->o_alloc_blocks, blocks + n, NULL) < 0) goto fail;
@@ -691,11 +732,11 @@ static PyObject *unlock(FastPath *f, PyObject *result) {
 /* Ask the refill thread for pages when the pool ran low (the tail of KVCacheManager.alloc). */
 static int request_refill(FastPath *f) {
     long inflight, min_reserved;
-    if (get_long_attr(f->pages_d, S_inflight, &inflight) < 0 || get_long_attr(f->mgr_d, S_min_reserved, &min_reserved) < 0)
+    if (get_long_attr(f->pages_d, f->n[R_inflight], &inflight) < 0 || get_long_attr(f->mgr_d, f->n[R_min_reserved], &min_reserved) < 0)
         return -1;
     if (PyList_GET_SIZE(f->reserved) + inflight >= min_reserved) return 0;
-    if (PyDict_SetItem(f->mgr_d, S_refill_requested, Py_True) < 0) return -1;
-    PyObject *polling = PyDict_GetItemWithError(f->mgr_d, S_refill_polling);
+    if (PyDict_SetItem(f->mgr_d, f->n[R_refill_requested], Py_True) < 0) return -1;
+    PyObject *polling = PyDict_GetItemWithError(f->mgr_d, f->n[R_refill_polling]);
     if (!polling && PyErr_Occurred()) return -1;
     if (polling == Py_True) return 0;
     PyObject *r = PyObject_CallNoArgs(f->refill_notify);
@@ -724,16 +765,16 @@ static PyObject *FastPath_manager_alloc(FastPath *f, PyObject *const *args, Py_s
     if (!r) return NULL;
     Py_DECREF(r);
     long status;
-    PyObject *closed = PyDict_GetItemWithError(f->mgr_d, S_closed);
-    if ((!closed && PyErr_Occurred()) || get_long_attr(f->mgr_d, S_limit_status, &status) < 0) return unlock(f, NULL);
-    if (closed != Py_False || status == 2 /* LIMIT_DEFERRED */) {
+    PyObject *closed = PyDict_GetItemWithError(f->mgr_d, f->n[R_closed]);
+    if ((!closed && PyErr_Occurred()) || get_long_attr(f->mgr_d, f->n[R_limit_status], &status) < 0) return unlock(f, NULL);
+    if (closed != Py_False || status == f->limit_deferred) {
         PyObject *done = unlock(f, Py_NewRef(Py_None));
         if (!done) return NULL;
         Py_DECREF(done);
         return PyObject_Vectorcall(f->py_alloc, args, nargs, kwnames);
     }
-    PyObject *error = PyDict_GetItemWithError(f->mgr_d, S_map_error);
-    if ((!error && PyErr_Occurred()) || (error != Py_None && PyDict_SetItem(f->mgr_d, S_map_error, Py_None) < 0))
+    PyObject *error = PyDict_GetItemWithError(f->mgr_d, f->n[R_map_error]);
+    if ((!error && PyErr_Occurred()) || (error != Py_None && PyDict_SetItem(f->mgr_d, f->n[R_map_error], Py_None) < 0))
         return unlock(f, NULL);
     PyObject *inner[2] = {args[0], near};
     PyObject *ids = FastPath_alloc(f, inner, 2);
@@ -783,7 +824,7 @@ static PyObject *FastPath_free(FastPath *f, PyObject *ids) {
     }
     for (i = 0; i < n; i++) flags[PyLong_AsLong(PyList_GET_ITEM(ids, i))] = 1;
     int slow_publish = 0;
-    PyObject *cached = PyObject_GetAttr(f->cache, S_blocks); /* the prefix cache: block -> age */
+    PyObject *cached = PyObject_GetAttr(f->cache, f->n[R_blocks]); /* the prefix cache: block -> age */
     if (!cached) return NULL;
     if (PyDict_Check(cached) && PyDict_GET_SIZE(cached)) {
         for (i = 0; i < n; i++) {
@@ -856,17 +897,17 @@ static PyObject *FastPath_free(FastPath *f, PyObject *ids) {
             }
             Py_DECREF(pobj);
             long max_reserved, inflight, limit = -1, status;
-            PyObject *limit_obj = PyDict_GetItemWithError(f->mgr_d, S_limit_pages);
-            if ((!limit_obj && PyErr_Occurred()) || get_long_attr(f->mgr_d, S_max_reserved, &max_reserved) < 0 ||
-                get_long_attr(f->pages_d, S_inflight, &inflight) < 0 ||
-                get_long_attr(f->mgr_d, S_limit_status, &status) < 0) {
+            PyObject *limit_obj = PyDict_GetItemWithError(f->mgr_d, f->n[R_limit_pages]);
+            if ((!limit_obj && PyErr_Occurred()) || get_long_attr(f->mgr_d, f->n[R_max_reserved], &max_reserved) < 0 ||
+                get_long_attr(f->pages_d, f->n[R_inflight], &inflight) < 0 ||
+                get_long_attr(f->mgr_d, f->n[R_limit_status], &status) < 0) {
                 ids_free(&order);
                 return NULL;
             }
             if (limit_obj && limit_obj != Py_None) limit = PyLong_AsLong(limit_obj);
             Py_ssize_t pool = PyList_GET_SIZE(f->reserved);
             int over_limit = limit >= 0 && f->inuse + pool + inflight > limit;
-            int overflow = over_limit || pool > max_reserved, deferred = status == 2 /* LIMIT_DEFERRED */;
+            int overflow = over_limit || pool > max_reserved, deferred = status == f->limit_deferred;
             if ((overflow && call0(f->pool_overflow) < 0) || (deferred && call0(f->update_limit) < 0) ||
                 ((overflow || deferred) && load_state(f) < 0)) {  /* the manager changed the page table */
                 ids_free(&order);
@@ -877,8 +918,8 @@ static PyObject *FastPath_free(FastPath *f, PyObject *ids) {
         ids_free(&order);
     }
     long count, blocks;
-    if (get_long_attr(f->mgr_d, S_free_count, &count) < 0 || get_long_attr(f->mgr_d, S_free_blocks, &blocks) < 0 ||
-        set_long_attr(f->mgr_d, S_free_count, count + 1) < 0 || set_long_attr(f->mgr_d, S_free_blocks, blocks + n) < 0)
+    if (get_long_attr(f->mgr_d, f->n[R_free_count], &count) < 0 || get_long_attr(f->mgr_d, f->n[R_free_blocks], &blocks) < 0 ||
+        set_long_attr(f->mgr_d, f->n[R_free_count], count + 1) < 0 || set_long_attr(f->mgr_d, f->n[R_free_blocks], blocks + n) < 0)
         return NULL;
     if (slow_publish) {
         if (call0(f->publish_all) < 0) return NULL;
@@ -893,39 +934,62 @@ static PyObject *FastPath_free(FastPath *f, PyObject *ids) {
  * (tests/test_fastpath.py), without the interpreter inside the seqlock window. */
 static PyObject *FastPath_publish(FastPath *f, PyObject *Py_UNUSED(unused)) {
     Full full;
-    if (get_long_attr(f->pages_d, S_pages_inuse, &f->inuse) < 0 || get_long_attr(f->pages_d, S_blocks_used, &f->blocks_used) < 0 ||
+    if (get_long_attr(f->pages_d, f->n[R_pages_inuse], &f->inuse) < 0 || get_long_attr(f->pages_d, f->n[R_blocks_used], &f->blocks_used) < 0 ||
         read_full(f, &full) < 0)
         return NULL;
     if (publish(f, 0, 0, 0, 0, &full) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
-static PyObject *attr(PyObject *obj, const char *name) { return PyObject_GetAttrString(obj, name); }
+/* obj's attribute that plays ``role`` (BINDING names it), a new reference; NULL with an exception. */
+static PyObject *role_attr(PyObject *names, PyObject *obj, const char *role) {
+    PyObject *name = PyDict_GetItemString(names, role); /* borrowed */
+    if (!name || !PyUnicode_Check(name)) {
+        PyErr_Format(PyExc_KeyError, "the fast path's binding names no attribute for %s (fastpath.BINDING)", role);
+        return NULL;
+    }
+    return PyObject_GetAttr(obj, name);
+}
 
 static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
-    static char *names[] = {"manager", "affinity", "slack", "offsets", NULL};
-    PyObject *mgr, *offsets;
+    static char *kwlist[] = {"manager", "affinity", "slack", "offsets", "names", NULL};
+    PyObject *mgr, *offsets, *names;
     int affinity;
     double slack;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OpdO!", names, &mgr, &affinity, &slack, &PyDict_Type, &offsets))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OpdO!O!", kwlist, &mgr, &affinity, &slack, &PyDict_Type, &offsets,
+                                     &PyDict_Type, &names))
         return -1;
+    for (int i = 0; i < N_FIELDS; i++) {
+        PyObject *name = PyDict_GetItemString(names, FIELD_ROLE_NAMES[i]);
+        if (!name || !PyUnicode_CheckExact(name)) {
+            PyErr_Format(PyExc_KeyError, "the fast path's binding names no attribute for %s (fastpath.BINDING)",
+                         FIELD_ROLE_NAMES[i]);
+            return -1;
+        }
+        Py_INCREF(name);
+        PyUnicode_InternInPlace(&name); /* dict lookups by identity, as for the instance dicts' own keys */
+        Py_XSETREF(f->n[i], name);
+    }
     f->mgr = Py_NewRef(mgr);
     f->affinity = affinity;
     f->slack = slack;
-    if (!(f->pages = attr(mgr, "pages")) || !(f->cache = attr(mgr, "cache")) || !(f->seg = attr(mgr, "segment")))
+    if (!(f->pages = role_attr(names, mgr, "pages")) || !(f->cache = role_attr(names, mgr, "cache")) ||
+        !(f->seg = role_attr(names, mgr, "segment")))
         return -1;
-    if (!(f->view = attr(f->seg, "_buf"))) return -1;
-    if (!(f->mgr_d = attr(mgr, "__dict__")) || !(f->pages_d = attr(f->pages, "__dict__")) ||
-        !(f->seg_d = attr(f->seg, "__dict__")))
+    if (!(f->view = role_attr(names, f->seg, "buf"))) return -1;
+    if (!(f->mgr_d = PyObject_GetAttrString(mgr, "__dict__")) ||
+        !(f->pages_d = PyObject_GetAttrString(f->pages, "__dict__")) ||
+        !(f->seg_d = PyObject_GetAttrString(f->seg, "__dict__")))
         return -1;
     if (!PyDict_Check(f->mgr_d) || !PyDict_Check(f->pages_d) || !PyDict_Check(f->seg_d)) {
         PyErr_SetString(PyExc_TypeError, "the fast path needs plain instance dictionaries");
         return -1;
     }
-    if (!(f->used = attr(f->pages, "used")) || !(f->cap = attr(f->pages, "cap")) ||
-        !(f->slots = attr(f->pages, "slots")) || !(f->partial = attr(f->pages, "partial")) ||
-        !(f->reserved = attr(f->pages, "reserved")) || !(f->block_used = attr(f->pages, "block_used")) ||
-        !(f->touched = attr(f->pages, "touched")) || !(f->mapped = attr(f->pages, "mapped")))
+    if (!(f->used = role_attr(names, f->pages, "used")) || !(f->cap = role_attr(names, f->pages, "cap")) ||
+        !(f->slots = role_attr(names, f->pages, "slots")) || !(f->partial = role_attr(names, f->pages, "partial")) ||
+        !(f->reserved = role_attr(names, f->pages, "reserved")) ||
+        !(f->block_used = role_attr(names, f->pages, "block_used")) ||
+        !(f->touched = role_attr(names, f->pages, "touched")) || !(f->mapped = role_attr(names, f->pages, "mapped")))
         return -1;
     if (!PyList_Check(f->used) || !PyList_Check(f->cap) || !PyList_Check(f->slots) || !PyList_Check(f->partial) ||
         !PyList_Check(f->reserved) || !PyByteArray_Check(f->block_used) || !PySet_Check(f->touched) ||
@@ -933,18 +997,21 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_TypeError, "the page table's containers are not the types the fast path reads");
         return -1;
     }
-    if (!(f->empty_page = attr(mgr, "_empty_page")) || !(f->release_blocks = attr(mgr, "_release_blocks")) ||
-        !(f->pool_overflow = attr(mgr, "_pool_overflow")) || !(f->update_limit = attr(mgr, "_update_limit_status")) ||
-        !(f->publish_all = attr(mgr, "_publish")) || !(f->cache_remove = attr(f->cache, "remove")) ||
-        !(f->alloc_missed = attr(mgr, "_alloc_missed")))
+    if (!(f->empty_page = role_attr(names, mgr, "empty_page")) ||
+        !(f->release_blocks = role_attr(names, mgr, "release_blocks")) ||
+        !(f->pool_overflow = role_attr(names, mgr, "pool_overflow")) ||
+        !(f->update_limit = role_attr(names, mgr, "update_limit_status")) ||
+        !(f->publish_all = role_attr(names, mgr, "publish")) || !(f->cache_remove = role_attr(names, f->cache, "remove")) ||
+        !(f->alloc_missed = role_attr(names, mgr, "alloc_missed")))
         return -1;
     /* manager_alloc's lock, refill wake-up and fallback, bound once here as the callbacks above
      * are: replacing them on the instance later does not reach the C entry. */
     PyObject *lock = NULL, *wanted = NULL, *method = NULL;
-    int bound = (lock = attr(mgr, "_lock")) && (wanted = attr(mgr, "_refill_wanted")) &&
+    int bound = (lock = role_attr(names, mgr, "lock")) && (wanted = role_attr(names, mgr, "refill_wanted")) &&
                 (method = PyObject_GetAttrString((PyObject *)Py_TYPE(mgr), "alloc")) &&
-                (f->lock_acquire = attr(lock, "acquire")) && (f->lock_release = attr(lock, "release")) &&
-                (f->refill_notify = attr(wanted, "notify")) && (f->py_alloc = PyMethod_New(method, mgr));
+                (f->lock_acquire = PyObject_GetAttrString(lock, "acquire")) &&
+                (f->lock_release = PyObject_GetAttrString(lock, "release")) &&
+                (f->refill_notify = PyObject_GetAttrString(wanted, "notify")) && (f->py_alloc = PyMethod_New(method, mgr));
     Py_XDECREF(lock);
     Py_XDECREF(wanted);
     Py_XDECREF(method);
@@ -956,7 +1023,7 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
         return -1;
     }
     f->npages = PyList_GET_SIZE(f->used);
-    PyObject *bpp = attr(f->pages, "bpp");
+    PyObject *bpp = role_attr(names, f->pages, "bpp");
     if (!bpp) return -1;
     f->bpp = PyLong_AsSsize_t(bpp);
     Py_DECREF(bpp);
@@ -981,6 +1048,7 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
         {"alloc_count", &f->o_alloc_count}, {"alloc_blocks", &f->o_alloc_blocks}, {"updated_ns", &f->o_updated},
         {"free_count", &f->o_free_count}, {"free_blocks", &f->o_free_blocks},
         {"page_sum", &f->o_page_sum}, {"cached_shift", NULL}, {"page_mapped", NULL}, {"bundle_bytes", NULL},
+        {"limit_deferred", NULL},
         {"blocks_cached", &f->o_cached}, {"evicted_blocks", &f->o_evicted}, {"limit_status", &f->o_limit_status},
         {"closing", &f->o_closing}, {"effective_limit", &f->o_effective}, {"applied_revision", &f->o_applied},
         {"trim_ack_seq", &f->o_trim_ack}, {"trim_bytes", &f->o_trim_bytes}, {"requested_limit", &f->o_requested},
@@ -997,6 +1065,7 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
         if (fields[i].dst) *fields[i].dst = (Py_ssize_t)x;
         else if (!strcmp(fields[i].key, "cached_shift")) f->cached_shift = (int)x;
         else if (!strcmp(fields[i].key, "page_mapped")) f->page_mapped = (unsigned long)x;
+        else if (!strcmp(fields[i].key, "limit_deferred")) f->limit_deferred = (long)x;
         else f->bundle_bytes = x;
     }
     /* limit_status and closing are the counters' two 32-bit words (layout.COUNTERS: "ii"); the rest are 64-bit */
@@ -1061,6 +1130,7 @@ static int FastPath_clear(FastPath *f) {
     Py_CLEAR(f->lock_acquire);
     Py_CLEAR(f->lock_release);
     Py_CLEAR(f->refill_notify);
+    for (int i = 0; i < N_FIELDS; i++) Py_CLEAR(f->n[i]);
     return 0;
 }
 
@@ -1125,40 +1195,29 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, .m_name = "kvcached_core.allocator._fastpath", .m_doc = NULL, .m_size = -1, .m_methods = module_methods,
 };
 
+/* module.<key> = the role names, a tuple of str: fastpath.BINDING must name an attribute for each. */
+static int add_roles(PyObject *m, const char *key, const char *const *roles, Py_ssize_t n) {
+    PyObject *t = PyTuple_New(n);
+    for (Py_ssize_t i = 0; t && i < n; i++) {
+        PyObject *o = PyUnicode_FromString(roles[i]);
+        if (!o) Py_CLEAR(t);
+        else PyTuple_SET_ITEM(t, i, o);
+    }
+    if (!t) return -1;
+    int r = PyModule_AddObjectRef(m, key, t);
+    Py_DECREF(t);
+    return r;
+}
+
 PyMODINIT_FUNC PyInit__fastpath(void) {
     crc_init();
-    S_nonempty = PyUnicode_InternFromString("nonempty");
-    S_pages_inuse = PyUnicode_InternFromString("pages_inuse");
-    S_blocks_used = PyUnicode_InternFromString("blocks_used");
-    S_alloc_count = PyUnicode_InternFromString("alloc_count");
-    S_alloc_blocks = PyUnicode_InternFromString("alloc_blocks");
-    S_seq = PyUnicode_InternFromString("_seq");
-    S_page_sum = PyUnicode_InternFromString("page_sum");
-    S_by_page = PyUnicode_InternFromString("by_page");
-    S_free_count = PyUnicode_InternFromString("free_count");
-    S_free_blocks = PyUnicode_InternFromString("free_blocks");
-    S_blocks = PyUnicode_InternFromString("blocks");
-    S_limit_pages = PyUnicode_InternFromString("limit_pages");
-    S_limit_status = PyUnicode_InternFromString("limit_status");
-    S_max_reserved = PyUnicode_InternFromString("max_reserved");
-    S_inflight = PyUnicode_InternFromString("inflight");
-    S_closed = PyUnicode_InternFromString("_closed");
-    S_map_error = PyUnicode_InternFromString("_map_error");
-    S_min_reserved = PyUnicode_InternFromString("min_reserved");
-    S_refill_requested = PyUnicode_InternFromString("_refill_requested");
-    S_refill_polling = PyUnicode_InternFromString("_refill_polling");
     S_near = PyUnicode_InternFromString("near");
-    S_evicted_blocks = PyUnicode_InternFromString("evicted_blocks");
-    S_applied_revision = PyUnicode_InternFromString("applied_revision");
-    S_trim_ack_seq = PyUnicode_InternFromString("trim_ack_seq");
-    S_trim_bytes = PyUnicode_InternFromString("trim_bytes");
-    S_requested_limit = PyUnicode_InternFromString("requested_limit");
-    S_trimmed_total = PyUnicode_InternFromString("trimmed_total");
-    S_idle_returned = PyUnicode_InternFromString("idle_returned");
     if (PyType_Ready(&FastPathType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    if (PyModule_AddObjectRef(m, "FastPath", (PyObject *)&FastPathType) < 0) {
+    if (PyModule_AddObjectRef(m, "FastPath", (PyObject *)&FastPathType) < 0 ||
+        add_roles(m, "FIELD_ROLES", FIELD_ROLE_NAMES, N_FIELDS) < 0 ||
+        add_roles(m, "OBJECT_ROLES", OBJECT_ROLE_NAMES, sizeof OBJECT_ROLE_NAMES / sizeof OBJECT_ROLE_NAMES[0]) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -10,6 +10,10 @@ limit's status) it asks of the manager's own Python methods. ``publish`` is all 
 publish (``KVCacheManager._publish`` calls it once attached): every counter, the same bytes as
 ``_publish_python``, without the interpreter inside the seqlock window.
 
+The C code names no Python attribute and no segment offset: :data:`BINDING` says which attribute of
+which object plays each role it needs, :func:`_offsets` where the segment keeps what it writes; both are
+passed in when an allocator binds it.
+
 ``KVCACHED_FASTPATH``: ``auto`` (default: use it when it was built, else say once why not and stay
 in Python), ``0`` (never), ``1`` (always: the allocator fails to start without it). It serves the ``affinity`` and ``best-fit``
 policies on a single-rank allocator while no lowered limit is waiting; anything else (first-fit,
@@ -37,6 +41,40 @@ C_COUNTERS = frozenset((
 ))
 
 
+# fastpath.c's whole reach into the allocator's Python objects: role (C's word) -> (owner, attribute, how).
+# Owners: the manager, its page table (``pages``), prefix cache (``cache``) and segment writer (``segment``).
+# "field": read (and maybe written) at each call, through the owner's ``__dict__`` (fastpath.c's FIELD_ROLES);
+# "object": fetched once when the fast path is bound: a container C works in place, a method it calls
+# (OBJECT_ROLES).
+# C names no Python attribute itself; renaming one here follows a rename there, and
+# tests/test_fastpath.py checks every entry against a live allocator.
+BINDING: dict[str, tuple[str, str, str]] = {
+    # the page table (pages.py): the containers placement works in, and its counts
+    **{role: ("pages", role, "object") for role in (
+        "used", "cap", "slots", "partial", "reserved", "block_used", "touched", "mapped", "bpp")},
+    **{role: ("pages", role, "field") for role in ("nonempty", "pages_inuse", "blocks_used", "inflight")},
+    # the segment writer: the mapping, the seqlock's count and the page map's sum
+    "buf": ("segment", "_buf", "object"),
+    "seq": ("segment", "_seq", "field"),
+    "page_sum": ("segment", "page_sum", "field"),
+    # the prefix cache
+    "blocks": ("cache", "blocks", "field"),
+    "by_page": ("cache", "by_page", "field"),
+    "remove": ("cache", "remove", "object"),
+    # the manager: its parts, its counters and state, and the Python steps C hands work back to
+    **{role: ("manager", role, "object") for role in ("pages", "cache", "segment")},
+    **{role: ("manager", role, "field") for role in (
+        "alloc_count", "alloc_blocks", "free_count", "free_blocks", "evicted_blocks", "limit_pages", "limit_status",
+        "max_reserved", "min_reserved", "applied_revision", "trim_ack_seq", "trim_bytes", "requested_limit",
+        "trimmed_total", "idle_returned")},
+    **{role: ("manager", "_" + role, "field") for role in ("closed", "map_error", "refill_requested",
+                                                           "refill_polling")},
+    **{role: ("manager", "_" + role, "object") for role in (
+        "empty_page", "release_blocks", "pool_overflow", "update_limit_status", "publish", "alloc_missed", "lock",
+        "refill_wanted")},
+}
+
+
 def mode_from_env() -> str:
     return tristate_env(FASTPATH_ENV)
 
@@ -52,7 +90,7 @@ def _offsets(bundle_bytes: int) -> dict[str, int]:
     offsets = {name: L.COUNTERS_OFF + struct.calcsize("<" + fmt[:i]) for i, name in enumerate(L.COUNTER_FIELDS)}
     offsets.update(seq=L.SEQ_OFF, counters=L.COUNTERS_OFF, counters_len=L.CHECKSUM_OFF - L.COUNTERS_OFF,
                    checksum=L.CHECKSUM_OFF, page_map=L.PAGE_MAP_OFF, cached_shift=L.PAGE_CACHED_SHIFT,
-                   page_mapped=L.PAGE_MAPPED, bundle_bytes=bundle_bytes)
+                   page_mapped=L.PAGE_MAPPED, limit_deferred=L.LIMIT_DEFERRED, bundle_bytes=bundle_bytes)
     return offsets
 
 
@@ -85,8 +123,8 @@ def attach(manager: Any, policy: Any, mode: str | None = None) -> tuple[Any | No
         return None, why
     affinity = type(policy) is Affinity
     fast = module.FastPath(manager, affinity, float(getattr(policy, "slack", 0.0)),
-                           _offsets(manager.bundle_bytes))
+                           _offsets(manager.bundle_bytes), {role: attr for role, (_o, attr, _h) in BINDING.items()})
     return fast, ""
 
 
-__all__ = ["FASTPATH_ENV", "attach", "load", "mode_from_env", "require"]
+__all__ = ["BINDING", "FASTPATH_ENV", "attach", "load", "mode_from_env", "require"]

@@ -90,7 +90,11 @@ COMPACT = struct.Struct("<IIQQQQQQQQ")
 COMPACT_FIELDS = ("capable", "status", "acked_seq", "compactions", "blocks_moved", "bytes_copied", "bytes_returned",
                   "took_ns", "acked_copied", "acked_returned")
 COMPACT_OFF = CHECKSUM_OFF + 8
-COMPACT_ACK_OFF = COMPACT_OFF + 8  # acked_seq
+# COMPACT in the parts the allocator writes apart: capable and status, acked_seq (last), the rest.
+COMPACT_HEAD = struct.Struct("<" + COMPACT.format.lstrip("<")[:2])
+COMPACT_TAIL = struct.Struct("<" + COMPACT.format.lstrip("<")[3:])
+COMPACT_ACK_OFF = COMPACT_OFF + COMPACT_HEAD.size  # acked_seq
+assert COMPACT_HEAD.size + U64.size + COMPACT_TAIL.size == COMPACT.size
 COMPACT_DONE, COMPACT_NO_HANDLER, COMPACT_FAILED = 0, 1, 2
 COMPACT_STATUS_NAMES = {COMPACT_DONE: "compacted", COMPACT_NO_HANDLER: "no handler", COMPACT_FAILED: "failed"}
 

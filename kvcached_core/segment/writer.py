@@ -9,7 +9,6 @@ import mmap
 import os
 import secrets
 import stat
-import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +24,8 @@ _pack_counters = L.COUNTERS.pack_into
 _pack_u64 = L.U64.pack_into
 _unpack_u64 = L.U64.unpack_from
 _pack_traffic = L.TRAFFIC.pack_into
-_pack_compact_head = struct.Struct("<II").pack_into  # layout.COMPACT, in two parts around acked_seq
-_pack_compact_tail = struct.Struct("<" + L.COMPACT.format.lstrip("<")[3:]).pack_into
+_pack_compact_head = L.COMPACT_HEAD.pack_into  # layout.COMPACT, in two parts around acked_seq
+_pack_compact_tail = L.COMPACT_TAIL.pack_into
 
 
 TEMP_PREFIX = ".kvc-new."  # a segment being created: TEMP_PREFIX + name + "." + pid
@@ -310,7 +309,7 @@ class SegmentWriter:
         """The COMPACT words (``layout.COMPACT_FIELDS`` order): plain stores, the acknowledged request last."""
         buf = self._buf
         _pack_compact_head(buf, L.COMPACT_OFF, values[0], values[1])
-        _pack_compact_tail(buf, L.COMPACT_ACK_OFF + 8, *values[3:])
+        _pack_compact_tail(buf, L.COMPACT_ACK_OFF + L.U64.size, *values[3:])
         _pack_u64(buf, L.COMPACT_ACK_OFF, values[2])  # last: controllers key on it (it never reads back as 0)
 
     def close(self, unlink: bool = True) -> None:

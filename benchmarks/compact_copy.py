@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 REQUIRES = "gpu"
 MiB = 1 << 20
@@ -41,11 +42,17 @@ def _timed(fn, torch, reps: int) -> list[float]:  # noqa: ANN001
 
 
 def _one_layout(layout: str, reps: int, torch) -> list[dict]:  # noqa: ANN001
+    """The rows of one CUDA layout; the allocator's settings for it hold for this call only."""
+    env = {"KVCACHED_CUDA_LAYOUT": layout, "KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_MAX_RESERVED_PAGES": "0",
+           "KVCACHED_MAX_CACHED_TOKENS": "-1", "KVCACHED_CUDA_ASYNC_UNMAP": "0"}
+    with mock.patch.dict(os.environ, env):
+        return _measure_layout(layout, reps, torch)
+
+
+def _measure_layout(layout: str, reps: int, torch) -> list[dict]:  # noqa: ANN001
     from kvcached_core import KVCacheManager
     from kvcached_core.allocator.compact import copy_blocks, plan
 
-    os.environ.update(KVCACHED_CUDA_LAYOUT=layout, KVCACHED_MIN_RESERVED_PAGES="0", KVCACHED_MAX_RESERVED_PAGES="0",
-                      KVCACHED_MAX_CACHED_TOKENS="-1", KVCACHED_CUDA_ASYNC_UNMAP="0")
     bpp = PAGE // BLOCK
     with KVCacheManager(f"compact-bench-{layout}", num_blocks=PAGES * bpp, block_bytes=BLOCK, num_layers=LAYERS,
                         page_size=PAGE, backend="cuda", policy="best-fit") as m:

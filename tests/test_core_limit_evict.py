@@ -9,38 +9,15 @@ import time
 
 import pytest
 from conftest import wait_for
+from small_allocator import BPP, BUNDLE, assert_stamped, small_manager, stamp
 
 import kvcached_core as kc
-
-KiB = 1024
-PAGE = 64 * KiB
-BPP = 4  # 16 KiB blocks
-BUNDLE = PAGE * 2  # one layer, K and V
 
 
 @pytest.fixture
 def manager(monkeypatch):
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "2")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "4")
-    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
-    monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", "-1")
-    with kc.KVCacheManager("lev", name="lev", num_blocks=64, block_bytes=16 * KiB, num_layers=1,
-                           page_size=PAGE) as m:
+    with small_manager(monkeypatch, "lev", KVCACHED_MAX_CACHED_TOKENS="-1") as m:
         yield m
-
-
-def stamp(m, blocks: list[int]) -> None:
-    with m.buffer(0, 0) as view:
-        for b in blocks:
-            off = (b // BPP) * PAGE + (b % BPP) * 16 * KiB
-            view[off:off + 4] = (b + 1).to_bytes(4, "little")  # never zero: an unmapped page reads as zeros
-
-
-def assert_stamped(m, blocks: list[int]) -> None:
-    with m.buffer(0, 0) as view:
-        for b in blocks:
-            off = (b // BPP) * PAGE + (b % BPP) * 16 * KiB
-            assert bytes(view[off:off + 4]) == (b + 1).to_bytes(4, "little"), f"block {b} lost its contents"
 
 
 class Index:

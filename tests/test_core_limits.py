@@ -6,45 +6,20 @@ import time
 
 import pytest
 from conftest import wait_for
+from small_allocator import BPP, BUNDLE, assert_stamped, small_manager, stamp
 
 import kvcached_core as kc
 from kvcached_core.segment import layout as L
 
-KiB = 1024
-PAGE = 64 * KiB
-BPP = 4  # 16 KiB blocks
-BUNDLE = PAGE * 2  # one layer, K and V
-
 
 @pytest.fixture
 def manager(monkeypatch):
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "2")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "4")
-    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
-    with kc.KVCacheManager("lim", name="lim", num_blocks=64, block_bytes=16 * KiB, num_layers=1, page_size=PAGE) as m:
+    with small_manager(monkeypatch, "lim") as m:
         yield m
-
 
 
 def page_map(m) -> list[tuple[bool, int, int]]:
     return [L.decode_page(e) for e in kc.snapshot(m.name).page_entries()]
-
-
-def stamp(m, blocks: list[int]) -> None:
-    """Write each block's id + 1 into its first bytes, in K and V."""
-    for kv in (0, 1):
-        with m.buffer(0, kv) as view:
-            for b in blocks:
-                off = (b // BPP) * PAGE + (b % BPP) * 16 * KiB
-                view[off:off + 4] = (b + 1).to_bytes(4, "little")  # never zero: an unmapped page reads as zeros
-
-
-def assert_stamped(m, blocks: list[int]) -> None:
-    for kv in (0, 1):
-        with m.buffer(0, kv) as view:
-            for b in blocks:
-                off = (b // BPP) * PAGE + (b % BPP) * 16 * KiB
-                assert bytes(view[off:off + 4]) == (b + 1).to_bytes(4, "little"), f"block {b} lost its contents"
 
 
 def held_pages(m) -> set[int]:

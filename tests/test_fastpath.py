@@ -390,9 +390,9 @@ def test_a_binding_without_a_role_is_refused_by_name(monkeypatch: pytest.MonkeyP
     assert MODULE is not None
     monkeypatch.setenv("KVCACHED_FASTPATH", "1")
     with small("fp-unbound") as m:
-        names = {role: attr for role, (_o, attr, _h) in fastpath.BINDING.items()}
+        names = fastpath.binding_names()
         for role in ("seq", "release_blocks"):  # a field and an object
             partial = {k: v for k, v in names.items() if k != role}
             with pytest.raises(KeyError, match=f"no attribute for {role} "):
-                MODULE.FastPath(m, False, 0.0, fastpath._offsets(m.bundle_bytes), partial)
+                MODULE.FastPath(m, False, 0.0, fastpath._offsets(m.bundle_bytes, m.pages.pages_total), partial)
         assert m.alloc(3) is not None  # the allocator's own binding is untouched

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -12,9 +13,11 @@ from pathlib import Path
 import pytest
 from conftest import child_env, freeze, wait_for
 
+from kvcached_core.allocator import fastpath
 from kvcached_core.allocator.manager import KVCacheManager
 from kvcached_core.backends import BackendError, Geometry
 from kvcached_core.control.requests import AckTimeout, request_limit, request_trim
+from kvcached_core.segment import layout as L
 from kvcached_core.segment.procinfo import is_alive
 from kvcached_core.segment.reader import list_models, snapshot
 from kvcached_core.tp import RankLost, TPWorker, scheduler
@@ -99,6 +102,54 @@ def test_map_and_unmap_reach_every_rank(managers, world: int, strategy: str) -> 
     wait_for(lambda: all(r.mapped_bytes == 0 for r in snapshot(m.name).ranks), what="ranks to report 0 bytes")
     for pid, rss in zip(pids, before, strict=True):
         assert rss_anon(pid) - rss < 2 * RANK_BUNDLE
+
+
+def _published(m: KVCacheManager) -> bytes:
+    """The segment bytes a publish writes, with what differs between two allocators of one script masked:
+    the clock, the checksum it feeds, and each rank's pid and start time."""
+    buf = bytearray(m.segment._buf)
+    for name in ("updated_ns",):
+        off = L.COUNTERS_OFF + struct.calcsize("<" + L.COUNTERS.format.lstrip("<")[:L.COUNTER_FIELDS.index(name)])
+        buf[off:off + 8] = bytes(8)
+    buf[L.CHECKSUM_OFF:L.CHECKSUM_OFF + 8] = bytes(8)
+    rank_fmt = L.RANK.format.lstrip("<")
+    pid_off = struct.calcsize("<" + rank_fmt[:L.RANK_FIELDS.index("pid")])
+    for index in range(m.tp_world):
+        off = L.ranks_offset(m.pages.pages_total) + index * L.RANK.size + pid_off
+        buf[off:off + 16] = bytes(16)  # pid and start_time
+    end = L.ranks_offset(m.pages.pages_total) + L.RANK.size * m.tp_world
+    return bytes(buf[L.SEQ_OFF:end])  # the seqlock count, counters, COMPACT, TRAFFIC, page map, ranks
+
+
+@pytest.mark.skipif(fastpath.load()[0] is None, reason="the C alloc path is not built here")
+def test_the_c_path_serves_tensor_parallelism_with_the_bytes_python_writes(
+        managers, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
+    made = []
+    for mode in ("1", "0"):
+        monkeypatch.setenv("KVCACHED_FASTPATH", mode)
+        made.append(managers(f"tp-fp{mode}", 2))
+    fast, slow = made
+    assert fast._fast is not None and slow._fast is None, fast.fastpath_reason
+    assert fast.alloc == fast._fast.manager_alloc  # the C entry, lock and all
+
+    def both(step):  # noqa: ANN001, ANN202
+        got = [step(m) for m in (fast, slow)]
+        assert got[0] == got[1]
+        assert _published(fast) == _published(slow)
+        return got[0]
+
+    first = both(lambda m: m.alloc(10))  # maps 3 pages on both ranks: the records' mapped bytes change
+    assert snapshot(fast.name).ranks[1].mapped_bytes == 3 * RANK_BUNDLE
+    second = both(lambda m: m.alloc(3, near=first[-1]))
+    both(lambda m: m.free(first[:4]))
+    both(lambda m: m.mark_cached(second[:2]))
+    both(lambda m: m.alloc(9))
+    both(lambda m: m.free(second))
+    both(lambda m: m.trim())  # unmaps on every rank: a full publish
+    snap = snapshot(fast.name)
+    assert snap.tp_world == 2 and [r.rank for r in snap.ranks] == [0, 1]
+    assert snap.mapped_bytes == sum(r.mapped_bytes for r in snap.ranks) == snapshot(slow.name).mapped_bytes
 
 
 def test_a_rank_that_refuses_makes_the_page_a_miss_on_every_rank(managers) -> None:

@@ -73,7 +73,7 @@ static const char *const FIELD_ROLE_NAMES[N_FIELDS] = {FIELD_ROLES(ROLE_NAME)};
 #define OBJECT_ROLES(X) \
     X(pages) X(cache) X(segment) X(buf) X(used) X(cap) X(slots) X(partial) X(reserved) X(block_used) \
     X(touched) X(mapped) X(bpp) X(remove) X(empty_page) X(release_blocks) X(pool_overflow) \
-    X(update_limit_status) X(publish) X(alloc_missed) X(lock) X(refill_wanted)
+    X(update_limit_status) X(publish) X(alloc_missed) X(lock) X(refill_wanted) X(rank_records)
 static const char *const OBJECT_ROLE_NAMES[] = {OBJECT_ROLES(ROLE_NAME)};
 
 static PyObject *S_near; /* alloc()'s keyword argument */
@@ -87,6 +87,8 @@ typedef struct {
     PyObject *empty_page, *release_blocks;             /* bound methods of the manager */
     PyObject *pool_overflow, *update_limit, *publish_all, *cache_remove;
     PyObject *py_alloc, *alloc_missed, *lock_acquire, *lock_release, *refill_notify; /* for manager_alloc */
+    PyObject *rank_records; /* tensor parallelism: the manager's rank_records method; NULL on one rank */
+    Py_ssize_t ranks_off, rank_size, ranks_max, o_rank[7]; /* layout.RANK: where each record and field lies */
     Py_ssize_t bpp, nblocks;
     int affinity;
     double slack;
@@ -553,6 +555,47 @@ static int read_full(FastPath *f, Full *c) {
     return 0;
 }
 
+/* Tensor parallelism: each rank's record (layout.RANK_FIELDS), asked of the manager before the seqlock
+ * window opens (the window itself runs no Python) and written inside it, as _publish_python does. */
+#define RANK_WORDS 7
+#define MAX_RANKS 64
+typedef struct {
+    Py_ssize_t n;
+    long long v[MAX_RANKS][RANK_WORDS];
+} Ranks;
+
+static int read_ranks(FastPath *f, Ranks *r) {
+    r->n = 0;
+    if (!f->rank_records) return 0;
+    PyObject *got = PyObject_CallNoArgs(f->rank_records);
+    if (!got) return -1;
+    PyObject *seq = PySequence_Fast(got, "rank_records() must return a sequence of records");
+    Py_DECREF(got);
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > f->ranks_max) {
+        PyErr_Format(PyExc_ValueError, "%zd rank records for a segment with room for %zd", n, f->ranks_max);
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *rec = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(rec) || PyTuple_GET_SIZE(rec) != RANK_WORDS) {
+            PyErr_SetString(PyExc_TypeError, "a rank record is a tuple of layout.RANK_FIELDS");
+            goto fail;
+        }
+        for (int k = 0; k < RANK_WORDS; k++) {
+            r->v[i][k] = PyLong_AsLongLong(PyTuple_GET_ITEM(rec, k));
+            if (r->v[i][k] == -1 && PyErr_Occurred()) goto fail;
+        }
+    }
+    r->n = n;
+    Py_DECREF(seq);
+    return 0;
+fail:
+    Py_DECREF(seq);
+    return -1;
+}
+
 /* manager._publish: the touched pages' entries and the counters, under the seqlock. With ``full``
  * (manager._publish itself) every counter; without (an alloc or a free) only those the operation
  * changes, every other counter being as the last full publish left it: the operation's own two
@@ -562,6 +605,8 @@ static int publish(FastPath *f, Py_ssize_t off_count, long long count_value, Py_
     Py_buffer b;
     PyObject *by_page = NULL, *it = NULL, *item;
     long seq0, page_sum0;
+    Ranks ranks;
+    if (read_ranks(f, &ranks) < 0) return -1;
     if (get_long_attr(f->seg_d, f->n[R_seq], &seq0) < 0 || get_long_attr(f->seg_d, f->n[R_page_sum], &page_sum0) < 0) return -1;
     by_page = PyObject_GetAttr(f->cache, f->n[R_by_page]);
     if (!by_page) return -1;
@@ -606,6 +651,13 @@ static int publish(FastPath *f, Py_ssize_t off_count, long long count_value, Py_
         if (PyErr_Occurred() || PySet_Clear(f->touched) < 0) goto fail;
     }
     STAMP(7);
+    for (Py_ssize_t i = 0; i < ranks.n; i++) { /* rank and device are 32-bit, the rest 64-bit (checked at init) */
+        char *rec = buf + f->ranks_off + i * f->rank_size;
+        memset(rec, 0, (size_t)f->rank_size);
+        put_i32(rec, f->o_rank[0], (int32_t)ranks.v[i][0]);
+        put_i32(rec, f->o_rank[1], (int32_t)ranks.v[i][1]);
+        for (int k = 2; k < RANK_WORDS; k++) put_u64(rec, f->o_rank[k], (uint64_t)ranks.v[i][k]);
+    }
     Py_ssize_t reserved = PyList_GET_SIZE(f->reserved);
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -629,7 +681,7 @@ static int publish(FastPath *f, Py_ssize_t off_count, long long count_value, Py_
         put_u64(buf, f->o_requested, (uint64_t)full->requested);
         put_u64(buf, f->o_trimmed, (uint64_t)full->trimmed);
         put_u64(buf, f->o_idle_returned, (uint64_t)full->idle_returned);
-        put_u64(buf, f->o_ranks_active, 1); /* the C path serves single-rank allocators only */
+        put_u64(buf, f->o_ranks_active, (uint64_t)(ranks.n > 1 ? ranks.n : 1));
     } else {
         put_u64(buf, off_count, (uint64_t)count_value);
         put_u64(buf, off_blocks, (uint64_t)blocks_value);
@@ -655,7 +707,7 @@ fail:
 
 /* alloc(n, near) -> list of block ids, or None when pages ran out (the blocks taken were given
  * back through the manager's _release_blocks; the caller publishes and reports). The caller holds
- * the manager's lock and has checked the fast path applies (open, no deferred limit, one rank). */
+ * the manager's lock and has checked the fast path applies (open, no deferred limit). */
 static PyObject *FastPath_alloc(FastPath *f, PyObject *const *args, Py_ssize_t nargs) {
     long n, near = -1;
     if (nargs != 2) {
@@ -929,7 +981,7 @@ static PyObject *FastPath_free(FastPath *f, PyObject *ids) {
     Py_RETURN_TRUE;
 }
 
-/* publish() -> None: all of manager._publish for a single-rank allocator (the caller holds its lock).
+/* publish() -> None: all of manager._publish (the caller holds its lock).
  * The manager calls this instead of its Python publish once the C path is attached: the same bytes
  * (tests/test_fastpath.py), without the interpreter inside the seqlock window. */
 static PyObject *FastPath_publish(FastPath *f, PyObject *Py_UNUSED(unused)) {
@@ -1041,6 +1093,7 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "the page table's buckets do not match its blocks per page");
         return -1;
     }
+    long long tp_world = 1;
     struct { const char *key; Py_ssize_t *dst; } fields[] = {
         {"seq", &f->seq_off}, {"counters", &f->counters_off}, {"counters_len", &f->counters_len},
         {"checksum", &f->checksum_off}, {"page_map", &f->page_map_off}, {"pages_inuse", &f->o_inuse},
@@ -1048,7 +1101,10 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
         {"alloc_count", &f->o_alloc_count}, {"alloc_blocks", &f->o_alloc_blocks}, {"updated_ns", &f->o_updated},
         {"free_count", &f->o_free_count}, {"free_blocks", &f->o_free_blocks},
         {"page_sum", &f->o_page_sum}, {"cached_shift", NULL}, {"page_mapped", NULL}, {"bundle_bytes", NULL},
-        {"limit_deferred", NULL},
+        {"limit_deferred", NULL}, {"ranks", &f->ranks_off}, {"rank_size", &f->rank_size},
+        {"ranks_max", &f->ranks_max}, {"rank_rank", &f->o_rank[0]}, {"rank_device", &f->o_rank[1]},
+        {"rank_pid", &f->o_rank[2]}, {"rank_start_time", &f->o_rank[3]}, {"rank_mapped_bytes", &f->o_rank[4]},
+        {"rank_acked_seq", &f->o_rank[5]}, {"rank_flags", &f->o_rank[6]}, {"tp_world", NULL},
         {"blocks_cached", &f->o_cached}, {"evicted_blocks", &f->o_evicted}, {"limit_status", &f->o_limit_status},
         {"closing", &f->o_closing}, {"effective_limit", &f->o_effective}, {"applied_revision", &f->o_applied},
         {"trim_ack_seq", &f->o_trim_ack}, {"trim_bytes", &f->o_trim_bytes}, {"requested_limit", &f->o_requested},
@@ -1066,8 +1122,15 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
         else if (!strcmp(fields[i].key, "cached_shift")) f->cached_shift = (int)x;
         else if (!strcmp(fields[i].key, "page_mapped")) f->page_mapped = (unsigned long)x;
         else if (!strcmp(fields[i].key, "limit_deferred")) f->limit_deferred = (long)x;
+        else if (!strcmp(fields[i].key, "tp_world")) tp_world = x;
         else f->bundle_bytes = x;
     }
+    if (f->o_rank[1] != f->o_rank[0] + 4 || f->o_rank[2] != f->o_rank[1] + 4 || f->ranks_max > MAX_RANKS) {
+        PyErr_SetString(PyExc_ValueError, "the rank record's layout changed (rank and device: two adjacent 32-bit "
+                                          "words; at most 64 ranks); update fastpath.c");
+        return -1;
+    }
+    if (tp_world > 1 && !(f->rank_records = role_attr(names, mgr, "rank_records"))) return -1;
     /* limit_status and closing are the counters' two 32-bit words (layout.COUNTERS: "ii"); the rest are 64-bit */
     if (f->o_closing != f->o_limit_status + 4 || f->o_effective != f->o_closing + 4) {
         PyErr_SetString(PyExc_ValueError, "the counters' layout changed: limit_status and closing are no longer "
@@ -1098,6 +1161,7 @@ static int FastPath_traverse(FastPath *f, visitproc visit, void *arg) {
     Py_VISIT(f->lock_acquire);
     Py_VISIT(f->lock_release);
     Py_VISIT(f->refill_notify);
+    Py_VISIT(f->rank_records);
     return 0;
 }
 
@@ -1130,6 +1194,7 @@ static int FastPath_clear(FastPath *f) {
     Py_CLEAR(f->lock_acquire);
     Py_CLEAR(f->lock_release);
     Py_CLEAR(f->refill_notify);
+    Py_CLEAR(f->rank_records);
     for (int i = 0; i < N_FIELDS; i++) Py_CLEAR(f->n[i]);
     return 0;
 }

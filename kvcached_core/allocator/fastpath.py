@@ -15,9 +15,10 @@ which object plays each role it needs, :func:`_offsets` where the segment keeps 
 passed in when an allocator binds it.
 
 ``KVCACHED_FASTPATH``: ``auto`` (default: use it when it was built, else say once why not and stay
-in Python), ``0`` (never), ``1`` (always: the allocator fails to start without it). It serves the ``affinity`` and ``best-fit``
-policies on a single-rank allocator while no lowered limit is waiting; anything else (first-fit,
-a deferred limit, tensor parallelism, ids that are not plain ints) takes the Python path.
+in Python), ``0`` (never), ``1`` (always: the allocator fails to start without it). It serves the ``affinity`` and
+``best-fit`` policies, on one rank or several (tensor parallelism: the ranks' records are published as in
+Python), while no lowered limit is waiting; anything else (first-fit, a deferred limit, ids that are not plain
+ints) takes the Python path.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ BINDING: dict[str, tuple[str, str, str]] = {
                                                            "refill_polling")},
     **{role: ("manager", "_" + role, "object") for role in (
         "empty_page", "release_blocks", "pool_overflow", "update_limit_status", "publish", "alloc_missed", "lock",
-        "refill_wanted")},
+        "refill_wanted", "rank_records")},
 }
 
 
@@ -84,14 +85,23 @@ def load() -> tuple[ModuleType | None, str]:
     return native.load("fastpath")
 
 
-def _offsets(bundle_bytes: int) -> dict[str, int]:
+def _offsets(bundle_bytes: int, pages_total: int, tp_world: int = 1) -> dict[str, int]:
     """Where the segment keeps what an alloc changes (layout.py is the contract; C reads it from here)."""
     fmt = L.COUNTERS.format.lstrip("<")
     offsets = {name: L.COUNTERS_OFF + struct.calcsize("<" + fmt[:i]) for i, name in enumerate(L.COUNTER_FIELDS)}
     offsets.update(seq=L.SEQ_OFF, counters=L.COUNTERS_OFF, counters_len=L.CHECKSUM_OFF - L.COUNTERS_OFF,
                    checksum=L.CHECKSUM_OFF, page_map=L.PAGE_MAP_OFF, cached_shift=L.PAGE_CACHED_SHIFT,
-                   page_mapped=L.PAGE_MAPPED, limit_deferred=L.LIMIT_DEFERRED, bundle_bytes=bundle_bytes)
+                   page_mapped=L.PAGE_MAPPED, limit_deferred=L.LIMIT_DEFERRED, bundle_bytes=bundle_bytes,
+                   ranks=L.ranks_offset(pages_total), rank_size=L.RANK.size, ranks_max=max(1, tp_world),
+                   tp_world=tp_world)
+    rank_fmt = L.RANK.format.lstrip("<")
+    offsets.update({f"rank_{name}": struct.calcsize("<" + rank_fmt[:i]) for i, name in enumerate(L.RANK_FIELDS)})
     return offsets
+
+
+def binding_names() -> dict[str, str]:
+    """:data:`BINDING` as FastPath() takes it: role -> attribute name."""
+    return {role: attr for role, (_owner, attr, _how) in BINDING.items()}
 
 
 def require(mode: str) -> None:
@@ -111,8 +121,6 @@ def attach(manager: Any, policy: Any, mode: str | None = None) -> tuple[Any | No
         return None, f"{FASTPATH_ENV}=0"
     if type(policy) not in (Policy, Affinity):
         return None, f"policy {policy.name!r} runs in Python"
-    if manager.tp_world > 1:
-        return None, "tensor parallelism publishes per-rank records: Python path"
     unknown = [name for name in L.COUNTER_FIELDS if name not in C_COUNTERS]
     if unknown:
         return None, f"the C publish does not write counter(s) {', '.join(unknown)} (fastpath.c): Python path"
@@ -123,7 +131,8 @@ def attach(manager: Any, policy: Any, mode: str | None = None) -> tuple[Any | No
         return None, why
     affinity = type(policy) is Affinity
     fast = module.FastPath(manager, affinity, float(getattr(policy, "slack", 0.0)),
-                           _offsets(manager.bundle_bytes), {role: attr for role, (_o, attr, _h) in BINDING.items()})
+                           _offsets(manager.bundle_bytes, manager.pages.pages_total, manager.tp_world),
+                           binding_names())
     return fast, ""
 
 

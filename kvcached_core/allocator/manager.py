@@ -790,6 +790,10 @@ class KVCacheManager:
         else:
             self._publish_python()
 
+    def _rank_records(self) -> Sequence[tuple[int, ...]]:
+        """Each rank's record for the segment (``layout.RANK_FIELDS``): tensor parallelism only."""
+        return self.backend.rank_records() if self.tp_world > 1 else ()  # type: ignore[attr-defined]
+
     def _publish_python(self) -> None:
         seg, pages, cached_by_page = self.segment, self.pages, self.cache.by_page
         seg.begin()
@@ -801,7 +805,7 @@ class KVCacheManager:
                 set_page(page, (L.PAGE_MAPPED if mapped[page] else 0) | used[page]
                          | ((len(on_page) << L.PAGE_CACHED_SHIFT) if on_page else 0))
             dirty.clear()
-        ranks = self.backend.rank_records() if self.tp_world > 1 else ()  # type: ignore[attr-defined]
+        ranks = self._rank_records()
         for index, record in enumerate(ranks):
             seg.set_rank(index, *record)
         effective = -1 if self.limit_pages is None else self.limit_pages * self.bundle_bytes

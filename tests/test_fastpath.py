@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from kvcached_core import KVCacheManager
 from kvcached_core.allocator import fastpath
+from kvcached_core.allocator.placement import POLICIES, Affinity
 from kvcached_core.config import ConfigError
 from kvcached_core.segment import layout as L
 from kvcached_core.segment.reader import snapshot
@@ -69,7 +70,8 @@ ops = st.lists(st.one_of(
 
 
 @needs_build
-@pytest.mark.parametrize(("policy", "bpp"), [("affinity", 8), ("best-fit", 8), ("affinity", 64), ("affinity", 80)])
+@pytest.mark.parametrize(("policy", "bpp"), [("affinity", 8), ("best-fit", 8), ("first-fit", 8), ("affinity", 64),
+                                           ("affinity", 80), ("first-fit", 80)])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(script=ops)
 def test_same_blocks_and_bytes(policy: str, bpp: int, script: list, deterministic: None,
@@ -125,11 +127,21 @@ def test_alloc_publishes_at_once(deterministic: None, monkeypatch: pytest.Monkey
         assert sorted(b // BPP for b in ids) == [0] * BPP + [1] * 3
 
 
-def test_first_fit_and_off_stay_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_policy_is_served_in_c_and_off_or_a_policy_of_ones_own_stays_in_python(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCACHED_FASTPATH", "auto")
-    with KVCacheManager("fp-ff", num_blocks=64, block_bytes=16 << 10, num_layers=1, page_size=128 << 10,
-                        policy="first-fit") as m:
-        assert m._fast is None and "first-fit" in m.fastpath_reason
+    for policy in POLICIES:
+        with KVCacheManager("fp-pol", num_blocks=64, block_bytes=16 << 10, num_layers=1, page_size=128 << 10,
+                            policy=policy) as m:
+            assert (m._fast is not None) == (MODULE is not None), (policy, m.fastpath_reason)
+
+    class Mine(Affinity):
+        name = "mine"
+
+    with KVCacheManager("fp-mine", num_blocks=64, block_bytes=16 << 10, num_layers=1, page_size=128 << 10,
+                        policy=Mine()) as m:
+        assert m._fast is None and "'mine' runs in Python" in m.fastpath_reason
+        assert m.alloc(3) is not None
     monkeypatch.setenv("KVCACHED_FASTPATH", "0")
     with KVCacheManager("fp-off", num_blocks=64, block_bytes=16 << 10, num_layers=1, page_size=128 << 10) as m:
         assert m._fast is None and m.fastpath_reason == "KVCACHED_FASTPATH=0"
@@ -396,3 +408,34 @@ def test_a_binding_without_a_role_is_refused_by_name(monkeypatch: pytest.MonkeyP
             with pytest.raises(KeyError, match=f"no attribute for {role} "):
                 MODULE.FastPath(m, False, 0.0, fastpath._offsets(m.bundle_bytes, m.pages.pages_total), partial)
         assert m.alloc(3) is not None  # the allocator's own binding is untouched
+
+
+@needs_build
+@pytest.mark.parametrize("policy", ["first-fit", "affinity"])
+def test_first_fit_and_a_waiting_limit_place_in_c_as_python_does(policy: str, deterministic: None,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    fast, slow = pair(policy, monkeypatch)
+    try:
+        def boom(*_args: object, **_kwargs: object) -> None:
+            raise AssertionError("the Python placement ran")
+
+        monkeypatch.setattr(fast, "_place", boom)  # every alloc below is placed by the C path
+        runs = []
+        for n in (5, 11, 3, 8, 2):
+            got = [m.alloc(n) for m in (fast, slow)]
+            assert got[0] == got[1] and got[0] is not None
+            runs.append(got[0])
+        for m in (fast, slow):
+            m.free(runs[1])
+            m.free(runs[3])
+        assert state(fast) == state(slow)
+        in_use = fast.pages.pages_inuse
+        assert [m.set_limit((in_use - 1) * m.bundle_bytes) for m in (fast, slow)] == ["deferred"] * 2
+        for n in (3, 1, 4, 30):  # fullest pages first, never a new one; the last cannot fit
+            got = [m.alloc(n) for m in (fast, slow)]
+            assert got[0] == got[1], n
+            assert state(fast) == state(slow), n
+        assert got[0] is None and fast.limit_status == L.LIMIT_DEFERRED
+    finally:
+        fast.close()
+        slow.close()

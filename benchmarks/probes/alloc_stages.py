@@ -57,7 +57,7 @@ def build_profiled() -> ModuleType:
 def profiled(m: KVCacheManager):  # noqa: ANN201
     module = build_profiled()
     policy = m.policy
-    fast = module.FastPath(m, type(policy) is Affinity, float(getattr(policy, "slack", 0.0)),
+    fast = module.FastPath(m, int(type(policy) is Affinity), float(getattr(policy, "slack", 0.0)),
                            fastpath._offsets(m.bundle_bytes, m.pages.pages_total), fastpath.binding_names())
     return module, fast
 

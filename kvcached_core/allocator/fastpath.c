@@ -78,6 +78,9 @@ static const char *const OBJECT_ROLE_NAMES[] = {OBJECT_ROLES(ROLE_NAME)};
 
 static PyObject *S_near; /* alloc()'s keyword argument */
 
+/* The placement policies, as fastpath.POLICY_CODES numbers them */
+enum { POLICY_BEST_FIT = 0, POLICY_AFFINITY = 1, POLICY_FIRST_FIT = 2 };
+
 typedef struct {
     PyObject_HEAD
     PyObject *mgr, *pages, *cache, *seg, *view;       /* owners */
@@ -90,7 +93,7 @@ typedef struct {
     PyObject *rank_records; /* tensor parallelism: the manager's rank_records method; NULL on one rank */
     Py_ssize_t ranks_off, rank_size, ranks_max, o_rank[7]; /* layout.RANK: where each record and field lies */
     Py_ssize_t bpp, nblocks;
-    int affinity;
+    int policy; /* POLICY_BEST_FIT, POLICY_AFFINITY or POLICY_FIRST_FIT (fastpath.POLICY_CODES) */
     double slack;
     long long bundle_bytes;
     unsigned long page_mapped;
@@ -505,6 +508,66 @@ static int place_affinity(FastPath *f, long n, long near, Ids *taken) {
     return place_best_fit(f, remaining, taken);
 }
 
+/* PageTable.lowest_open: the lowest-numbered mapped page with a free slot, in use or pooled; -2 none */
+static long lowest_open(FastPath *f) {
+    long best = LONG_MAX;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(f->reserved); i++) {
+        long page = list_long(f->reserved, i);
+        if (page == -1 && PyErr_Occurred()) return -1;
+        if (page < best) best = page;
+    }
+    for (long fr = 1; fr <= (long)f->bpp; fr++) {
+        PyObject *bucket = PyList_GET_ITEM(f->partial, fr);
+        if (!PySet_GET_SIZE(bucket)) continue;
+        long low = set_min(f, bucket);
+        if (low < 0) return -1;
+        if (low < best) best = low;
+    }
+    if (best == LONG_MAX) return -2;
+    if (best < 0 || best >= PyList_GET_SIZE(f->used)) {
+        PyErr_Format(PyExc_RuntimeError, "page table: pool page %ld out of range", best);
+        return -1;
+    }
+    return best;
+}
+
+/* PageTable.take_reserved(page): that page leaves the pool (its first occurrence, as list.remove) */
+static int take_reserved(FastPath *f, long page) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(f->reserved); i++) {
+        if (list_long(f->reserved, i) == page) return PyList_SetSlice(f->reserved, i, i + 1, NULL);
+    }
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "page table: page %ld is not in the pool", page);
+    return -1;
+}
+
+/* FirstFit.place: block after block into the lowest-numbered page with a free slot */
+static int place_first_fit(FastPath *f, long remaining, Ids *taken) {
+    while (remaining) {
+        long page = lowest_open(f);
+        if (page == -1) return -1;
+        if (page >= 0 && list_long(f->used, page) == 0) {
+            if (take_reserved(f, page) < 0) return -1;
+        } else if (page == -2) {
+            page = empty_page(f);
+            if (page < 0) return page == -1 ? -1 : 0;
+        }
+        long k = MIN(free_slots(f, page), remaining);
+        TAKE(page, k);
+    }
+    return 1;
+}
+
+/* placement.place_draining: while a lowered limit waits, the fullest in-use pages first, never a new one */
+static int place_draining(FastPath *f, long remaining, Ids *taken) {
+    while (remaining) {
+        long page = best_fit(f, 1);
+        if (page < 0) return page == -1 ? -1 : 0;
+        long k = MIN(free_slots(f, page), remaining);
+        TAKE(page, k);
+    }
+    return 1;
+}
+
 static inline void put_u64(char *buf, Py_ssize_t off, uint64_t v) { memcpy(buf + off, &v, 8); }
 static inline void put_i32(char *buf, Py_ssize_t off, int32_t v) { memcpy(buf + off, &v, 4); }
 
@@ -707,7 +770,7 @@ fail:
 
 /* alloc(n, near) -> list of block ids, or None when pages ran out (the blocks taken were given
  * back through the manager's _release_blocks; the caller publishes and reports). The caller holds
- * the manager's lock and has checked the fast path applies (open, no deferred limit). */
+ * the manager's lock and has checked the fast path applies (open). */
 static PyObject *FastPath_alloc(FastPath *f, PyObject *const *args, Py_ssize_t nargs) {
     long n, near = -1;
     if (nargs != 2) {
@@ -731,8 +794,13 @@ static PyObject *FastPath_alloc(FastPath *f, PyObject *const *args, Py_ssize_t n
     Ids taken = {.v = NULL, .n = 0, .cap = 128};
     taken.v = taken.stack;
     PyObject *list = NULL;
-    int ok = f->affinity && near_obj != Py_None ? place_affinity(f, n, near, &taken)
-                                                 : place_best_fit(f, n, &taken);
+    long status;
+    int ok;
+    if (get_long_attr(f->mgr_d, f->n[R_limit_status], &status) < 0) ok = -1;
+    else if (status == f->limit_deferred) ok = place_draining(f, n, &taken); /* manager._place */
+    else if (f->policy == POLICY_FIRST_FIT) ok = place_first_fit(f, n, &taken);
+    else if (f->policy == POLICY_AFFINITY && near_obj != Py_None) ok = place_affinity(f, n, near, &taken);
+    else ok = place_best_fit(f, n, &taken);
     STAMP(2);
     if (store_state(f) < 0) ok = -1;
     if (ok < 0) goto fail;
@@ -799,7 +867,7 @@ static int request_refill(FastPath *f) {
 /* manager_alloc(n, *, near=None): all of KVCacheManager.alloc in one call, installed as the
  * manager's `alloc`. Right after an engine's GPU wait the Python around the C placement cost
  * more than the placement itself (benchmarks/probes/alloc_stages.py); here it is a few C calls.
- * Whatever the fast path does not serve (a closed manager, a deferred limit, arguments that are
+ * Whatever the fast path does not serve (a closed manager, arguments that are
  * not plain ints) goes to the Python method, which is the reference. */
 static PyObject *FastPath_manager_alloc(FastPath *f, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *near = Py_None;
@@ -816,10 +884,9 @@ static PyObject *FastPath_manager_alloc(FastPath *f, PyObject *const *args, Py_s
     PyObject *r = PyObject_CallNoArgs(f->lock_acquire);
     if (!r) return NULL;
     Py_DECREF(r);
-    long status;
     PyObject *closed = PyDict_GetItemWithError(f->mgr_d, f->n[R_closed]);
-    if ((!closed && PyErr_Occurred()) || get_long_attr(f->mgr_d, f->n[R_limit_status], &status) < 0) return unlock(f, NULL);
-    if (closed != Py_False || status == f->limit_deferred) {
+    if (!closed && PyErr_Occurred()) return unlock(f, NULL);
+    if (closed != Py_False) { /* the Python method raises what a closed allocator raises */
         PyObject *done = unlock(f, Py_NewRef(Py_None));
         if (!done) return NULL;
         Py_DECREF(done);
@@ -1004,11 +1071,11 @@ static PyObject *role_attr(PyObject *names, PyObject *obj, const char *role) {
 }
 
 static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"manager", "affinity", "slack", "offsets", "names", NULL};
+    static char *kwlist[] = {"manager", "policy", "slack", "offsets", "names", NULL};
     PyObject *mgr, *offsets, *names;
-    int affinity;
+    int policy;
     double slack;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OpdO!O!", kwlist, &mgr, &affinity, &slack, &PyDict_Type, &offsets,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OidO!O!", kwlist, &mgr, &policy, &slack, &PyDict_Type, &offsets,
                                      &PyDict_Type, &names))
         return -1;
     for (int i = 0; i < N_FIELDS; i++) {
@@ -1023,7 +1090,11 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
         Py_XSETREF(f->n[i], name);
     }
     f->mgr = Py_NewRef(mgr);
-    f->affinity = affinity;
+    if (policy != POLICY_BEST_FIT && policy != POLICY_AFFINITY && policy != POLICY_FIRST_FIT) {
+        PyErr_Format(PyExc_ValueError, "unknown placement policy code %d (fastpath.POLICY_CODES)", policy);
+        return -1;
+    }
+    f->policy = policy;
     f->slack = slack;
     if (!(f->pages = role_attr(names, mgr, "pages")) || !(f->cache = role_attr(names, mgr, "cache")) ||
         !(f->seg = role_attr(names, mgr, "segment")))

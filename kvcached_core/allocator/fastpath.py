@@ -15,10 +15,11 @@ which object plays each role it needs, :func:`_offsets` where the segment keeps 
 passed in when an allocator binds it.
 
 ``KVCACHED_FASTPATH``: ``auto`` (default: use it when it was built, else say once why not and stay
-in Python), ``0`` (never), ``1`` (always: the allocator fails to start without it). It serves the ``affinity`` and
-``best-fit`` policies, on one rank or several (tensor parallelism: the ranks' records are published as in
-Python), while no lowered limit is waiting; anything else (first-fit, a deferred limit, ids that are not plain
-ints) takes the Python path.
+in Python), ``0`` (never), ``1`` (always: the allocator fails to start without it). It serves every
+placement: the three policies, and the fullest-first placement while a lowered limit waits
+(``placement.place_draining``), on one rank or several (tensor parallelism: the ranks' records are
+published as in Python). A closed allocator, ids that are not plain ints and a policy subclass of one's own
+take the Python path.
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ BINDING: dict[str, tuple[str, str, str]] = {
 }
 
 
+# fastpath.c's placement codes (its POLICY_* enum); a policy class not named in attach() stays in Python.
+POLICY_BEST_FIT, POLICY_AFFINITY, POLICY_FIRST_FIT = 0, 1, 2
+
+
 def mode_from_env() -> str:
     return tristate_env(FASTPATH_ENV)
 
@@ -114,12 +119,13 @@ def require(mode: str) -> None:
 
 def attach(manager: Any, policy: Any, mode: str | None = None) -> tuple[Any | None, str]:
     """A FastPath bound to ``manager`` when its policy and mode allow one, else None and why."""
-    from .placement import Affinity, Policy  # noqa: PLC0415 - placement imports nothing from here
+    from .placement import Affinity, FirstFit, Policy  # noqa: PLC0415 - placement imports nothing from here
 
     mode = mode_from_env() if mode is None else mode
     if mode == "off":
         return None, f"{FASTPATH_ENV}=0"
-    if type(policy) not in (Policy, Affinity):
+    code = {Policy: POLICY_BEST_FIT, Affinity: POLICY_AFFINITY, FirstFit: POLICY_FIRST_FIT}.get(type(policy))
+    if code is None:
         return None, f"policy {policy.name!r} runs in Python"
     unknown = [name for name in L.COUNTER_FIELDS if name not in C_COUNTERS]
     if unknown:
@@ -129,8 +135,7 @@ def attach(manager: Any, policy: Any, mode: str | None = None) -> tuple[Any | No
     if module is None:
         native.say_unavailable("fastpath", why)
         return None, why
-    affinity = type(policy) is Affinity
-    fast = module.FastPath(manager, affinity, float(getattr(policy, "slack", 0.0)),
+    fast = module.FastPath(manager, code, float(getattr(policy, "slack", 0.0)),
                            _offsets(manager.bundle_bytes, manager.pages.pages_total, manager.tp_world),
                            binding_names())
     return fast, ""

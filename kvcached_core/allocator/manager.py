@@ -223,7 +223,7 @@ class KVCacheManager:
                 self._check_open()
             self._map_error = None
             fast = self._fast
-            if fast is not None and self.limit_status != L.LIMIT_DEFERRED and (near is None or type(near) is int):
+            if fast is not None and (near is None or type(near) is int):
                 ids = fast.alloc(n, near)  # places, counts and publishes, as below
             else:
                 ids = self._place(n, near)

@@ -78,7 +78,7 @@ static const char *const OBJECT_ROLE_NAMES[] = {OBJECT_ROLES(ROLE_NAME)};
 
 static PyObject *S_near; /* alloc()'s keyword argument */
 
-/* The placement policies, as fastpath.POLICY_CODES numbers them */
+/* The placement policies, as fastpath.POLICY_* numbers them */
 enum { POLICY_BEST_FIT = 0, POLICY_AFFINITY = 1, POLICY_FIRST_FIT = 2 };
 
 typedef struct {
@@ -93,7 +93,7 @@ typedef struct {
     PyObject *rank_records; /* tensor parallelism: the manager's rank_records method; NULL on one rank */
     Py_ssize_t ranks_off, rank_size, ranks_max, o_rank[7]; /* layout.RANK: where each record and field lies */
     Py_ssize_t bpp, nblocks;
-    int policy; /* POLICY_BEST_FIT, POLICY_AFFINITY or POLICY_FIRST_FIT (fastpath.POLICY_CODES) */
+    int policy; /* POLICY_BEST_FIT, POLICY_AFFINITY or POLICY_FIRST_FIT (fastpath.POLICY_*) */
     double slack;
     long long bundle_bytes;
     unsigned long page_mapped;
@@ -1091,7 +1091,7 @@ static int FastPath_init(FastPath *f, PyObject *args, PyObject *kw) {
     }
     f->mgr = Py_NewRef(mgr);
     if (policy != POLICY_BEST_FIT && policy != POLICY_AFFINITY && policy != POLICY_FIRST_FIT) {
-        PyErr_Format(PyExc_ValueError, "unknown placement policy code %d (fastpath.POLICY_CODES)", policy);
+        PyErr_Format(PyExc_ValueError, "unknown placement policy code %d (fastpath.POLICY_*)", policy);
         return -1;
     }
     f->policy = policy;

@@ -1,12 +1,14 @@
 /* The allocator's hot path in C: alloc (placement plus the segment publish that follows it) and free.
  *
- * It mirrors kvcached_core/allocator/placement.py (Policy.place, Affinity.place), pages.py (take_blocks,
- * best_fit, emptiest, free_blocks) and manager.py (free, _release_blocks, _publish) step for step, on the very same Python objects
- * (the page table's lists and sets, the segment's mapping), so the Python code stays the one
- * source of truth and either path may run at any time. Which attributes it works on is fastpath.py's
- * BINDING, passed in as ``names``: FIELD_ROLES and OBJECT_ROLES below list the roles it needs. tests/test_fastpath.py checks that both
- * produce the same blocks and the same segment bytes. The interpreter's dispatch is what this
- * removes (benchmarks/probes/tight_alloc.py compares the two paths).
+ * It mirrors kvcached_core/allocator/placement.py (Policy.place, Affinity.place, FirstFit.place,
+ * place_draining), pages.py (take_blocks, best_fit, emptiest, lowest_open, free_blocks) and manager.py
+ * (free, _release_blocks, _publish) step for step, on the very same Python objects (the page table's
+ * lists and sets, the segment's mapping): there is one state, the Python code is the reference and
+ * the path without a compiler, and either path may run at any time. tests/test_fastpath.py checks
+ * that both produce the same blocks and the same segment bytes. Which attributes it works on is
+ * fastpath.py's BINDING, passed in as ``names`` (FIELD_ROLES and OBJECT_ROLES below list the roles it
+ * needs); where the segment keeps what it writes, fastpath._offsets. The interpreter's dispatch is
+ * what this removes (benchmarks/probes/tight_alloc.py compares the two paths).
  *
  * Built when the package is installed (setup.py), as the optional extension kvcached_core.allocator._fastpath;
  * without it the allocator stays on the Python path and says so once.

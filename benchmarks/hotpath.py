@@ -85,7 +85,7 @@ def run(quick: bool) -> list[dict]:
             ("ours, affinity (default)", "affinity", "seqlock", True),
             ("ours, affinity, Python path (KVCACHED_FASTPATH=0)", "affinity", "seqlock", False),
             ("ours, best-fit", "best-fit", "seqlock", True),
-            ("ours, first-fit (Python path)", "first-fit", "seqlock", True),
+            ("ours, first-fit", "first-fit", "seqlock", True),
             ("upstream-style: best-fit + flock publish per op", "best-fit", "legacy", False),
             ("bookkeeping only (affinity, publish disabled)", "affinity", "off", False),
         ):

@@ -205,3 +205,5 @@ m.set_compact_handler(boom)
     assert (now.pages_inuse, now.blocks_cached, now.mapped_bytes) == (4, 32, 4 * BUNDLE)
     again = kvctl("compact", "cc")  # dense now: nothing moves, 0 bytes, exit 0
     assert again.exit_code == 0 and "returned 0 B (0 bytes), copied 0 B (0 bytes)" in again.stdout, again.stdout
+    asked = kvctl("compact", "cc", "--wait", "0", "--json")  # as limit and trim's --wait: 0 asks, does not wait
+    assert asked.exit_code == 0 and json.loads(asked.stdout)["status"] == "pending", asked.stdout

@@ -104,6 +104,7 @@ CASES = [
     Case("stale-compact", ("compact", "m2"), FAILURE, "stale", ("stale",)),
     Case("unknown-model-compact", ("compact", "nosuch"), FAILURE, "no model named 'nosuch'"),
     Case("compact-bad-timeout", ("compact", "m1", "--timeout", "-1"), USAGE, "-1.0 is not in the range x>=0"),
+    Case("compact-bad-wait", ("compact", "m1", "--wait", "soon"), USAGE, "'soon' is not a valid float"),
     Case("legacy-frag", ("frag", "kvcached"), FAILURE, "publishes no page map", ("legacy",)),
     Case("theirs-limit", ("limit", "theirs", "1G"), FAILURE, f"uid {OTHER_UID}", ("live", "theirs")),
     Case("theirs-trim", ("trim", "theirs"), FAILURE, f"uid {OTHER_UID}", ("theirs",)),

@@ -13,10 +13,11 @@ from kvtop.cli.common import emit_json, pick, read
 
 @click.command("compact")
 @model_argument()
-@click.option("--timeout", type=click.FloatRange(min=0), default=10.0, show_default=True, metavar="SEC",
-              help="Seconds to wait for the model's answer (0: do not wait).")
+@click.option("--wait", "--timeout", "wait", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              metavar="SEC", help="Seconds to wait for the model's answer (0: do not wait), as limit and trim's "
+                                  "--wait (--timeout: the same).")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
-def compact_cmd(model: str, timeout: float, as_json: bool) -> None:
+def compact_cmd(model: str, wait: float, as_json: bool) -> None:
     """Compact a model's prefix cache: its engine copies cached blocks into holes of denser pages, and the
     pages emptied are unmapped. Prints the bytes returned and the bytes copied.
 
@@ -34,7 +35,7 @@ def compact_cmd(model: str, timeout: float, as_json: bool) -> None:
 
     m = pick(model, read())
     try:
-        ack = request_compact(m, wait=timeout)
+        ack = request_compact(m, wait=wait)
     except (ControlError, AckTimeout, OSError) as exc:
         raise Failure(str(exc)) from None
     if as_json:

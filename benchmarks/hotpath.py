@@ -9,6 +9,8 @@ and the publish of each state change. Rows:
 * upstream-style: the same allocator (``best-fit``, upstream's policy, Python path) with every
   publish replaced by upstream's status update (open, flock, mmap, write, close the 24-byte file);
 * bookkeeping alone (Python path, publish disabled), to show what the publish costs inside the pair;
+* a tensor-parallel scheduler with two host rank workers, C path and Python path: a warm pool maps
+  nothing, so no rank is asked and the pair is placement plus a publish that writes the ranks' records;
 * ``alloc`` alone (its ``free`` untimed), C path and Python path side by side.
 """
 
@@ -22,14 +24,20 @@ from ._common import legacy_create, legacy_publish, private_segments, summary_us
 BLOCKS = 16
 
 
-def _manager(policy: str, fastpath: bool = True):  # noqa: ANN202
+def _manager(policy: str, fastpath: bool = True, world: int = 1):  # noqa: ANN202
+    """A warm allocator; ``world`` > 1: a tensor-parallel scheduler with that many host rank workers."""
     from kvcached_core.allocator.manager import KVCacheManager
+    from kvcached_core.tp import scheduler
 
     saved = os.environ.get("KVCACHED_FASTPATH")
     os.environ["KVCACHED_FASTPATH"] = "auto" if fastpath else "0"
+    geometry = dict(num_blocks=64 * 256, block_bytes=32 * 1024, num_layers=2, page_size=2 * 1024 * 1024,
+                    policy=policy)
     try:
-        m = KVCacheManager(f"bench-hot-{policy}", num_blocks=64 * 256, block_bytes=32 * 1024, num_layers=2,
-                           page_size=2 * 1024 * 1024, policy=policy)
+        if world > 1:
+            m = scheduler(f"bench-hot-tp{world}-{policy}", world=world, **geometry)
+        else:
+            m = KVCacheManager(f"bench-hot-{policy}", **geometry)  # type: ignore[arg-type]
     finally:
         if saved is None:
             del os.environ["KVCACHED_FASTPATH"]
@@ -105,6 +113,18 @@ def run(quick: bool) -> list[dict]:
             results[label] = stats
             rows.append({"name": f"alloc({BLOCKS})+free pair: {label}", "value": round(stats["p50"], 2),
                          "unit": "µs p50", "note": f"p99 {stats['p99']:.2f} µs; {count} pairs, pool warm"})
+        for label, fast in (("C path", True), ("Python path", False)):
+            label = f"ours, affinity, 2 ranks (tensor parallelism), {label}"
+            m = _manager("affinity", fast, world=2)
+            try:
+                assert (m._fast is not None) == (fast and m.fastpath_reason == ""), m.fastpath_reason
+                stats = summary_us(_pairs(m, count // 4))  # each rank worker is a process of its own: fewer pairs
+            finally:
+                m.close()
+            results[label] = stats
+            rows.append({"name": f"alloc({BLOCKS})+free pair: {label}", "value": round(stats["p50"], 2),
+                         "unit": "µs p50", "note": f"p99 {stats['p99']:.2f} µs; {count // 4} pairs, pool warm "
+                                                   "(no page is mapped, so no rank is asked)"})
         for label, fast in (("C path (default)", True), ("Python path", False)):
             m = _manager("affinity", fast)
             try:

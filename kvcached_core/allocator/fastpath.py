@@ -48,7 +48,7 @@ C_COUNTERS = frozenset((
 # "field": read (and maybe written) at each call, through the owner's ``__dict__`` (fastpath.c's FIELD_ROLES);
 # "object": fetched once when the fast path is bound: a container C works in place, a method it calls
 # (OBJECT_ROLES).
-# C names no Python attribute itself; renaming one here follows a rename there, and
+# C names no Python attribute itself: an attribute renamed in Python is renamed here, and
 # tests/test_fastpath.py checks every entry against a live allocator.
 BINDING: dict[str, tuple[str, str, str]] = {
     # the page table (pages.py): the containers placement works in, and its counts

@@ -91,12 +91,11 @@ class Policy:
         """Cached blocks to give back on idle: the sparsest whole pages until pinned <= pack_ratio x floor."""
         if self.pack_ratio is None or not cache.blocks:
             return []
-        bpp, used = pages.bpp, pages.used
+        bpp = pages.bpp
         pinned, held = pages.pages_inuse, pages.blocks_used
         if pinned <= self.pack_ratio * -(-held // bpp):
             return []
-        candidates = sorted((len(on_page), cache.newest_age(page), page)
-                            for page, on_page in cache.by_page.items() if len(on_page) == used[page])
+        candidates = sorted(whole_cached_pages(cache, pages))
         victims: list[int] = []
         for cost, _age, page in candidates:
             if pinned <= self.pack_ratio * -(-held // bpp):
@@ -107,17 +106,18 @@ class Policy:
         return victims
 
 
+def whole_cached_pages(cache: PrefixCache, pages: PageTable) -> list[tuple[int, int, int]]:
+    """(cached blocks, newest block's age, page) of every page all of whose used blocks are cached: the pages
+    an eviction empties, and so returns. Sorting them puts the cheapest first, least recently used among equals."""
+    used = pages.used
+    return [(len(on_page), next(reversed(on_page.values())), page)
+            for page, on_page in cache.by_page.items() if len(on_page) == used[page]]
+
+
 def _whole_pages_then_lru(cache: PrefixCache, n: int, pages: PageTable, cutoff: int | None) -> list[int]:
     """Whole pages (no active block; newest cached block not younger than ``cutoff``) that fit in
     ``n``, cheapest first and least recently used among equals; then the oldest blocks."""
-    used = pages.used
-    whole = []
-    for page, on_page in cache.by_page.items():
-        if len(on_page) == used[page]:
-            newest = next(reversed(on_page.values()))
-            if cutoff is None or newest <= cutoff:
-                whole.append((len(on_page), newest, page))
-    whole.sort()
+    whole = sorted(w for w in whole_cached_pages(cache, pages) if cutoff is None or w[1] <= cutoff)
     victims: list[int] = []
     for cost, _age, page in whole:
         if len(victims) + cost > n:
@@ -220,11 +220,8 @@ def drain_victims(cache: PrefixCache, pages: PageTable, limit_pages: int) -> lis
     over = pages.pages_inuse - limit_pages
     if over <= 0 or not cache.blocks:
         return []
-    used = pages.used
-    whole = [(len(on_page), next(reversed(on_page.values())), page)
-             for page, on_page in cache.by_page.items() if len(on_page) == used[page]]
     victims: list[int] = []
-    for _cost, _age, page in heapq.nsmallest(over, whole):
+    for _cost, _age, page in heapq.nsmallest(over, whole_cached_pages(cache, pages)):
         victims += cache.by_page[page]
     return victims
 

@@ -49,10 +49,6 @@ class PrefixCache:
             return 0
         return max(0, len(self.blocks) - self.budget)
 
-    def newest_age(self, page: int) -> int:
-        """Age of the most recently cached block on ``page`` (the page's last use)."""
-        return next(reversed(self.by_page[page].values()))
-
     def oldest(self, n: int) -> list[int]:
         """Up to ``n`` cached blocks, least recently cached first (plain LRU)."""
         out: list[int] = []

@@ -412,11 +412,10 @@ def _compaction(body: bytes) -> CompactInfo:
 
 def _traffic(body: bytes, now_ns: int) -> Traffic | None:
     """The engine's traffic words, or None when it publishes none."""
-    if not L.U64.unpack_from(body, L.TRAFFIC_OFF)[0]:  # published: 0 until an engine writes them
+    published, *rest = L.TRAFFIC.unpack_from(body, L.TRAFFIC_OFF)  # TRAFFIC_FIELDS[0]: 0 until an engine writes
+    if not published:
         return None
-    values = dict(zip(L.TRAFFIC_FIELDS, L.TRAFFIC.unpack_from(body, L.TRAFFIC_OFF), strict=True))
-    del values["published"]
-    return Traffic(**values, read_ns=now_ns)
+    return Traffic(**dict(zip(L.TRAFFIC_FIELDS[1:], rest, strict=True)), read_ns=now_ns)
 
 
 class _KeptFiles:

@@ -77,9 +77,10 @@ class PollFailed(Message):
 class ControlDone(Message):
     """A trim or limit request finished (acknowledged, timed out or refused)."""
 
-    def __init__(self, events: list[Event]) -> None:
+    def __init__(self, events: list[Event], finished: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__()
         self.events = events
+        self.finished = finished  # the (kind, model) requests this message ends
 
 
 class KvtopApp(App[int]):
@@ -144,6 +145,9 @@ class KvtopApp(App[int]):
         self._stopping = threading.Event()
         self._prev: Frame | None = None
         self._logged: set[tuple] = set()
+        # (kind, model) of our own requests still in a control worker: the worker reports their
+        # acknowledgement with its latency, so the refresh diff's shorter line for them is held back
+        self._awaiting: set[tuple[str, str]] = set()
         self._visible: list[ModelSnapshot] = []
         self._said: dict[str, float] = {}  # notification -> when it was last shown
 
@@ -293,9 +297,12 @@ class KvtopApp(App[int]):
         self.status_line.show(self.frame, interval=self.interval, paused=self.paused, readonly=self.readonly,
                               sort_key=self.sort_key, filter_text=self.filter_text, waiting_for=self.model_arg)
 
-    def _add_events(self, events: list[Event]) -> None:
+    def _add_events(self, events: list[Event], own: bool = False) -> None:
+        """Log ``events``; an acknowledgement is logged once, by the worker when the request was ours."""
         log = self.event_log
         for event in events:
+            if event.key and not own and event.key[:2] in self._awaiting:
+                continue
             if event.key:
                 if event.key in self._logged:
                     continue
@@ -547,59 +554,62 @@ class KvtopApp(App[int]):
         self.push_screen(LimitScreen(m), chosen)
 
     def _control(self, kind: str, models: list[ModelSnapshot], value: int | None) -> None:
+        self._awaiting.update((kind, m.name) for m in models)
         self.run_worker(partial(self._control_thread, kind, models, value), thread=True, group="control",
                         exit_on_error=False, description=f"{kind} {', '.join(m.name for m in models)}")
 
     def _control_thread(self, kind: str, models: list[ModelSnapshot], value: int | None) -> None:
         """Runs in a worker thread: ask each model and wait for its acknowledgement."""
         events: list[Event] = []
-        for m in models:
-            try:
-                if kind == "compact":
-                    ack = self.source.compact(m, CONTROL_WAIT_S)
-                    events.append(Event(time.time(), "compacted", m.name,
-                                        f"compaction acknowledged: {format_bytes(ack.bytes_returned)} returned, "
-                                        f"{format_bytes(ack.bytes_copied)} copied in {ack.latency_s * 1000:.0f} ms",
-                                        GOOD))
-                elif kind in ("sleep", "wake"):
-                    ack = self.source.sleep(m, kind, CONTROL_WAIT_S)
-                    text = f"{kind} acknowledged: {ack.status}"
-                    if ack.status == "asleep":
-                        text += f", {format_bytes(ack.bytes_returned)} released in {ack.latency_s * 1000:.0f} ms"
-                    elif ack.status == "draining":
-                        text += " (running requests finish first)"
-                    events.append(Event(time.time(), kind, m.name, text,
-                                        WARN if ack.status == "superseded" else GOOD))
-                    if ack.status == "draining":  # say so now, then when it is asleep
-                        self.post_message(ControlDone(events))
-                        events = [e for e in (self._asleep_event(m),) if e is not None]
-                elif kind == "trim":
-                    ack = self.source.trim(m, CONTROL_WAIT_S)
-                    events.append(Event(time.time(), "trimmed", m.name,
-                                        f"trim acknowledged: {format_bytes(ack.bytes_returned)} returned "
-                                        f"in {ack.latency_s * 1000:.0f} ms; {REFILL_NOTE}", GOOD,
-                                        ("trim", m.name, ack.revision)))
-                else:
-                    ack = self.source.limit(m, value, CONTROL_WAIT_S)
-                    shown = "none" if ack.effective_limit is None else format_bytes(ack.effective_limit)
-                    if ack.status == "legacy":
-                        text, level = f"limit {shown} written to the upstream total field", GOOD
-                        if ack.in_use is not None and ack.effective_limit is not None and ack.in_use > ack.effective_limit:
-                            text += f"; pending: {format_bytes(ack.in_use)} is in use, it applies only as pages free"
-                            level = WARN
-                        events.append(Event(time.time(), "limit", m.name, text, level))
+        try:
+            for m in models:
+                try:
+                    if kind == "compact":
+                        ack = self.source.compact(m, CONTROL_WAIT_S)
+                        events.append(Event(time.time(), "compacted", m.name,
+                                            f"compaction acknowledged: {format_bytes(ack.bytes_returned)} returned, "
+                                            f"{format_bytes(ack.bytes_copied)} copied in {ack.latency_s * 1000:.0f} ms",
+                                            GOOD))
+                    elif kind in ("sleep", "wake"):
+                        ack = self.source.sleep(m, kind, CONTROL_WAIT_S)
+                        text = f"{kind} acknowledged: {ack.status}"
+                        if ack.status == "asleep":
+                            text += f", {format_bytes(ack.bytes_returned)} released in {ack.latency_s * 1000:.0f} ms"
+                        elif ack.status == "draining":
+                            text += " (running requests finish first)"
+                        events.append(Event(time.time(), kind, m.name, text,
+                                            WARN if ack.status == "superseded" else GOOD))
+                        if ack.status == "draining":  # say so now, then when it is asleep
+                            self.post_message(ControlDone(events))
+                            events = [e for e in (self._asleep_event(m),) if e is not None]
+                    elif kind == "trim":
+                        ack = self.source.trim(m, CONTROL_WAIT_S)
+                        events.append(Event(time.time(), "trimmed", m.name,
+                                            f"trim acknowledged: {format_bytes(ack.bytes_returned)} returned "
+                                            f"in {ack.latency_s * 1000:.0f} ms; {REFILL_NOTE}", GOOD,
+                                            ("trim", m.name, ack.revision)))
                     else:
-                        level = WARN if ack.status in ("deferred", "conflict", "superseded") else GOOD
-                        text = f"limit r{ack.revision} acknowledged: {ack.status}, effective {shown}"
-                        if ack.status == "deferred":
-                            text += f" (asked {format_bytes(value)}: waits for pages to empty)"
-                        events.append(Event(time.time(), "limit", m.name, text, level,
-                                            ("limit", m.name, ack.revision)))
-            except AckTimeout as exc:
-                events.append(Event(time.time(), kind, m.name, f"{kind} not acknowledged: {exc}", WARN))
-            except (ControlError, ModelNotFound, OSError, ValueError) as exc:
-                events.append(Event(time.time(), kind, m.name, f"{kind} failed: {exc}", ERROR))
-        self.post_message(ControlDone(events))
+                        ack = self.source.limit(m, value, CONTROL_WAIT_S)
+                        shown = "none" if ack.effective_limit is None else format_bytes(ack.effective_limit)
+                        if ack.status == "legacy":
+                            text, level = f"limit {shown} written to the upstream total field", GOOD
+                            if ack.in_use is not None and ack.effective_limit is not None and ack.in_use > ack.effective_limit:
+                                text += f"; pending: {format_bytes(ack.in_use)} is in use, it applies only as pages free"
+                                level = WARN
+                            events.append(Event(time.time(), "limit", m.name, text, level))
+                        else:
+                            level = WARN if ack.status in ("deferred", "conflict", "superseded") else GOOD
+                            text = f"limit r{ack.revision} acknowledged: {ack.status}, effective {shown}"
+                            if ack.status == "deferred":
+                                text += f" (asked {format_bytes(value)}: waits for pages to empty)"
+                            events.append(Event(time.time(), "limit", m.name, text, level,
+                                                ("limit", m.name, ack.revision)))
+                except AckTimeout as exc:
+                    events.append(Event(time.time(), kind, m.name, f"{kind} not acknowledged: {exc}", WARN))
+                except (ControlError, ModelNotFound, OSError, ValueError) as exc:
+                    events.append(Event(time.time(), kind, m.name, f"{kind} failed: {exc}", ERROR))
+        finally:  # even on an error no except names, so the diff reports these models again
+            self.post_message(ControlDone(events, tuple((kind, m.name) for m in models)))
 
     def _asleep_event(self, m: ModelSnapshot) -> Event | None:
         """In the control worker: a model that acknowledged a sleep while draining, once it is asleep (None
@@ -616,7 +626,8 @@ class KvtopApp(App[int]):
         return None
 
     def on_control_done(self, message: ControlDone) -> None:
-        self._add_events(message.events)
+        self._add_events(message.events, own=True)
+        self._awaiting.difference_update(message.finished)
         for event in message.events:
             if event.level == ERROR:
                 self.notify(f"{event.model}: {event.text}", severity="error", markup=False)

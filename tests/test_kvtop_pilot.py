@@ -72,6 +72,40 @@ def test_t_then_y_trims_the_selected_model(spawn_allocator) -> None:
     assert log_has(app, f"trim acknowledged: {kc.format_bytes(after.trim_bytes)} returned")
 
 
+class RefreshFirst(LiveSource):
+    """A live source whose trim answers only after kvtop's own refresh has shown the acknowledgement:
+    the order a busy machine can produce, forced."""
+
+    app: KvtopApp
+
+    def trim(self, model: kc.ModelSnapshot, wait: float) -> kc.Ack:
+        ack = super().trim(model, wait)
+        deadline = time.monotonic() + TIMEOUT_S
+        while not seen(self.app, model.name, lambda m: m.trim_ack_seq >= ack.revision):
+            assert time.monotonic() < deadline, "the refresh never showed the acknowledgement"
+            time.sleep(0.02)
+        return ack
+
+
+def test_a_trim_the_refresh_sees_first_is_logged_once_with_its_latency(spawn_allocator) -> None:
+    proc = spawn_allocator("m1", script="ids = m.alloc(20)\n")
+    send(proc, "m.try_to_reserve(40)")
+    source = RefreshFirst()
+    app = source.app = KvtopApp(source, interval=0.2)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1") and app.selected == "m1", "m1 on screen")
+        await pilot.press("t")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirm dialog")
+        await pilot.press("y")
+        await until(pilot, lambda: log_has(app, "trim acknowledged"), "the trim in the event log")
+        await pilot.pause(0.5)  # refreshes after the answer log nothing more about it
+
+    drive(app, script)
+    lines = [line for line in app.event_log.lines_text if "trim" in line and "requested" not in line]
+    assert len(lines) == 1 and " ms; " in lines[0], lines
+
+
 def test_l_sets_a_limit_deferred_then_a_percentage(spawn_allocator) -> None:
     spawn_allocator("m1", script="ids = m.alloc(20)\n")  # 5 pages in use (4 blocks per page)
     capacity = read_model("m1").device_capacity

@@ -214,6 +214,8 @@ class KvtopApp(App[int]):
         self._wake.set()
 
     def on_frame_ready(self, message: FrameReady) -> None:
+        if self.paused:  # read just before the pause: a paused screen does not change
+            return
         frame = message.frame
         prev = self._prev
         events = diff(prev.models if prev else None, frame.models, frame.taken_at,

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
 import pytest
 from conftest import send
+from textual.command import CommandPalette
 from textual.pilot import Pilot
+from textual.widgets import OptionList
 
 import kvcached_core as kc
 from kvcached_core.segment.reader import snapshot as read_model
 from kvtop.app import KvtopApp
-from kvtop.source import LiveSource
+from kvtop.source import Frame, LiveSource
 from kvtop.widgets import ConfirmScreen, LimitScreen
 
 MiB = 1024 * 1024
@@ -196,9 +199,15 @@ def test_trim_all_from_the_command_palette(spawn_allocator) -> None:
     async def script(pilot: Pilot) -> None:
         await until(pilot, lambda: seen(app, "a1") and seen(app, "a2"), "both models on screen")
         await pilot.press("ctrl+p")
-        await pilot.pause(0.3)
+        await until(pilot, lambda: isinstance(app.screen, CommandPalette), "the command palette")
         await pilot.press(*"trim all")
-        await pilot.pause(0.5)
+        options = app.screen.query_one(OptionList)
+
+        def trim_all_highlighted() -> bool:
+            at = options.highlighted
+            return at is not None and str(options.get_option_at_index(at).prompt).startswith("Trim all")
+
+        await until(pilot, trim_all_highlighted, "'Trim all' highlighted in the palette")
         await pilot.press("enter")
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirm dialog")
         await pilot.press("enter")  # Enter confirms too
@@ -248,16 +257,35 @@ def test_view_keys_change_state(spawn_allocator, keys, check) -> None:
     drive(app, script)
 
 
+class HeldReads(LiveSource):
+    """A live source whose reads wait while ``hold`` is set (``holding`` says one waits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold, self.holding = threading.Event(), threading.Event()
+
+    def read(self, selected: str | None) -> Frame:
+        deadline = time.monotonic() + TIMEOUT_S
+        while self.hold.is_set() and time.monotonic() < deadline:
+            self.holding.set()
+            time.sleep(0.01)
+        return super().read(selected)
+
+
 def test_paused_kvtop_stops_reading(spawn_allocator) -> None:
+    """Paused, the screen stands still: no read starts, and a read that was in flight is not shown."""
     proc = spawn_allocator("m1")
-    app = KvtopApp(LiveSource(), interval=0.1)
+    source = HeldReads()
+    app = KvtopApp(source, interval=0.1)
 
     async def script(pilot: Pilot) -> None:
         await until(pilot, lambda: seen(app, "m1"), "m1 on screen")
+        source.hold.set()  # the poller's next read waits until the pause is on: a read in flight
+        await until(pilot, source.holding.is_set, "a read in flight")
         await pilot.press("space")
-        await pilot.pause(0.3)
         frames = app.frames_seen
         send(proc, "ids = m.alloc(9)")
+        source.hold.clear()
         await pilot.pause(0.6)
         assert app.frames_seen == frames and app.frame.model("m1").blocks_used == 0
         await pilot.press("space")
@@ -367,6 +395,8 @@ def test_w_then_y_puts_the_selected_model_to_sleep_and_wakes_it(spawn_allocator)
         assert "wake" in str(app.screen.question).lower()  # type: ignore[attr-defined]
         await pilot.press("y")
         await until(pilot, lambda: log_has(app, "wake acknowledged: awake"), "the wake in the event log")
+        # The wake is acknowledged before the engine's handler allocates again.
+        await until(pilot, lambda: read_model("m1").blocks_used == 20, "the engine's blocks back")
 
     drive(app, script)
     after = read_model("m1")
@@ -394,21 +424,23 @@ def test_w_on_a_model_that_cannot_sleep_says_why(spawn_allocator) -> None:
 SLOW_SLEEPER = """
 import threading
 held = m.alloc(20)
+go = threading.Event()  # the test sets it once kvtop logged the drain
 def handler(action):
     global held
-    if action.startswith("sleep"):  # a request still running: the engine drains for a moment first
+    if action.startswith("sleep"):  # a request still running: the engine drains until the test says go
         def finish():
             global held
+            go.wait()
             m.free(held)
             held = []
             m.sleep.ready()
-        threading.Timer(0.5, finish).start()
+        threading.Thread(target=finish, daemon=True).start()
 m.set_sleep_handler(handler)
 """
 
 
 def test_a_sleep_acknowledged_while_draining_is_logged_again_once_asleep(spawn_allocator) -> None:
-    spawn_allocator("m1", script=SLOW_SLEEPER)
+    proc = spawn_allocator("m1", script=SLOW_SLEEPER)
     app = KvtopApp(LiveSource(), interval=0.2)
 
     async def script(pilot: Pilot) -> None:
@@ -417,6 +449,8 @@ def test_a_sleep_acknowledged_while_draining_is_logged_again_once_asleep(spawn_a
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirm dialog")
         await pilot.press("y")
         await until(pilot, lambda: log_has(app, "sleep acknowledged: draining"), "the draining ack in the event log")
+        assert not log_has(app, "asleep: ")
+        send(proc, "go.set()")
         await until(pilot, lambda: log_has(app, "asleep: "), "the model asleep in the event log")
 
     drive(app, script)

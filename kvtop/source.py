@@ -231,6 +231,12 @@ class FakeSource:
         """True once the whole script has been read."""
         return self.reads >= len(self.script)
 
+    @property
+    def final_at(self) -> float:
+        """The ``taken_at`` of the last scripted scan (and of every read after it): a frame taken then is
+        the one the screen holds from now on."""
+        return self.start + (len(self.script) - 1) * self.step
+
     def read(self, selected: str | None) -> Frame:
         index = min(self.reads, len(self.script) - 1)
         self.reads += 1

@@ -124,7 +124,7 @@ def test_a_deferred_limit_asks_again_once_finished_requests_leave_whole_cached_p
     try:
         for run in runs[1:]:
             index.cache(run)  # three requests end; their blocks stay cached, one request still runs
-        wait_for(lambda: kc.snapshot("lev").limit_status == "applied", timeout=3, what="the limit to apply")
+        wait_for(lambda: kc.snapshot("lev").limit_status == "applied", timeout=30, what="the limit to apply")
     finally:
         stop.set()
         thread.join()

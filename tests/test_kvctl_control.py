@@ -118,7 +118,9 @@ def test_no_acknowledgement_in_time_exits_1(spawn_allocator):
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     assert done.exit_code == 1
-    assert done.stderr == "kvctl: m1 did not acknowledge the limit within 0.3 s\n"
+    # One line; on a slow host it may add that the heartbeat went late meanwhile.
+    assert done.stderr.startswith("kvctl: m1 did not acknowledge the limit within 0.3 s")
+    assert done.stderr.count("\n") == 1 and done.stderr.endswith("\n")
     assert wait_for(lambda: listed("m1")["applied_revision"] == 1)  # it applies once it runs again
 
 

@@ -41,7 +41,7 @@ async def settled(pilot: Pilot) -> None:
     assert isinstance(app, KvtopApp)
     for _ in range(400):
         frame = app.frame
-        if (app.source.done and frame is not None and app.selected is not None
+        if (frame is not None and frame.taken_at == app.source.final_at and app.selected is not None
                 and frame.detail is not None and frame.detail.name == app.selected):
             await pilot.pause(0.1)
             return

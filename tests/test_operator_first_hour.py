@@ -414,8 +414,8 @@ def fake_app(**kwargs: object) -> KvtopApp:
 
 async def settled(pilot: Pilot) -> None:
     app = pilot.app
-    await until(pilot, lambda: app.source.done and app.frame is not None and app.frame.detail is not None,
-                "the fake fleet")
+    await until(pilot, lambda: app.frame is not None and app.frame.taken_at == app.source.final_at
+                and app.frame.detail is not None, "the fake fleet")
     await pilot.pause(0.1)
 
 

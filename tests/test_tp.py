@@ -246,12 +246,12 @@ def test_a_killed_worker_is_reported_not_waited_for(managers) -> None:
 
 
 def test_a_hung_worker_times_out_and_lets_go_of_its_memory(managers) -> None:
-    m = managers("tp-hang", 2, timeout=1)
+    m = managers("tp-hang", 2, timeout=3)  # the healthy rank answers within it even on a loaded host
     assert m.alloc(4) is not None
     worker = m.backend.workers.processes[1]
     os.kill(worker.pid, signal.SIGSTOP)
     try:
-        with pytest.raises(RankLost, match="did not answer map within 1 s"):
+        with pytest.raises(RankLost, match="did not answer map within 3 s"):
             m.alloc(8)
         snap = snapshot(m.name)
         assert [r.alive for r in snap.ranks] == [True, False]  # alive process, but lost to the model

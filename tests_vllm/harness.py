@@ -20,6 +20,9 @@ from pathlib import Path
 
 import psutil
 
+from kvcached_core.segment.reader import snapshot
+from kvcached_core.segment.snapshot import ModelSnapshot
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 420.0
@@ -140,3 +143,20 @@ def kvctl(*args: str, env: dict[str, str], check: bool = True) -> subprocess.Com
     if check and proc.returncode != 0:
         raise AssertionError(f"kvctl {' '.join(args)} exited {proc.returncode}: {proc.stderr}")
     return proc
+
+
+def settled(name: str, directory: Path, *, quiet_s: float = 1.0, timeout: float = 60.0) -> ModelSnapshot:
+    """The model's snapshot once its mapped and reserved pages stayed the same for ``quiet_s``: the refill
+    thread maps ahead a little after traffic (at nice +10, so late on a busy host), and a figure read
+    before it lands is not the one a trim or a sleep acts on."""
+    deadline = time.monotonic() + timeout
+    last = snapshot(name, directory=directory, with_pages=False)
+    since = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = snapshot(name, directory=directory, with_pages=False)
+        if (now.mapped_bytes, now.pages_reserved) != (last.mapped_bytes, last.pages_reserved):
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return now
+    raise AssertionError(f"{name}'s mapped pages kept changing for {timeout} s")

@@ -21,7 +21,7 @@ from kvcached_core.segment.snapshot import ModelSnapshot
 from kvcached_vllm.tiny import prompts
 
 from .conftest import BASELINE_TOKENS, LONG, NAME, REPEATED, SHORT
-from .harness import Server, base_env, kvctl, run_offline
+from .harness import Server, base_env, kvctl, run_offline, settled
 
 MiB = 1024 * 1024
 
@@ -78,8 +78,8 @@ def test_kvctl_and_kvtop_show_the_engine_while_it_serves(server: Server, ctl_env
         # processes) read once the requests hold blocks (more than the engine's placeholder block).
         work = runner.submit(sample_while, lambda: complete_all(server, LONG[:8], 400), directory,
                              lambda m: m.blocks_used)
-        wait_for(lambda: snapshot(NAME, directory=directory, with_pages=False).blocks_used > 1, timeout=120,
-                 every=0.01)
+        wait_for(lambda: (t := snapshot(NAME, directory=directory, with_pages=False).traffic) is not None
+                 and t.running > 0, timeout=120, every=0.01)
         rows = [r for r in json.loads(kvctl("list", "--json", env=ctl_env).stdout) if r["name"] == NAME]
         shown = json.loads(kvctl("show", NAME, "--json", env=ctl_env).stdout)
         screen = subprocess.run([str(Path(sys.executable).parent / "kvtop"), "--once"], env=ctl_env,
@@ -146,13 +146,14 @@ def sample_while(work, directory: Path, field) -> list:  # noqa: ANN001
 def test_trim_on_an_idle_engine_returns_the_reserved_memory(server: Server, ctl_env: dict[str, str]) -> None:
     complete_all(server, SHORT, 4)
     directory = Path(ctl_env["KVCACHED_SHM_DIR"])
-    model = wait_for(lambda: (m := snapshot(NAME, directory=directory)).pages_reserved >= 3 and m)
+    model = settled(NAME, directory)
+    assert model.pages_reserved >= 3, model.pages_reserved
     worker = server.worker()
-    reserved = model.pages_reserved * model.page_size * model.num_layers * model.num_kv_buffers
+    reserved = model.pages_reserved * model.bundle_bytes
     rss_before = worker.memory_info().rss
     out = kvctl("trim", NAME, "--json", env=ctl_env).stdout
     (ack,) = json.loads(out)
-    assert ack["bytes_returned"] == reserved, ack
+    assert ack["bytes_returned"] == reserved, ack  # the server never returns its pool by itself
     drop = rss_before - worker.memory_info().rss
     assert drop >= 0.8 * reserved, f"worker RSS fell by {drop / MiB:.1f} MiB of {reserved / MiB:.1f} MiB trimmed"
     assert snapshot(NAME, directory=directory).pages_reserved == 0
@@ -175,7 +176,9 @@ def test_limit_below_use_queues_requests_and_lifting_it_restores_concurrency(
     try:
         with ThreadPoolExecutor(max_workers=len(LONG)) as pool:
             futures = [pool.submit(server.complete, p, BASELINE_TOKENS + 150) for p in LONG]
-            wait_for(lambda: samples and samples[-1].pages_inuse >= 3, timeout=120, every=0.01)
+            # Requests holding pages (cached blocks of earlier tests count in pages_inuse alone).
+            wait_for(lambda: samples and (t := samples[-1].traffic) is not None and t.running >= 4
+                     and samples[-1].pages_inuse >= 3, timeout=120, every=0.01)
             limited = kvctl("limit", NAME, "16MiB", "--json", env=ctl_env, check=False)
             results = [f.result() for f in futures]
         served = len(samples)
@@ -223,7 +226,13 @@ def test_a_limit_below_an_idle_engines_prefix_cache_applies_and_hits_stay_right(
     shared = REPEATED[:512]  # four 128-token blocks every prompt below begins with
     variants = [shared + p[1:] for p in prompts(4, length=400, seed=5)]
     batch = [REPEATED, *variants]
-    first = complete_all(server, batch, BASELINE_TOKENS)
+    # A known start: a sleep drops every block, the earlier tests' cache with it, and the wake maps the
+    # placeholder again. One request at a time then lays the cache out the same way every run (16 cached
+    # blocks on two pages); requests at once spread over as many pages as the host's timing gives, and
+    # idle packing folds a spread cache into one page, leaving no page for a limit to take.
+    kvctl("sleep", NAME, "--wait", env=ctl_env)
+    kvctl("wake", NAME, "--wait", env=ctl_env)
+    first = [server.complete(p, BASELINE_TOKENS) for p in batch]
     assert first[0] == baseline[-1]
 
     def idle() -> ModelSnapshot | None:
@@ -238,7 +247,7 @@ def test_a_limit_below_an_idle_engines_prefix_cache_applies_and_hits_stay_right(
         out = kvctl("limit", NAME, f"{limit}B", "--json", env=ctl_env).stdout
         assert json.loads(out)[0]["requested_bytes"] == limit
         after = wait_for(lambda: (m := snapshot(NAME, directory=directory, with_pages=False)).limit_status
-                         == "applied" and m, timeout=5, every=0.02)
+                         == "applied" and m, timeout=30, every=0.02)
         took = time.monotonic() - asked
         assert after.mapped_bytes <= limit and after.pages_inuse == before.pages_inuse - 1
         assert before.blocks_cached - after.blocks_cached <= before.blocks_per_page  # one page's cache, no more

@@ -566,52 +566,51 @@ class KvtopApp(App[int]):
         try:
             for m in models:
                 try:
-                    if kind == "compact":
-                        ack = self.source.compact(m, CONTROL_WAIT_S)
-                        events.append(Event(time.time(), "compacted", m.name,
-                                            f"compaction acknowledged: {format_bytes(ack.bytes_returned)} returned, "
-                                            f"{format_bytes(ack.bytes_copied)} copied in {ack.latency_s * 1000:.0f} ms",
-                                            GOOD))
-                    elif kind in ("sleep", "wake"):
-                        ack = self.source.sleep(m, kind, CONTROL_WAIT_S)
-                        text = f"{kind} acknowledged: {ack.status}"
-                        if ack.status == "asleep":
-                            text += f", {format_bytes(ack.bytes_returned)} released in {ack.latency_s * 1000:.0f} ms"
-                        elif ack.status == "draining":
-                            text += " (running requests finish first)"
-                        events.append(Event(time.time(), kind, m.name, text,
-                                            WARN if ack.status == "superseded" else GOOD))
-                        if ack.status == "draining":  # say so now, then when it is asleep
-                            self.post_message(ControlDone(events))
-                            events = [e for e in (self._asleep_event(m),) if e is not None]
-                    elif kind == "trim":
-                        ack = self.source.trim(m, CONTROL_WAIT_S)
-                        events.append(Event(time.time(), "trimmed", m.name,
-                                            f"trim acknowledged: {format_bytes(ack.bytes_returned)} returned "
-                                            f"in {ack.latency_s * 1000:.0f} ms; {REFILL_NOTE}", GOOD,
-                                            ("trim", m.name, ack.revision)))
-                    else:
-                        ack = self.source.limit(m, value, CONTROL_WAIT_S)
-                        shown = "none" if ack.effective_limit is None else format_bytes(ack.effective_limit)
-                        if ack.status == "legacy":
-                            text, level = f"limit {shown} written to the upstream total field", GOOD
-                            if ack.in_use is not None and ack.effective_limit is not None and ack.in_use > ack.effective_limit:
-                                text += f"; pending: {format_bytes(ack.in_use)} is in use, it applies only as pages free"
-                                level = WARN
-                            events.append(Event(time.time(), "limit", m.name, text, level))
-                        else:
-                            level = WARN if ack.status in ("deferred", "conflict", "superseded") else GOOD
-                            text = f"limit r{ack.revision} acknowledged: {ack.status}, effective {shown}"
-                            if ack.status == "deferred":
-                                text += f" (asked {format_bytes(value)}: waits for pages to empty)"
-                            events.append(Event(time.time(), "limit", m.name, text, level,
-                                                ("limit", m.name, ack.revision)))
+                    events += self._ask(kind, m, value)
                 except AckTimeout as exc:
                     events.append(Event(time.time(), kind, m.name, f"{kind} not acknowledged: {exc}", WARN))
                 except (ControlError, ModelNotFound, OSError, ValueError) as exc:
                     events.append(Event(time.time(), kind, m.name, f"{kind} failed: {exc}", ERROR))
-        finally:  # even on an error no except names, so the diff reports these models again
+        finally:  # even on an error no except names, so the refresh diff reports these models again
             self.post_message(ControlDone(events, tuple((kind, m.name) for m in models)))
+
+    def _ask(self, kind: str, m: ModelSnapshot, value: int | None) -> list[Event]:
+        """In the control worker: one request to one model, and the events its answer makes."""
+        if kind == "compact":
+            ack = self.source.compact(m, CONTROL_WAIT_S)
+            return [Event(time.time(), "compacted", m.name,
+                          f"compaction acknowledged: {format_bytes(ack.bytes_returned)} returned, "
+                          f"{format_bytes(ack.bytes_copied)} copied in {ack.latency_s * 1000:.0f} ms", GOOD)]
+        if kind in ("sleep", "wake"):
+            ack = self.source.sleep(m, kind, CONTROL_WAIT_S)
+            text = f"{kind} acknowledged: {ack.status}"
+            if ack.status == "asleep":
+                text += f", {format_bytes(ack.bytes_returned)} released in {ack.latency_s * 1000:.0f} ms"
+            elif ack.status == "draining":
+                text += " (running requests finish first)"
+            said = Event(time.time(), kind, m.name, text, WARN if ack.status == "superseded" else GOOD)
+            if ack.status != "draining":
+                return [said]
+            self.post_message(ControlDone([said]))  # say so now, then when it is asleep
+            return [e for e in (self._asleep_event(m),) if e is not None]
+        if kind == "trim":
+            ack = self.source.trim(m, CONTROL_WAIT_S)
+            return [Event(time.time(), "trimmed", m.name,
+                          f"trim acknowledged: {format_bytes(ack.bytes_returned)} returned "
+                          f"in {ack.latency_s * 1000:.0f} ms; {REFILL_NOTE}", GOOD, ("trim", m.name, ack.revision))]
+        ack = self.source.limit(m, value, CONTROL_WAIT_S)
+        shown = "none" if ack.effective_limit is None else format_bytes(ack.effective_limit)
+        if ack.status == "legacy":
+            text, level = f"limit {shown} written to the upstream total field", GOOD
+            if ack.in_use is not None and ack.effective_limit is not None and ack.in_use > ack.effective_limit:
+                text += f"; pending: {format_bytes(ack.in_use)} is in use, it applies only as pages free"
+                level = WARN
+            return [Event(time.time(), "limit", m.name, text, level)]
+        level = WARN if ack.status in ("deferred", "conflict", "superseded") else GOOD
+        text = f"limit r{ack.revision} acknowledged: {ack.status}, effective {shown}"
+        if ack.status == "deferred":
+            text += f" (asked {format_bytes(value)}: waits for pages to empty)"
+        return [Event(time.time(), "limit", m.name, text, level, ("limit", m.name, ack.revision))]
 
     def _asleep_event(self, m: ModelSnapshot) -> Event | None:
         """In the control worker: a model that acknowledged a sleep while draining, once it is asleep (None

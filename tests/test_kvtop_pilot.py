@@ -51,6 +51,14 @@ def seen(app: KvtopApp, name: str, check: Callable[[kc.ModelSnapshot], bool] = l
     return m is not None and check(m)
 
 
+async def confirmed(pilot: Pilot, app: KvtopApp, key: str) -> None:
+    """Once m1 is on screen and selected, press ``key`` and say yes in its confirm dialog."""
+    await until(pilot, lambda: seen(app, "m1") and app.selected == "m1", "m1 on screen")
+    await pilot.press(key)
+    await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirm dialog")
+    await pilot.press("y")
+
+
 def test_t_then_y_trims_the_selected_model(spawn_allocator) -> None:
     proc = spawn_allocator("m1", script="ids = m.alloc(20)\n")
     send(proc, "m.try_to_reserve(40)")  # maps 5 more pages up front: reserved, empty
@@ -59,10 +67,7 @@ def test_t_then_y_trims_the_selected_model(spawn_allocator) -> None:
     app = KvtopApp(LiveSource(), interval=0.2)
 
     async def script(pilot: Pilot) -> None:
-        await until(pilot, lambda: seen(app, "m1") and app.selected == "m1", "m1 on screen")
-        await pilot.press("t")
-        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirm dialog")
-        await pilot.press("y")
+        await confirmed(pilot, app, "t")
         await until(pilot, lambda: read_model("m1").trim_ack_seq >= 1, "the segment to acknowledge the trim")
         await until(pilot, lambda: log_has(app, "trim acknowledged"), "the trim in the event log")
 
@@ -97,10 +102,7 @@ def test_a_trim_the_refresh_sees_first_is_logged_once_with_its_latency(spawn_all
     app = source.app = KvtopApp(source, interval=0.2)
 
     async def script(pilot: Pilot) -> None:
-        await until(pilot, lambda: seen(app, "m1") and app.selected == "m1", "m1 on screen")
-        await pilot.press("t")
-        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirm dialog")
-        await pilot.press("y")
+        await confirmed(pilot, app, "t")
         await until(pilot, lambda: log_has(app, "trim acknowledged"), "the trim in the event log")
         await pilot.pause(0.5)  # refreshes after the answer log nothing more about it
 
@@ -326,10 +328,7 @@ def test_c_then_y_compacts_the_selected_model_and_readonly_refuses(spawn_allocat
     app = KvtopApp(LiveSource(), interval=0.2)
 
     async def script(pilot: Pilot) -> None:
-        await until(pilot, lambda: seen(app, "m1") and app.selected == "m1", "m1 on screen")
-        await pilot.press("c")
-        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirm dialog")
-        await pilot.press("y")
+        await confirmed(pilot, app, "c")
         await until(pilot, lambda: log_has(app, "compaction acknowledged"), "the compaction in the event log")
 
     drive(app, script)
@@ -444,10 +443,7 @@ def test_a_sleep_acknowledged_while_draining_is_logged_again_once_asleep(spawn_a
     app = KvtopApp(LiveSource(), interval=0.2)
 
     async def script(pilot: Pilot) -> None:
-        await until(pilot, lambda: seen(app, "m1") and app.selected == "m1", "m1 on screen")
-        await pilot.press("w")
-        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirm dialog")
-        await pilot.press("y")
+        await confirmed(pilot, app, "w")
         await until(pilot, lambda: log_has(app, "sleep acknowledged: draining"), "the draining ack in the event log")
         assert not log_has(app, "asleep: ")
         send(proc, "go.set()")

@@ -75,7 +75,8 @@ class PollFailed(Message):
 
 
 class ControlDone(Message):
-    """A trim or limit request finished (acknowledged, timed out or refused)."""
+    """A control request's events: its answer (acknowledged, timed out or refused), or a draining sleep's
+    first line (``finished`` empty: the request goes on)."""
 
     def __init__(self, events: list[Event], finished: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__()

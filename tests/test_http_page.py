@@ -41,23 +41,16 @@ class SlowCounter:
 
 
 @pytest.fixture
-def slow() -> tuple[PageServer, SlowCounter]:
-    counter = SlowCounter(0.4)
+def slow(request: pytest.FixtureRequest) -> tuple[PageServer, SlowCounter]:
+    counter = SlowCounter(getattr(request, "param", 0.4))  # seconds a making takes
     server = PageServer("127.0.0.1", 0, {"/p": Page("200 OK", "text/plain", counter)})
     yield server, counter
     server.close()
 
 
-def test_a_request_arriving_while_the_page_is_made_gets_the_next_making() -> None:
-    counter = SlowCounter(2.0)  # long enough for ten threads to connect on a loaded host
-    server = PageServer("127.0.0.1", 0, {"/p": Page("200 OK", "text/plain", counter)})
-    try:
-        _ten_late_requests_share_a_making(server, counter)
-    finally:
-        server.close()
-
-
-def _ten_late_requests_share_a_making(server: PageServer, counter: SlowCounter) -> None:
+@pytest.mark.parametrize("slow", [2.0], indirect=True)  # long enough for ten threads to connect under load
+def test_a_request_arriving_while_the_page_is_made_gets_the_next_making(slow) -> None:
+    server, counter = slow
     answers: dict[str, bytes] = {}
     first = threading.Thread(target=lambda: answers.__setitem__("first", raw(server.port, b"GET /p HTTP/1.0\r\n\r\n")))
     first.start()

@@ -32,6 +32,7 @@ from .snapshot import CompactInfo, ModelSnapshot, Problem, RankInfo, Scan, Sleep
 HEARTBEAT_STALE_S = liveness.HEARTBEAT_STALE_S
 READ_RETRIES = 32
 DEAD_WRITER_CHECK = 12  # odd-sequence attempts (~8 ms) before asking whether the writer still lives
+BUSY_RETRIES = 5  # exact reads snapshot() makes while the writer is too busy for a consistent copy
 SWAP_RETRIES = 3  # scans snapshot() makes while the file it found keeps vanishing before it is read
 QUIET_FAILURES = 3  # failed checks of an unchanging copy before the file is called corrupt
 MAX_PAGES = L.MAX_PAGES  # more is a damaged (or forged) header
@@ -570,10 +571,13 @@ def resolve(name: str, models: list[ModelSnapshot]) -> ModelSnapshot:
 
 def snapshot(name: str, *, with_pages: bool = True, directory: Path | None = None) -> ModelSnapshot:
     """One model by name or unique prefix, with its page map."""
-    try:  # an exact name is one file: no need to read every segment to find it
-        return read_segment(segment_path(name, directory), with_pages=with_pages)
-    except (InvalidName, SegmentCorrupt, OSError, ValueError):
-        pass  # a prefix, a damaged file or a busy writer: the full scan below decides and explains
+    for _ in range(BUSY_RETRIES):  # an exact name is one file: no need to read every segment to find it
+        try:
+            return read_segment(segment_path(name, directory), with_pages=with_pages)
+        except BlockingIOError:
+            continue  # its writer published throughout one read's copies: read again, it is there
+        except (InvalidName, SegmentCorrupt, OSError, ValueError):
+            break  # a prefix or a damaged file: the full scan below decides and explains
     for _ in range(SWAP_RETRIES):
         model = resolve(name, list_models(directory=directory))
         if model.legacy or not with_pages:

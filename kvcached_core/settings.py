@@ -64,6 +64,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("KVCACHED_MAX_CACHED_BLOCKS", None, "integer", "the same budget in blocks; wins when set"),
     Var("KVCACHED_HOST_CAPACITY", None, "size",
         "host backend capacity shared by all models (`8GiB`, `25%`)", shown="half of RAM"),
+    Var("KVCACHED_DEVICE_BUDGET", None, "size",
+        "CUDA backend: the KV budget of each device, shared by every allocator on it (`60GiB`, `80%` of the "
+        "device's memory); a growth past it is refused as the driver's out-of-memory would be",
+        shown="none: the driver's out-of-memory"),
     Var("KVCACHED_POLICY", "affinity", "choice",
         "placement and eviction policy: `affinity`, `best-fit` (the public kvcached's) or `first-fit`"),
     Var("KVCACHED_IDLE_RETURN_S", "10", "number",
@@ -107,6 +111,21 @@ def default_of(name: str) -> str:
 
 
 @dataclass(frozen=True)
+class DeviceBudget:
+    """``KVCACHED_DEVICE_BUDGET``: a fixed size, or a percentage of each device's memory."""
+
+    size_bytes: int | None = None
+    percent: float | None = None
+
+    def of(self, device_total: int) -> int:
+        """The budget in bytes on a device of ``device_total`` bytes."""
+        if self.size_bytes is not None:
+            return self.size_bytes
+        assert self.percent is not None
+        return int(device_total * self.percent / 100)
+
+
+@dataclass(frozen=True)
 class ReserveBounds:
     min_pages: int
     max_pages: int
@@ -132,6 +151,7 @@ class Settings:
     max_cached_tokens: int
     max_cached_blocks: int | None  # as set; None when unset
     host_capacity_bytes: int
+    device_budget: DeviceBudget | None  # None: the driver's out-of-memory is the budget
     policy: str
     idle_return_s: float | None  # None: never
     ipc_name: str | None
@@ -270,6 +290,24 @@ def _host_capacity(raw: Raw, done: dict[str, Any]) -> int:
     return int(total_ram_bytes() * HOST_CAPACITY_FRACTION)
 
 
+def _device_budget(raw: Raw, done: dict[str, Any]) -> DeviceBudget | None:
+    from .sizes import SizeError, parse_size
+
+    value = (raw["KVCACHED_DEVICE_BUDGET"] or "").strip()
+    if not value or value.lower() == "none":
+        return None
+    percent = value.endswith("%")
+    try:
+        parsed = parse_size(value, percent_of=100 * 2**20 if percent else None)  # checks a percentage's range too
+    except SizeError as exc:
+        raise ConfigError(f"KVCACHED_DEVICE_BUDGET: {exc}") from None
+    if percent:
+        return DeviceBudget(percent=float(value[:-1]))
+    if not parsed:
+        raise ConfigError(f"KVCACHED_DEVICE_BUDGET={value!r} must be above 0 (unset it for no budget)")
+    return DeviceBudget(size_bytes=parsed)
+
+
 def _policy(raw: Raw, done: dict[str, Any]) -> str:
     value = raw["KVCACHED_POLICY"] or BY_NAME["KVCACHED_POLICY"].default or ""
     if value not in POLICIES:
@@ -347,6 +385,7 @@ _PARSERS: dict[str, Callable[[Raw, dict[str, Any]], Any]] = {
     "max_cached_tokens": lambda raw, done: _int(raw, "KVCACHED_MAX_CACHED_TOKENS"),
     "max_cached_blocks": _cached_blocks,
     "host_capacity_bytes": _host_capacity,
+    "device_budget": _device_budget,
     "policy": _policy,
     "idle_return_s": _idle,
     "ipc_name": lambda raw, done: raw["KVCACHED_IPC_NAME"] or None,

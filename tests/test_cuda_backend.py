@@ -515,6 +515,54 @@ def test_driver_out_of_memory_is_a_miss_not_an_error(monkeypatch) -> None:
         assert got is not None, "memory came back but alloc still misses"
 
 
+BUDGET_CHILD = """
+import sys
+from kvcached_core import KVCacheManager
+m = KVCacheManager({name!r}, name={name!r}, num_blocks=64, block_bytes=512 * 1024, num_layers=4,
+                   page_size=2 << 20, backend="cuda")
+ids = m.alloc({blocks})
+print("READY", ids is not None, m.backend.held_bytes(), flush=True)
+sys.stdin.readline()
+m.close()
+"""
+
+
+@pytest.mark.gpu
+@needs_gpu
+@LAYOUTS
+def test_a_device_budget_is_shared_by_every_allocator_on_the_device(layout, monkeypatch) -> None:
+    # one page id = 4 layers x K/V x 2 MiB = 16 MiB; the budget holds 6 of them on device 0
+    monkeypatch.setenv("KVCACHED_CUDA_LAYOUT", layout)
+    monkeypatch.setenv("KVCACHED_DEVICE_BUDGET", "96MiB")
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_CUDA_POOL_PAGES", "0")
+    other = subprocess.Popen([sys.executable, "-c", BUDGET_CHILD.format(name="bud-a", blocks=16)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env())
+    try:
+        ready = other.stdout.readline().split()
+        assert ready[:2] == ["READY", "True"] and int(ready[2]) == 64 * MiB  # 4 page ids of 4 blocks
+        with cuda_manager("bud-b", num_blocks=64, block_bytes=512 * 1024) as m:
+            assert m.backend.capacity_bytes() == 96 * MiB
+            assert m.backend.free_bytes() <= 32 * MiB
+            assert m.alloc(8) is not None  # two page ids: the budget's last 32 MiB
+            assert m.alloc(1) is None, "a third page id is past the device budget: a miss"
+            assert m.backend.held_bytes() == 32 * MiB
+            from kvcached_core import list_models
+            claims = {s.name: s for s in list_models()}
+            assert claims["bud-b"].mapped_bytes == 32 * MiB
+        # the other process gives its memory back: the budget is free again for a new allocator
+        other.stdin.write("\n")
+        other.stdin.flush()
+        other.wait(timeout=30)
+        with cuda_manager("bud-c", num_blocks=64, block_bytes=512 * 1024) as m:
+            assert m.alloc(24) is not None and m.backend.held_bytes() == 96 * MiB
+            assert m.alloc(1) is None
+    finally:
+        if other.poll() is None:
+            other.kill()
+        other.wait()
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_nvml_probe_reports_the_gpu_and_our_process() -> None:

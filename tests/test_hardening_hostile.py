@@ -18,7 +18,7 @@ import pytest
 from conftest import child_env, freeze, kvctl, wait_for, wait_heartbeat_late
 
 import kvcached_core as kc
-from kvcached_core.backends.host import LOCK_NAME
+from kvcached_core.backends.ledger import LOCK_NAME
 from kvcached_core.segment import layout as L
 from kvcached_core.segment import liveness, procinfo
 from kvcached_core.segment.removal import RemovalConflict, inode, remove_verified

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import kvcached_core as kc
-from kvcached_core.backends.host import LOCK_NAME
+from kvcached_core.backends.ledger import LOCK_NAME
 from kvcached_core.segment.names import InvalidName
 from kvcached_core.segment.writer import SegmentError
 from kvtop.cli import main as kvctl_main

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvcached_core.backends.host import LOCK_NAME
+from kvcached_core.backends.ledger import LOCK_NAME
 from kvcached_core.segment import layout as L
 from kvtop.cli import ExitCode, main
 

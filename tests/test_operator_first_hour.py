@@ -22,7 +22,7 @@ from conftest import child_env, kvctl, send, wait_for
 from textual.pilot import Pilot
 
 import kvcached_core as kc
-from kvcached_core.backends.host import LOCK_NAME
+from kvcached_core.backends.ledger import LOCK_NAME
 from kvcached_core.segment.procinfo import is_alive
 from kvtop.app import KvtopApp
 from kvtop.cli import COMMANDS as KVCTL_COMMANDS

@@ -54,6 +54,7 @@ from ..settings import CUDA_LAYOUTS, settings
 from .base import Backend, BackendError, BackendUnavailable, Geometry
 from .cuda_native import NATIVE_ENV, NativeVmm, native_mode_from_env
 from .cuda_native import load as load_native
+from .ledger import CapacityLedger
 
 LAYOUTS = CUDA_LAYOUTS
 LAYOUT_ENV = "KVCACHED_CUDA_LAYOUT"
@@ -210,7 +211,10 @@ class CudaBackend(Backend):
 
     def __init__(self, geometry: Geometry, device: int = 0, *, layout: str | None = None,
                  pool_pages: int | None = None, async_unmap: bool | None = None,
-                 unmap_delay_s: float | None = None, native: str | None = None) -> None:
+                 unmap_delay_s: float | None = None, native: str | None = None,
+                 budget_bytes: int | None = None) -> None:
+        """``budget_bytes``: this device's KV budget shared with the other allocators on it (default:
+        ``KVCACHED_DEVICE_BUDGET``; none: the driver's out-of-memory is the budget)."""
         super().__init__(geometry, device)
         self.layout = layout_from_env() if layout is None else layout
         if self.layout not in LAYOUTS:
@@ -241,6 +245,9 @@ class CudaBackend(Backend):
         self._stopping = False
         self._async_error: BaseException | None = None
         self._set_claimed: Callable[[int], None] | None = None
+        self.ledger: CapacityLedger | None = None  # the device budget, when one is set (see _setup)
+        self._budget_lock = threading.Lock()  # a claim and the map it allows are one step (refill vs alloc)
+        self._budget_arg = budget_bytes
         self._views_keep: list = []
         self._all_blocks: dict[int, Any] = {}  # all_blocks views by block size
         self._va = 0
@@ -298,6 +305,12 @@ class CudaBackend(Backend):
                     f"{self.granularity}: set KVCACHED_PAGE_SIZE_MB to a multiple of {self.granularity >> 20 or 1}"
                 )
             _free, self._total = self._check("cuMemGetInfo", d.cuMemGetInfo())
+        budget, configured = self._budget_arg, settings().device_budget
+        if budget is None and configured is not None:
+            budget = configured.of(int(self._total))
+        if budget is not None:
+            self.ledger = CapacityLedger(budget, backend=self.name, device=self.device)
+        with self._context():
             self._va = int(self._check("cuMemAddressReserve", d.cuMemAddressReserve(self.va_bytes, g.page_size, 0, 0)))
         # where slice s of page 0 starts; slice s of page p is p * slice_bytes further
         self._bases = [self._va + s * g.range_bytes for s in range(self.slices)] if self.layout == "layer" else [self._va]
@@ -353,8 +366,31 @@ class CudaBackend(Backend):
             raise BackendError(f"page id {bad} out of range 0..{n - 1}")
 
     def _claimed(self) -> None:
-        if self._set_claimed is not None:
+        if self.ledger is not None:
+            self.ledger.settle(self.held_bytes())
+        elif self._set_claimed is not None:
             self._set_claimed(self.held_bytes())
+
+    def _fit_budget(self, pages: list[int]) -> list[int]:
+        """The prefix of ``pages`` the device budget lets this backend back, claimed (all, else one at a time).
+
+        A page still mapped (its deferred unmap not run) costs nothing; pooled handles are used before
+        new ones. A shorter answer is a miss, as the driver's out-of-memory is.
+        """
+        ledger = self.ledger
+        assert ledger is not None
+        held, pooled, slices, size = self.held_bytes(), len(self._pool), self.slices, self.slice_bytes
+
+        def held_after(count: int) -> int:
+            new = sum(1 for p in pages[:count] if p not in self._mapped)
+            return held + max(0, new * slices - pooled) * size
+
+        if ledger.claim_total(held_after(len(pages))):
+            return pages
+        count = 0
+        while count < len(pages) and ledger.claim_total(held_after(count + 1)):
+            count += 1
+        return pages[:count]
 
     # -- Backend ---------------------------------------------------------------------------------
     def map_pages(self, pages: Sequence[int]) -> list[int]:
@@ -364,12 +400,22 @@ class CudaBackend(Backend):
         """
         pages = list(pages)
         self._check_pages(pages)
-        if self._native is not None:  # the C loop makes our context current itself
-            done = self._map(pages)
-        else:
-            with self._context():
+        if self.ledger is None:
+            return self._map_claimed(pages)
+        with self._budget_lock:
+            return self._map_claimed(self._fit_budget(pages))
+
+    def _map_claimed(self, pages: list[int]) -> list[int]:
+        if not pages:
+            return []
+        try:
+            if self._native is not None:  # the C loop makes our context current itself
                 done = self._map(pages)
-        self._claimed()
+            else:
+                with self._context():
+                    done = self._map(pages)
+        finally:
+            self._claimed()  # what is held now: a claim not used (a miss, an error) goes back
         return done
 
     def _map(self, pages: list[int]) -> list[int]:
@@ -677,16 +723,23 @@ class CudaBackend(Backend):
 
     def bind_claims(self, set_claimed: Callable[[int], None], own_segment: tuple[int, int] | None = None) -> None:
         self._set_claimed = set_claimed
+        if self.ledger is not None:
+            self.ledger.bind(set_claimed, own_segment)
         self._claimed()
 
     def capacity_bytes(self) -> int:
-        return int(self._total)
+        """The device budget when one is set, else the device's memory."""
+        return self.ledger.capacity if self.ledger is not None else int(self._total)
 
     def free_bytes(self) -> int:
-        """Free device memory (all processes) plus what our pool holds and could map without asking."""
+        """Free device memory (all processes) plus what our pool holds and could map without asking;
+        under a device budget, no more than the budget leaves."""
         with self._context():
             free, _total = self._check("cuMemGetInfo", self._d.cuMemGetInfo())
-        return int(free) + self.pooled_bytes() + self.returning_bytes()
+        ours = self.pooled_bytes() + self.returning_bytes()
+        if self.ledger is not None:
+            free = min(free, self.ledger.free_bytes())
+        return int(free) + ours
 
     def pooled_bytes(self) -> int:
         """Unmapped physical handles kept for regrowth."""

@@ -11,14 +11,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..backends import Backend, Geometry, make_backend
-from ..backends.host import HostBackend, HostCapacityLedger
+from ..backends.host import HostBackend
+from ..backends.ledger import CapacityLedger
 from ..config import host_capacity_bytes
 
 RANK_BACKENDS = ("host", "cuda", "null")
 UNLIMITED = 1 << 62
 
 
-class RankLedger(HostCapacityLedger):
+class RankLedger(CapacityLedger):
     """A host ledger private to one rank: the machine-wide share is claimed by the scheduler."""
 
     def _others(self) -> int:

@@ -1,0 +1,195 @@
+"""One KV budget per device, shared by every allocator on it, across processes.
+
+Each allocator records the bytes it holds in its own segment (the LIVENESS block's CLAIMED
+word); a process that wants more records the larger claim first, then sums the claims of the
+other live segments of the same backend and device, and backs off if they exceed the budget.
+The host backend's budget is ``KVCACHED_HOST_CAPACITY``; the CUDA backend's is
+``KVCACHED_DEVICE_BUDGET`` when set (without it the driver's own out-of-memory is the budget).
+
+A flock on one owner-only lock file per budget, taken without waiting, keeps claimers from
+backing off each other needlessly; a held lock (a stopped holder) or one that is not ours is
+skipped, never waited on. Only growth claims, and only in the background thread or on a pool
+miss, never on the alloc hot path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..config import available_ram_bytes, shm_dir
+from ..segment import layout as L
+from ..segment.liveness import writer_alive
+from ..segment.names import SEGMENT_PREFIX
+
+LOCK_NAME = ".kvc-host-capacity.lock"  # the host budget's lock file; a device budget's: lock_name("cuda", device)
+LOCK_WAIT_S = 2.0  # the most _lock waits by default; claims take it without waiting
+RAM_MARGIN = 256 * 1024 * 1024  # the host budget also leaves this much of the machine's RAM free
+
+
+def lock_name(backend: str, device: int | None) -> str:
+    """The lock file of one budget: the host's (every device shares the machine's RAM) or one device's."""
+    return LOCK_NAME if backend == "host" else f".kvc-{backend}{device}-budget.lock"
+
+
+def _flock_within(fd: int, wait: float) -> bool:
+    """flock ``fd`` exclusively, polling for at most ``wait`` s; False when another process holds it longer."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+
+
+class CapacityLedger:
+    """Shares one budget of ``capacity`` bytes between the allocators of ``backend`` (on ``device``).
+
+    ``device`` None counts every device of the backend (the host backend: one machine's RAM).
+    """
+
+    def __init__(self, capacity: int, directory: Path | None = None, *, backend: str = "host",
+                 device: int | None = None) -> None:
+        self.capacity = capacity
+        self.directory = directory or shm_dir()
+        self.backend = backend
+        self.device = device
+        self.claimed = 0
+        self._set_claimed: Callable[[int], None] | None = None  # callback into our segment
+        self._own: tuple[int, int] | None = None  # our segment's (st_dev, st_ino): counted as self.claimed
+
+    def bind(self, set_claimed: Callable[[int], None] | None, own_segment: tuple[int, int] | None = None) -> None:
+        self._set_claimed = set_claimed
+        self._own = own_segment
+
+    def _counts(self, head: dict, st: os.stat_result) -> bool:
+        """Whether a segment with this header shares our budget (and is not our own)."""
+        mine = (st.st_dev, st.st_ino) == self._own if self._own else head["pid"] == os.getpid()
+        if mine or L.decode_text(head["backend"]) != self.backend:
+            return False
+        return self.device is None or head["device"] == self.device
+
+    def _others(self) -> int:
+        """Bytes the other live allocators on this budget claim: only claims that can be verified count.
+
+        A claim counts when its segment is an owner-only regular file, its writer is alive by the
+        one liveness verdict (a process of the file's owner, or a fresh heartbeat across pid
+        namespaces), and it claims no more than the whole capacity (no allocator can).
+        """
+        total = 0
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return 0
+        for name in names:
+            if not name.startswith(SEGMENT_PREFIX):
+                continue
+            try:
+                fd = os.open(self.directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                raw = os.pread(fd, L.PAGE_MAP_OFF, 0)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077 or len(raw) < L.PAGE_MAP_OFF or raw[:8] != L.MAGIC:
+                continue
+            head = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0), strict=False))
+            if not self._counts(head, st):
+                continue
+            claimed = L.U64.unpack_from(raw, L.CLAIMED_OFF)[0]
+            if claimed <= self.capacity and writer_alive(head, raw, st.st_uid):
+                total += claimed
+        return total
+
+    def claim(self, nbytes: int) -> bool:
+        """Claim ``nbytes`` more; False when the shared budget (or, on the host, the machine's RAM) says no."""
+        return self.claim_total(self.claimed + nbytes)
+
+    def claim_total(self, total: int) -> bool:
+        """Hold ``total`` bytes in all (at least what is held now); False, with nothing changed, when it does not fit."""
+        grow = total - self.claimed
+        if grow <= 0:
+            return True
+        if self.backend == "host":
+            available = available_ram_bytes()
+            if available and available < grow + RAM_MARGIN:
+                return False
+        fd = self._lock(wait=0)  # alloc may be waiting on this: never wait on another process
+        try:
+            # Announce first, then count the others: two claimers that could not both take the lock
+            # (held by a stopped process, or not ours to use) still see each other, and both back off.
+            self._announce(total)
+            if self._others() + total > self.capacity:
+                self._announce(self.claimed)
+                return False
+            self.claimed = total
+            return True
+        finally:
+            if fd >= 0:
+                self._unlock(fd)
+
+    def _lock(self, wait: float = LOCK_WAIT_S) -> int:
+        """The lock file, created and flocked within ``wait`` s; -1 when it is held longer or not ours to use.
+
+        The file lives only while a claim is made: its holder unlinks it before unlocking, so a
+        process that was waiting on that inode sees the name gone or pointing elsewhere, and retries.
+        """
+        path = self.directory / lock_name(self.backend, self.device)
+        for _ in range(64):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError:
+                return -1  # e.g. another user's file by that name
+            try:
+                mine = os.fstat(fd)
+                if mine.st_uid != os.getuid() or mine.st_mode & 0o077:
+                    os.close(fd)
+                    return -1  # never use a lock another user owns or may open
+                if not _flock_within(fd, wait):
+                    os.close(fd)
+                    return -1  # held, perhaps by a stopped process: claim() is safe unlocked, never waits
+                now = os.lstat(path)
+                if (now.st_ino, now.st_dev) == (mine.st_ino, mine.st_dev):
+                    return fd
+            except OSError:
+                pass  # unlinked by its last holder while we waited
+            os.close(fd)
+        return -1
+
+    def _unlock(self, fd: int) -> None:
+        """Unlink the lock file (still the inode we locked: nobody else can replace it meanwhile), then unlock."""
+        try:
+            with contextlib.suppress(OSError):
+                os.unlink(self.directory / lock_name(self.backend, self.device))
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _announce(self, nbytes: int) -> None:
+        if self._set_claimed:
+            self._set_claimed(nbytes)
+
+    def release(self, nbytes: int) -> None:
+        self.claimed = max(0, self.claimed - nbytes)
+        self._announce(self.claimed)
+
+    def settle(self, held: int) -> None:
+        """What is held now, after a change that needs no claim (memory given back, a claim not used)."""
+        self.claimed = max(0, held)
+        self._announce(self.claimed)
+
+    def free_bytes(self) -> int:
+        return max(0, self.capacity - self._others() - self.claimed)
+

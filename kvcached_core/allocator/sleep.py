@@ -43,20 +43,18 @@ class SleepControl:
         self._started = 0
         self._mapped_at_start = 0
         self._awake_since = time.monotonic()  # the idle clock restarts at each wake
-        self._published_ack = 0
         self._lock = threading.RLock()  # the poller and the engine's thread both move the state
         self._write()
 
     def _write(self) -> None:
-        seg = self._m.segment
-        L.SLEEP.pack_into(seg._buf, L.SLEEP_OFF, int(self.handler is not None), self.state, self._published_ack,
-                          -1 if self.after_idle_s is None else round(self.after_idle_s * 1000),
-                          self.slept_bytes, self.took_ns)
-        L.U64.pack_into(seg._buf, L.SLEEP_OFF + 16, self.acked_revision)  # last: controllers key on it
-        self._published_ack = self.acked_revision
+        """Publish the SLEEP words, sealed: a reader sees all of them as of one call, never a mix or zeros."""
+        self._m.segment.publish_sleep(int(self.handler is not None), self.state, self.acked_revision,
+                                      -1 if self.after_idle_s is None else round(self.after_idle_s * 1000),
+                                      self.slept_bytes, self.took_ns)
 
     def set_handler(self, handler: SleepHandler | None) -> None:
         with self._lock:
+            self._m._check_open()
             self.handler = handler
             self._write()
 
@@ -71,6 +69,8 @@ class SleepControl:
     def tick(self, idle_s: float) -> None:
         """From the poller: take a controller's request, or sleep by the policy after ``idle_s`` without traffic."""
         with self._lock:
+            if self._m._closed:
+                return
             self._tick(min(idle_s, time.monotonic() - self._awake_since))
 
     def _tick(self, idle_s: float) -> None:
@@ -96,6 +96,7 @@ class SleepControl:
     def sleep(self, *, now: bool = False) -> None:
         """Start sleeping: the engine drains, then calls :meth:`ready` (at once when nothing is in use)."""
         with self._lock:
+            self._m._check_open()
             handler = self.handler
             if handler is None:
                 raise RuntimeError(f"{self._m.name}: no sleep handler registered: its engine cannot sleep")
@@ -114,6 +115,7 @@ class SleepControl:
     def ready(self) -> int:
         """The engine holds no block: unmap every page; returns the bytes released since the sleep began."""
         with self._lock:
+            self._m._check_open()
             if self.state != L.SLEEP_DRAINING:
                 return 0
             self._m.release_all()
@@ -126,6 +128,7 @@ class SleepControl:
     def wake(self) -> None:
         """Lift sleep (a controller's wake, or the engine's first request after it): the engine schedules again."""
         with self._lock:
+            self._m._check_open()
             self._awake_since = time.monotonic()
             if self.state == L.SLEEP_AWAKE:
                 self._write()

@@ -57,7 +57,8 @@ INTERVALS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 # 'not acknowledged' for a request the engine carries out a moment later.
 CONTROL_WAIT_S = 10.0
 KEY_NAMES = {"question_mark": "?", "space": "space", "plus": "+", "minus": "-", "equals_sign": "=",
-             "down": "↓", "up": "↑", "enter": "enter", "pageup": "pgup", "pagedown": "pgdn", "escape": "esc"}
+             "down": "↓", "up": "↑", "left": "←", "right": "→", "enter": "enter", "pageup": "pgup",
+             "pagedown": "pgdn", "escape": "esc"}
 
 
 class FrameReady(Message):
@@ -100,8 +101,8 @@ class KvtopApp(App[int]):
         Binding("up,k", "cursor(-1)", "Previous model", show=False),
         Binding("home", "cursor(-1000000)", "First model", show=False),
         Binding("end", "cursor(1000000)", "Last model", show=False),
-        Binding("left", "table_scroll(-8)", "Scroll table left", show=False),
-        Binding("right", "table_scroll(8)", "Scroll table right", show=False),
+        Binding("left", "map_scroll(-1)", "Page map back a row", show=False),
+        Binding("right", "map_scroll(1)", "Page map on a row", show=False),
         Binding("enter", "details", "Details", show=False),
         Binding("t", "trim", "Trim"),
         Binding("T", "trim_all", "Trim all", show=False),
@@ -326,9 +327,6 @@ class KvtopApp(App[int]):
         here = names.index(self.selected) if self.selected in names else 0
         self.selected = names[max(0, min(len(names) - 1, here + step))]
 
-    def action_table_scroll(self, columns: int) -> None:
-        self.table.scroll_to(x=self.table.scroll_x + columns, animate=False)
-
     def selected_model(self) -> ModelSnapshot | None:
         frame = self.frame
         if frame is None or self.selected is None:
@@ -348,15 +346,22 @@ class KvtopApp(App[int]):
         return True
 
     # -- view actions ----------------------------------------------------------------------------
-    def action_help(self) -> None:
-        keys = []
-        for binding in self.BINDINGS:
+    @classmethod
+    def help_keys(cls) -> list[tuple[tuple[str, ...], str, str]]:
+        """The help screen's rows: (Textual key names, action, description), from BINDINGS and the palette."""
+        rows = []
+        for binding in cls.BINDINGS:
             assert isinstance(binding, Binding)
             if binding.action == "resume":
                 continue  # space is one key: "Pause / resume" below
-            shown = " ".join(KEY_NAMES.get(k, k) for k in binding.key.split(","))
-            keys.append((shown, "Pause / resume" if binding.action == "pause" else binding.description))
-        keys.append(("ctrl+p", "Command palette"))
+            description = "Pause / resume" if binding.action == "pause" else binding.description
+            rows.append((tuple(binding.key.split(",")), binding.action, description))
+        rows.append((("ctrl+p",), "command_palette", "Command palette"))
+        return rows
+
+    def action_help(self) -> None:
+        keys = [(" ".join(KEY_NAMES.get(k, k) for k in names), description)
+                for names, _action, description in self.help_keys()]
         self.push_screen(HelpScreen(keys, self.readonly))
 
     def action_details(self) -> None:
@@ -411,6 +416,11 @@ class KvtopApp(App[int]):
         if now - self._said.get(text, -timeout) >= timeout:
             self._said[text] = now
             self.notify(text, timeout=timeout, markup=False)
+
+    def action_map_scroll(self, rows: int) -> None:
+        """One row of the page map back (earlier pages) or on (later pages)."""
+        self.pagemap.scroll_to(y=self.pagemap.scroll_y + rows, animate=False)
+        self.call_after_refresh(self._draw_selected)
 
     def action_map_page(self, direction: int) -> None:
         if direction > 0:
@@ -718,7 +728,7 @@ def cli(demo: bool, demo_models: int, once: bool, interval: float, gpu: str | No
         readonly: bool) -> int:
     """Live dashboard of kvcached models: devices, models, page maps, fragmentation; trim and set limits.
 
-    Keys: q quit · ? help · j/k select · enter details · t trim · T trim all · l limit · s sort ·
+    Keys: q quit · ? help · ↑/↓ j/k select · ←/→ pgup/pgdn page map · enter details · t trim · T trim all · l limit · s sort ·
     f filter · space pause · +/- interval · z/Z zoom · ctrl+p command palette.
     """
     return run(demo=demo, demo_models=demo_models, once=once, interval=interval, gpus=parse_gpus(gpu),

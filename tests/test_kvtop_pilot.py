@@ -15,9 +15,9 @@ from textual.widgets import OptionList
 
 import kvcached_core as kc
 from kvcached_core.segment.reader import snapshot as read_model
-from kvtop.app import KvtopApp
-from kvtop.source import Frame, LiveSource
-from kvtop.widgets import ConfirmScreen, LimitScreen
+from kvtop.app import KEY_NAMES, KvtopApp
+from kvtop.source import Frame, LiveSource, sample_fleet
+from kvtop.widgets import ConfirmScreen, DetailsScreen, FilterScreen, HelpScreen, LimitScreen
 
 MiB = 1024 * 1024
 BUNDLE = 256 * 1024 * 2 * 2  # spawn_allocator's page bundle: 256 KiB pages x 2 layers x K/V = 1 MiB
@@ -451,3 +451,99 @@ def test_a_sleep_acknowledged_while_draining_is_logged_again_once_asleep(spawn_a
 
     drive(app, script)
     assert read_model("m1").sleep.state == "asleep"  # type: ignore[union-attr]
+
+
+# -- every key the help screen lists does what it says ----------------------------------------------
+
+def names(app: KvtopApp) -> list[str]:
+    return [m.name for m in app._visible]
+
+
+def at(app: KvtopApp, index: int) -> None:
+    app.selected = names(app)[index]
+
+
+def dialog(kind: type, question: str = "") -> Callable[[KvtopApp], bool]:
+    return lambda app: isinstance(app.screen, kind) and question in str(getattr(app.screen, "question", ""))
+
+
+def said(app: KvtopApp, text: str) -> bool:
+    return any(note.message == text for note in app._notifications)
+
+
+def zoomed(app: KvtopApp, scroll: int = 0) -> None:
+    """The page map zoomed to one page per cell (the 100k-page model's map is rows longer than the screen)."""
+    while app.pagemap.zoom_in():
+        pass
+    app.pagemap.call_after_refresh(app.pagemap.scroll_to, y=scroll, animate=False, immediate=True)
+
+
+# action -> (set up before the key, the effect the key must have). The setups put the app where the
+# key has something to do: a selection to move, a page map longer than the screen.
+KEY_EFFECTS: dict[str, tuple[Callable[[KvtopApp], None], Callable[[KvtopApp], bool]]] = {
+    "quit": (lambda app: None, lambda app: app.return_code == 0),
+    "help": (lambda app: None, lambda app: isinstance(app.screen, HelpScreen)),
+    "cursor(1)": (lambda app: at(app, 0), lambda app: app.selected == names(app)[1]),
+    "cursor(-1)": (lambda app: at(app, 2), lambda app: app.selected == names(app)[1]),
+    "cursor(-1000000)": (lambda app: at(app, 3), lambda app: app.selected == names(app)[0]),
+    "cursor(1000000)": (lambda app: at(app, 0), lambda app: app.selected == names(app)[-1]),
+    "map_scroll(-1)": (lambda app: zoomed(app, 5), lambda app: app.pagemap.scroll_y == 4),
+    "map_scroll(1)": (zoomed, lambda app: app.pagemap.scroll_y == 1),
+    "details": (lambda app: at(app, 2), lambda app: isinstance(app.screen, DetailsScreen)
+                and app.screen.model.name == names(app)[2]),  # type: ignore[attr-defined]
+    "trim": (lambda app: at(app, 2), dialog(ConfirmScreen, "Trim llama-3-8b?")),
+    "trim_all": (lambda app: None, dialog(ConfirmScreen, "Trim all")),
+    # The sample fleet's segments are upstream ones: these two keys say why not (the live tests above say yes).
+    "compact": (lambda app: at(app, 2), lambda app: said(app, "llama-3-8b is an upstream kvcached segment: "
+                                                          "it cannot be compacted")),
+    "sleep_wake": (lambda app: at(app, 2), lambda app: said(app, "llama-3-8b is an upstream kvcached segment: "
+                                                             "it cannot sleep")),
+    "limit": (lambda app: at(app, 2), dialog(LimitScreen)),
+    "cycle_sort": (lambda app: None, lambda app: app.sort_key == "mapped"),
+    "filter": (lambda app: None, dialog(FilterScreen)),
+    "pause": (lambda app: None, lambda app: app.paused and "PAUSED" in app.status_line.render().plain),
+    "faster": (lambda app: None, lambda app: app.interval == 0.1),
+    "slower": (lambda app: None, lambda app: app.interval == 0.25),
+    "zoom_in": (lambda app: None, lambda app: app.pagemap.zoom is not None),
+    "zoom_out": (lambda app: app.pagemap.zoom_in(), lambda app: app.pagemap.zoom is None),
+    "map_page(1)": (zoomed, lambda app: app.pagemap.scroll_y > 1),
+    "map_page(-1)": (lambda app: zoomed(app, 30), lambda app: app.pagemap.scroll_y < 29),
+    "command_palette": (lambda app: None, lambda app: isinstance(app.screen, CommandPalette)),
+}
+HELP_KEYS = [(key, action) for keys, action, _ in KvtopApp.help_keys() for key in keys]
+
+
+def test_every_action_the_help_lists_has_its_effect_checked() -> None:
+    assert {action for _key, action in HELP_KEYS} == set(KEY_EFFECTS)
+    assert {"down", "up", "home", "end", "left", "right", "j", "k"} <= {key for key, _ in HELP_KEYS}
+
+
+@pytest.mark.parametrize("key, action", HELP_KEYS, ids=[f"{key}-{action}" for key, action in HELP_KEYS])
+def test_every_key_the_help_lists_does_what_it_says(key: str, action: str) -> None:
+    """Pressed as a person presses it, on the screen as it starts (nothing focused but the dashboard)."""
+    app = KvtopApp(sample_fleet(), interval=0.2)
+    setup, effect = KEY_EFFECTS[action]
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: app.frames_seen >= 2 and len(names(app)) == 5, "the sample fleet on screen")
+        setup(app)
+        await pilot.pause(0.2)
+        assert not effect(app), f"{key}: the effect holds before the key is pressed"
+        await pilot.press(key)
+        await until(pilot, lambda: effect(app), f"{key} to {action}", timeout=10.0)
+
+    drive(app, script, size=(120, 40))
+
+
+def test_the_help_screen_lists_the_keys_the_tests_press() -> None:
+    app = KvtopApp(sample_fleet(), interval=0.2)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: app.frames_seen >= 1, "the first frame")
+        await pilot.press("question_mark")
+        await until(pilot, lambda: isinstance(app.screen, HelpScreen), "the help screen")
+        shown = [row[0] for row in app.screen.keys]  # type: ignore[attr-defined]
+        assert shown == [" ".join(KEY_NAMES.get(k, k) for k in keys) for keys, _, _ in KvtopApp.help_keys()]
+        assert {"↓ j", "↑ k", "home", "end", "←", "→"} <= set(shown)
+
+    drive(app, script)

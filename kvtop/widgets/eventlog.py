@@ -10,7 +10,9 @@ from kvtop.events import ERROR, GOOD, WARN, Event
 LEVEL_STYLES = {GOOD: "green", WARN: "yellow", ERROR: "bold red"}
 
 
-class EventLog(RichLog):
+class EventLog(RichLog, can_focus=False):
+    """Not focusable: the dashboard's keys (arrows, home/end, page up/down) are the app's; the wheel scrolls it."""
+
     def __init__(self, *, id: str | None = None) -> None:  # noqa: A002
         super().__init__(id=id, max_lines=1000, wrap=False, markup=False, highlight=False, auto_scroll=True)
         self.border_title = "events"

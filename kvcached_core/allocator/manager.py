@@ -17,7 +17,7 @@ from ..segment import layout as L
 from ..segment.names import sanitize, segment_path, validate
 from ..segment.writer import Identity, SegmentError, SegmentWriter, owned_stale
 from . import fastpath, poller
-from .compact import CompactHandler, CompactResult, CompactStats, plan
+from .compact import CompactHandler, CompactResult, CompactStats, Move, plan
 from .pages import PageTable
 from .placement import Policy, drain_victims, make_policy, place_draining
 from .poller import HEARTBEAT_INTERVAL_S
@@ -492,17 +492,13 @@ class KVCacheManager:
         for _, dst in moves:
             self.pages.take_block(dst)
         try:
-            done = [tuple(m) for m in handler(list(moves))]
-        except BaseException:
-            self._release_blocks([dst for _, dst in moves])
+            confirmed = self._confirmed(moves, handler(list(moves)))
+        except BaseException:  # the handler failed or answered wrong: nothing moves
+            self._release_blocks([dst for _, dst in moves if self._holds_destination(dst)])
             self._publish()
             raise
-        planned = dict(moves)
-        confirmed = [(s, d) for s, d in done if planned.get(s) == d]
-        if len(set(confirmed)) != len(confirmed):
-            confirmed = list(dict.fromkeys(confirmed))
         ok = {s for s, _ in confirmed}
-        self._release_blocks([d for s, d in moves if s not in ok])
+        self._release_blocks([d for s, d in moves if s not in ok and self._holds_destination(d)])
         for src, dst in confirmed:
             self.cache.remove(src)
             self.cache.add(dst)
@@ -524,6 +520,38 @@ class KVCacheManager:
             self.compaction.count(result, time.monotonic_ns() - started)
             self.segment.publish_compaction(self.compaction.values())
         return result
+
+    def _holds_destination(self, block: int) -> bool:
+        """A compaction destination is still the one compaction took (used, not cached): the handler did not free it."""
+        return self.pages.is_used(block) and block not in self.cache
+
+    def _confirmed(self, moves: list[Move], answer: object) -> list[Move]:
+        """The planned moves a compact handler confirmed, checked before any accounting changes.
+
+        A well-formed pair that was never planned is not confirmed (its source stays). Raises ValueError
+        (nothing moves) when the answer is not a list of (source, destination) pairs of block ids, or when
+        the handler changed a block of a move it confirms (freed or reused its source, freed its
+        destination): the allocator frees the sources, the engine only copies and rewrites its ids.
+        """
+        items = list(answer) if isinstance(answer, (list, tuple)) else None
+        if items is None:
+            raise ValueError(f"{self.name}: the compact handler returned {type(answer).__name__}, not a list of "
+                             f"(source, destination) moves; nothing moved")
+        planned = dict(moves)
+        confirmed: dict[Move, None] = {}  # in order, an exact repeat counted once
+        for item in items:
+            pair = tuple(item) if isinstance(item, (tuple, list)) else ()
+            if len(pair) != 2 or not all(isinstance(b, Integral) and not isinstance(b, bool) for b in pair):
+                raise ValueError(f"{self.name}: the compact handler returned {item!r}, not a (source, destination) "
+                                 f"move; nothing moved")
+            move = (int(pair[0]), int(pair[1]))
+            if planned.get(move[0]) == move[1]:
+                confirmed[move] = None
+        for src, dst in confirmed:
+            if src not in self.cache or not self._holds_destination(dst):
+                raise ValueError(f"{self.name}: the compact handler confirmed move ({src}, {dst}) but freed or "
+                                 f"reused one of its blocks (the allocator frees the sources); nothing moved")
+        return list(confirmed)
 
     def reuse(self, ids: Iterable[int]) -> None:
         """A prefix hit: cached blocks go back into active use."""

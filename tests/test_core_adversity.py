@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from conftest import send
 
 from kvcached_core import KVCacheManager, snapshot
 from kvcached_core.allocator.compact import Move
@@ -62,3 +65,83 @@ def test_a_compact_handlers_mistake_moves_nothing_and_keeps_the_accounting(
         m.free(sorted(held))  # every block the engine holds goes back, and nothing else
         _accounting_holds(m, set())
 
+
+# -- the published state never lags the page table ---------------------------------------------------------------
+# In the allocator's process: an engine thread allocates and frees (now and then it gives back every empty page,
+# as a sleep does: release_all), and a sampler thread takes the allocator's lock and reads the segment through
+# kvcached_core's reader. Every publish happens under that lock, so whenever the sampler holds it the segment says
+# exactly what the page table holds; a step that lets go of the lock (a wait for the refill thread's batch in
+# flight) must publish first. 2 MiB pages x 8 layers x K/V: a page bundle is 32 MiB of host memory to populate,
+# so refill batches are in flight for milliseconds while controllers lower and raise the limit and trim.
+LAG_ENGINE = """
+import json, random, threading
+from pathlib import Path
+from kvcached_core.segment.reader import read_segment
+stop = threading.Event()
+path = Path(m.segment.path)
+seen = {"samples": 0, "lagged": [], "asleep_mapped": 0}
+def engine():
+    rng = random.Random(7)
+    held = []
+    while not stop.is_set():
+        got = m.alloc(rng.randint(1, 12))
+        if got:
+            held.append(got)
+        if len(held) > 6 or (held and got is None):
+            m.free(held.pop(0))
+        if rng.random() < 0.05:
+            m.release_all()
+    for ids in held:
+        m.free(ids)
+def sampler():
+    while not stop.is_set():
+        with m.lock:
+            p = m.pages
+            mine = (p.pages_inuse, len(p.reserved), p.blocks_used, len(m.cache), p.mapped_pages * m.bundle_bytes)
+            snap = read_segment(path)
+        shown = (snap.pages_inuse, snap.pages_reserved, snap.blocks_used, snap.blocks_cached, snap.mapped_bytes)
+        seen["samples"] += 1
+        if shown != mine:
+            seen["lagged"].append((shown, mine))
+        if snap.sleep is not None and snap.sleep.state == "asleep" and snap.mapped_bytes:
+            seen["asleep_mapped"] += 1
+threads = [threading.Thread(target=engine), threading.Thread(target=sampler)]
+for t in threads:
+    t.start()
+def report(out):
+    stop.set()
+    for t in threads:
+        t.join()
+    Path(out).write_text(json.dumps(seen))
+"""
+LAG_MODEL = dict(num_blocks=24 * 8, block_bytes=256 * 1024, num_layers=8, page_size=2 * MiB)
+
+
+def test_the_segment_never_lags_the_page_table_under_controllers_and_churn(
+        spawn_allocator, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import json
+    import random
+    import time
+
+    from kvcached_core.control.requests import AckTimeout, request_limit, request_trim
+
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "3")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "6")
+    proc = spawn_allocator("lag", script=LAG_ENGINE, **LAG_MODEL)
+    rng = random.Random(11)
+    deadline = time.monotonic() + 6.0
+    while time.monotonic() < deadline:
+        try:
+            if rng.random() < 0.25:
+                request_trim("lag", wait=5)
+            else:
+                pages = rng.choice([None, 4, 8, 12, 24])
+                request_limit("lag", None if pages is None else pages * 32 * MiB, wait=5)
+        except AckTimeout:  # a loaded host: the next request goes on
+            pass
+    out = tmp_path / "seen.json"
+    send(proc, f"report({str(out)!r})")
+    seen = json.loads(out.read_text())
+    assert seen["samples"] > 100
+    assert seen["lagged"] == [], f"{len(seen['lagged'])} of {seen['samples']} reads lagged: {seen['lagged'][:3]}"
+    assert seen["asleep_mapped"] == 0

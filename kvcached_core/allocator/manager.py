@@ -391,6 +391,7 @@ class KVCacheManager:
             freed = self._unmap_reserved(len(self.pages.reserved))
             deadline = time.monotonic() + INFLIGHT_WAIT_S  # a refill batch in flight lands, then goes too
             while self.pages.inflight and not self._closed and time.monotonic() < deadline:
+                self._publish()  # the wait lets go of the lock: what it leaves is published first
                 self._mapping_done.wait(max(0.0, deadline - time.monotonic()))
                 freed += self._unmap_reserved(len(self.pages.reserved))
             self.backend.trim_pool(0)
@@ -771,6 +772,8 @@ class KVCacheManager:
             left = deadline - time.monotonic()
             if left <= 0:
                 break  # a stuck map: stays deferred, and the refill thread settles it when it lands
+            self._update_limit_status()  # the wait lets go of the lock: what it leaves is published first
+            self._publish()
             self._mapping_done.wait(left)
             self._unmap_excess()
         self._update_limit_status()

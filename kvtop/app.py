@@ -30,6 +30,7 @@ from textual.worker import get_current_worker
 
 from kvcached_core import AckTimeout, ControlError, ModelNotFound, __version__, format_bytes, resolve
 from kvcached_core.segment.snapshot import ModelSnapshot
+from kvtop.cli.common import Number, Whole
 from kvtop.commands import KvtopCommands
 from kvtop.events import ERROR, GOOD, INFO, WARN, Event, diff
 from kvtop.history import History
@@ -715,10 +716,10 @@ def run(*, demo: bool, demo_models: int, once: bool, interval: float, gpus: list
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--demo", is_flag=True, help="Start demo models (as `kvctl demo`) and stop them on exit.")
-@click.option("--demo-models", type=click.IntRange(1, 6), default=4, show_default=True,
+@click.option("--demo-models", type=Whole(1, 6), default=4, show_default=True,
               help="How many demo models --demo starts.")
 @click.option("--once", is_flag=True, help="Print one snapshot and exit (automatic when stdout is not a terminal).")
-@click.option("--interval", type=click.FloatRange(0.05, 60), default=1.0, show_default=True,
+@click.option("--interval", type=Number(0.05, 60), default=1.0, show_default=True,
               help="Seconds between refreshes.")
 @click.option("--gpu", "gpu", metavar="LIST", help="Only these GPU indices, e.g. 0 or 0,2 (panels and models).")
 @click.option("--model", metavar="NAME", help="Select this model (exact name or unique prefix).")
@@ -739,6 +740,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Console script: errors are one line on stderr; exit 0 ok, 1 failure, 2 usage, 130 interrupted."""
     try:
         code = cli.main(args=list(argv) if argv is not None else None, prog_name="kvtop", standalone_mode=False)
+    except click.UsageError as exc:  # as kvctl says it: one line, then where the options are
+        click.echo(f"kvtop: {' '.join(exc.format_message().split())} (see 'kvtop --help')", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         click.echo(f"kvtop: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)

@@ -8,6 +8,8 @@ write are compared: the header and the control block. Every other file is compar
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +113,17 @@ CASES = [
     Case("theirs-legacy-limit", ("limit", LEGACY, "1G"), FAILURE, f"uid {OTHER_UID}",
          ("theirs-legacy",)),
     Case("theirs-clean", ("clean",), OK, f"belongs to uid {OTHER_UID}", ("live", "theirs-stale")),
+    # numbers read alike in every option: not click's "not a valid float range" / "not in the range x>0"
+    Case("wait-applied-word", ("limit", "m1", "1G", "--wait-applied", "abc"), USAGE,
+         "Invalid value for '--wait-applied': 'abc' is not a number (see 'kvctl limit --help')"),
+    Case("wait-applied-nan", ("limit", "m1", "1G", "--wait-applied", "nan"), USAGE, "'nan' is not a number"),
+    Case("wait-applied-0-words", ("limit", "m1", "1G", "--wait-applied", "0"), USAGE,
+         "'0' is out of range: it must be above 0"),
+    Case("interval-word", ("watch", "--interval", "soon"), USAGE, "'soon' is not a number"),
+    Case("count-fraction", ("watch", "--count", "1.5"), USAGE, "'1.5' is not a whole number"),
+    Case("demo-99-models", ("demo", "--models", "99"), USAGE, "'99' is out of range: it must be from 1 to 64"),
+    Case("demo-seed-word", ("demo", "--seed", "x"), USAGE, "'x' is not a whole number"),
+    Case("show-width-words", ("show", "m1", "--width", "2"), USAGE, "'2' is out of range: it must be from 8 to 512"),
 ]
 
 
@@ -177,3 +190,24 @@ def test_bad_input(case: Case, spawn_allocator, shm_dir: Path):
     if case.code != OK:
         assert result.stdout == ""
     assert state(shm_dir, live) == before
+
+
+KVTOP_CASES = [
+    (("--interval", "abc"), "kvtop: Invalid value for '--interval': 'abc' is not a number (see 'kvtop --help')"),
+    (("--interval", "100"), "kvtop: Invalid value for '--interval': '100' is out of range: it must be from 0.05 "
+                            "to 60 (see 'kvtop --help')"),
+    (("--demo-models", "0"), "kvtop: Invalid value for '--demo-models': '0' is out of range: it must be from 1 "
+                             "to 6 (see 'kvtop --help')"),
+    (("--gpu", "x"), "kvtop: Invalid value for --gpu: 'x' is not a list of GPU indices (try 0 or 0,2) "
+                     "(see 'kvtop --help')"),
+    (("--bogus",), "kvtop: No such option '--bogus'. Did you mean '--gpu'? (see 'kvtop --help')"),
+]
+
+
+@pytest.mark.parametrize("args, says", KVTOP_CASES, ids=[a[0] for a, _ in KVTOP_CASES])
+def test_kvtop_usage_errors_read_like_kvctls(args: tuple[str, ...], says: str, shm_dir: Path) -> None:
+    """kvtop's own options: one line, exit 2, the same words as kvctl's and where the options are."""
+    before = state(shm_dir, set())
+    done = subprocess.run([sys.executable, "-m", "kvtop.app", *args], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (USAGE, "", says + "\n")
+    assert state(shm_dir, set()) == before

@@ -12,7 +12,7 @@ import click
 from kvcached_core import Ack, AckTimeout, ControlError, ModelSnapshot, request_limit, request_trim
 from kvtop import textfmt as T
 from kvtop.cli import SIZE, ExitCode, Failure, SizeSpec, check_model_name, model_argument
-from kvtop.cli.common import emit_json, pick, read, warn
+from kvtop.cli.common import Number, emit_json, pick, read, warn
 
 WAIT_HELP = "Seconds to wait for each model's acknowledgement (0: do not wait)."
 REFUSED = (ControlError, AckTimeout, OSError, ValueError)
@@ -169,8 +169,8 @@ def _looks_like_size(text: str) -> bool:
 @model_argument(required=False)
 @click.argument("size", required=False, metavar="SIZE")
 @click.option("--all", "all_models", is_flag=True, help="Every live and legacy model; then give only SIZE.")
-@click.option("--wait", type=click.FloatRange(min=0), default=2.0, show_default=True, metavar="SEC", help=WAIT_HELP)
-@click.option("--wait-applied", type=click.FloatRange(min=0, min_open=True), metavar="SEC",
+@click.option("--wait", type=Number(min=0), default=2.0, show_default=True, metavar="SEC", help=WAIT_HELP)
+@click.option("--wait-applied", type=Number(min=0, min_open=True), metavar="SEC",
               help="Also wait up to SEC seconds until the limit is applied (the memory is back under it), "
                    "not only acknowledged; exit 3 if it is not.")
 @click.option("--json", "as_json", is_flag=True, help="Print the acknowledgements as a JSON array.")
@@ -234,7 +234,7 @@ def limit_cmd(ctx: click.Context, model: str | None, size: str | None, all_model
 @click.command("trim")
 @model_argument(required=False)
 @click.option("--all", "all_models", is_flag=True, help="Every live model (legacy segments cannot be trimmed).")
-@click.option("--wait", type=click.FloatRange(min=0), default=2.0, show_default=True, metavar="SEC", help=WAIT_HELP)
+@click.option("--wait", type=Number(min=0), default=2.0, show_default=True, metavar="SEC", help=WAIT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the acknowledgements as a JSON array.")
 @click.pass_context
 def trim_cmd(ctx: click.Context, model: str | None, all_models: bool, wait: float, as_json: bool) -> None:

@@ -9,7 +9,7 @@ import time
 import click
 
 from kvtop.cli import Failure
-from kvtop.cli.common import read
+from kvtop.cli.common import Number, Whole, read
 
 
 def _sigterm(signum: int, frame: object) -> None:
@@ -17,11 +17,11 @@ def _sigterm(signum: int, frame: object) -> None:
 
 
 @click.command("demo")
-@click.option("--models", type=click.IntRange(1, 64), default=3, show_default=True, metavar="N",
+@click.option("--models", type=Whole(1, 64), default=3, show_default=True, metavar="N",
               help="How many simulated models.")
-@click.option("--duration", type=click.FloatRange(min=0, min_open=True), metavar="S",
+@click.option("--duration", type=Number(min=0, min_open=True), metavar="S",
               help="Stop after S seconds (default: run until Ctrl-C).")
-@click.option("--seed", type=int, default=0, show_default=True, metavar="N", help="Seed of the simulated traffic.")
+@click.option("--seed", type=Whole(), default=0, show_default=True, metavar="N", help="Seed of the simulated traffic.")
 def demo_cmd(models: int, duration: float | None, seed: int) -> None:
     """Start N simulated serving models, in child processes, with realistic traffic.
 

@@ -9,14 +9,15 @@ import threading
 import click
 
 from kvtop.cli import Failure
+from kvtop.cli.common import Number, Whole
 
 
 @click.command("export")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (0.0.0.0 or :: to let a Prometheus server on another host scrape).")
-@click.option("--port", type=click.IntRange(0, 65535), default=9400, show_default=True,
+@click.option("--port", type=Whole(0, 65535), default=9400, show_default=True,
               help="TCP port (0 picks a free one and prints it).")
-@click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=None, metavar="S",
+@click.option("--interval", type=Number(min=0, min_open=True), default=None, metavar="S",
               help="Read the segments every S seconds in the background and serve that copy "
                    "(default: read on every scrape).")
 def export_cmd(host: str, port: int, interval: float | None) -> None:

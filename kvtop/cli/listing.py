@@ -7,14 +7,14 @@ import click
 from kvcached_core import fragmentation
 from kvcached_core.segment.pagemap import decoded
 from kvtop.cli import Failure, model_argument
-from kvtop.cli.common import emit_json, pick, problem_line, read, warn
+from kvtop.cli.common import Whole, emit_json, pick, problem_line, read, warn
 
 JSON_HELP = "Print JSON (every key is documented in docs/json.md) instead of text."
 
 
 @click.command("list")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-@click.option("--gpu", type=click.IntRange(min=0), metavar="N", help="Only models on GPU (device) N.")
+@click.option("--gpu", type=Whole(min=0), metavar="N", help="Only models on GPU (device) N.")
 @click.option("--all", "show_all", is_flag=True,
               help="Also show stale segments (dead processes) and warn about unusable files.")
 def list_cmd(as_json: bool, gpu: int | None, show_all: bool) -> None:
@@ -50,9 +50,9 @@ def list_cmd(as_json: bool, gpu: int | None, show_all: bool) -> None:
 @click.command("show")
 @model_argument()
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-@click.option("--width", type=click.IntRange(8, 512), default=64, show_default=True,
+@click.option("--width", type=Whole(8, 512), default=64, show_default=True,
               help="Cells per row of the page map.")
-@click.option("--rows", type=click.IntRange(1, 1024), default=16, show_default=True,
+@click.option("--rows", type=Whole(1, 1024), default=16, show_default=True,
               help="Most rows of the page map; a larger map folds several pages into a cell.")
 def show_cmd(model: str, as_json: bool, width: int, rows: int) -> None:
     """Everything about one model, with its page map drawn as a character grid.
@@ -81,7 +81,7 @@ def show_cmd(model: str, as_json: bool, width: int, rows: int) -> None:
 @click.command("frag")
 @model_argument(required=False)
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-@click.option("--worst", type=click.IntRange(0, 1000), default=8, show_default=True,
+@click.option("--worst", type=Whole(0, 1000), default=8, show_default=True,
               help="How many of the emptiest in-use pages to list.")
 def frag_cmd(model: str | None, as_json: bool, worst: int) -> None:
     """The fragmentation report: held vs pinned, waste, packed floor, what trim or eviction would return.

@@ -13,7 +13,7 @@ import click
 from kvcached_core import ModelSnapshot
 from kvtop import textfmt as T
 from kvtop.cli import model_argument
-from kvtop.cli.common import pick_many, read
+from kvtop.cli.common import Number, Whole, pick_many, read
 
 # CSV columns after time and tick: every scalar key of ModelSnapshot.to_dict(), in its order.
 CSV_FIELDS = (
@@ -86,9 +86,9 @@ def reader_gone(out: TextIO, seconds: float) -> bool:
 
 @click.command("watch")
 @model_argument("models", nargs=-1, metavar="[MODEL]...")
-@click.option("--interval", "-i", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+@click.option("--interval", "-i", type=Number(min=0, min_open=True), default=2.0, show_default=True,
               metavar="S", help="Seconds between ticks.")
-@click.option("--count", "-n", type=click.IntRange(min=1), metavar="N", help="Stop after N ticks (default: never).")
+@click.option("--count", "-n", type=Whole(min=1), metavar="N", help="Stop after N ticks (default: never).")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True,
               help="table: a refreshed table; json: one JSON object per line per tick; csv: a header, then rows.")
 @click.option("--all", "show_all", is_flag=True, help="Also show stale segments.")

@@ -25,6 +25,7 @@ from ..segment.snapshot import ModelSnapshot
 
 POLL_S = 0.002
 FIRST_POLL_S = 0.0001  # the first looks for the acknowledgement come sooner, doubling up to POLL_S
+POLL_DOUBLINGS = 5  # FIRST_POLL_S * 2**5 > POLL_S: the backoff stops growing there, however long the wait
 DEFAULT_WAIT_S = 2.0
 LOCK_TIMEOUT_S = 2.0  # controllers hold the lock for microseconds
 
@@ -47,7 +48,7 @@ class Ack:
 
     name: str
     kind: str  # limit, trim, compact (sleep and wake: the action)
-    status: str  # applied, deferred, conflict, none, trimmed, pending, legacy, superseded
+    status: str  # applied, deferred, conflict, none, trimmed, pending, legacy, superseded; sleep: its state, woken
     revision: int
     effective_limit: int | None = None
     bytes_returned: int = 0
@@ -56,6 +57,7 @@ class Ack:
     superseded_by: int = 0  # status superseded: the later revision (another controller's) that the model applied
     superseding_status: str = ""  # and that revision's status; effective_limit is then its limit
     bytes_copied: int = 0  # compact: KV bytes the engine copied
+    answered_range: tuple[int, int] | None = None  # compact: the requests (first, last) its one compaction answered
 
 
 def _open_for_control(path: Path) -> tuple[int, mmap.mmap]:
@@ -145,7 +147,16 @@ def _target(name_or_snapshot: str | ModelSnapshot) -> ModelSnapshot:
         time.sleep(0.05)
 
 
-def _wait(model: ModelSnapshot, done, wait: float, kind: str, pending: Ack, started: float) -> Ack:
+def _pause(looks: int, left: float) -> float:
+    """How long to sleep before look ``looks + 1``: FIRST_POLL_S doubling up to POLL_S (a poked allocator
+    answers fast: benchmarks/acks.py), never past the deadline ``left`` seconds away."""
+    return max(0.0, min(POLL_S, FIRST_POLL_S * 2 ** min(looks, POLL_DOUBLINGS), left))
+
+
+def _wait(model: ModelSnapshot, done: Callable[[ModelSnapshot], Ack | None], wait: float, kind: str,
+          pending: Ack, started: float) -> Ack:
+    """Read ``model`` until ``done(snapshot)`` answers; :class:`AckTimeout` once ``wait`` seconds from ``started``
+    have passed without an answer."""
     deadline = started + wait
     path = Path(model.path)
     looks = 0
@@ -164,7 +175,7 @@ def _wait(model: ModelSnapshot, done, wait: float, kind: str, pending: Ack, star
         if time.monotonic() >= deadline:
             late = "; its process runs but its heartbeat is late (stopped or overloaded)" if snap and snap.late else ""
             raise AckTimeout(f"{model.name} did not acknowledge the {kind} within {wait:g} s{late}", pending)
-        time.sleep(min(POLL_S, FIRST_POLL_S * 2 ** looks))  # a poked allocator answers fast: benchmarks/acks.py
+        time.sleep(_pause(looks, deadline - time.monotonic()))
         looks += 1
 
 

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from ..segment import layout as L
-from ..segment.snapshot import ModelSnapshot
+from ..segment.reader import read_segment
+from ..segment.snapshot import ModelSnapshot, SleepInfo
 from .requests import DEFAULT_WAIT_S, Ack, ControlError, _target, _wait, write_request
 
 ACTIONS = {"sleep": L.SLEEP_SOON, "sleep_now": L.SLEEP_NOW, "wake": L.SLEEP_WAKE, "policy": L.SLEEP_POLICY_ONLY}
@@ -34,8 +35,9 @@ def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float
     policy (``policy``). ``after_idle_s``: seconds, None to remove the policy, False to leave it.
 
     Returns once the model took the request (``until_done``: once it is asleep or awake), with status
-    the model's state then (``superseded`` when a later request replaced this one). ``wait=0`` returns
-    ``pending`` at once. Raises ControlError, AckTimeout, ModelNotFound.
+    the model's state then (``superseded`` when a later request replaced this one; for a sleep that a
+    request already ended, ``woken``: it slept, releasing ``bytes_returned`` in ``latency_s``, then a
+    request woke it). ``wait=0`` returns ``pending`` at once. Raises ControlError, AckTimeout, ModelNotFound.
     """
     code = ACTIONS[action]
     model = _target(name)
@@ -51,6 +53,7 @@ def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float
         if idle_ms < 0:
             raise ControlError("an after-idle time cannot be negative")
     started = time.monotonic()
+    before = _last_sleep(model)
     def write(mm: mmap.mmap) -> int:
         revision = L.SLEEP_CTL.unpack_from(mm, L.SLEEP_CTL_OFF)[0] + 1
         L.SLEEP_CTL.pack_into(mm, L.SLEEP_CTL_OFF, 0, code, idle_ms, L.sleep_check(code, idle_ms, revision))
@@ -71,6 +74,10 @@ def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float
             return Ack(snap.name, action, "superseded", revision, bytes_returned=info.slept_bytes,
                        latency_s=time.monotonic() - started, superseded_by=info.acked_revision,
                        superseding_status=info.state)
+        if target is not None and not info.capable:
+            raise ControlError(f"{snap.name} cannot sleep: its engine withdrew its sleep handler")
+        if target == "asleep" and info.state == "awake":  # taken, and awake again: a request woke it
+            return _woken(snap.name, action, revision, info, before, time.monotonic() - started)
         if until_done and target is not None and info.state != target:
             return None
         return Ack(snap.name, action, info.state, revision, bytes_returned=info.slept_bytes,
@@ -78,3 +85,22 @@ def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float
                    else time.monotonic() - started)
 
     return _wait(model, done, wait, action.replace("_", " "), pending, started)
+
+
+def _last_sleep(model: ModelSnapshot) -> tuple[int, float] | None:
+    """(bytes released, time taken) of the model's last sleep, as it reads just before a request."""
+    try:
+        info = read_segment(Path(model.path)).sleep
+    except (BlockingIOError, OSError, ValueError):
+        info = model.sleep
+    return None if info is None else (info.slept_bytes, info.took_s)
+
+
+def _woken(name: str, action: str, revision: int, info: SleepInfo, before: tuple[int, float] | None,
+           waited_s: float) -> Ack:
+    """The answer to a sleep the model took but that a request has already ended: ``woken`` (it slept,
+    releasing ``bytes_returned`` in ``latency_s``, then woke) when its last sleep's figures changed since
+    the request; ``awake`` (a request came before it slept: nothing released) when they did not."""
+    if (info.slept_bytes, info.took_s) != before:
+        return Ack(name, action, "woken", revision, bytes_returned=info.slept_bytes, latency_s=info.took_s)
+    return Ack(name, action, "awake", revision, latency_s=waited_s)

@@ -60,6 +60,9 @@ def _run(m: ModelSnapshot, action: str, after_idle: float | None | bool, wait: b
         out["superseded_by"] = ack.superseded_by
         out["state"] = ack.superseding_status
         out["superseded"] = True
+    elif ack.status == "woken":  # it slept, then a request woke it
+        out["state"] = "awake"
+        out["woken"] = True
     return out
 
 
@@ -106,6 +109,11 @@ def sleep_cmd(ctx: click.Context, model: str, now: bool, after_idle: float | Non
         text = f"{m.name}: a later request (revision {out['superseded_by']}) replaced this one; the model is {out['state']}"
     elif out["state"] == "asleep":
         text = f"{m.name}: asleep, released {T.fmt_bytes(out['slept_bytes'])} in {out['took_s'] * 1000:.1f} ms"
+    elif out.get("woken"):
+        text = (f"{m.name}: slept (released {T.fmt_bytes(out['slept_bytes'])} in {out['took_s'] * 1000:.1f} ms), "
+                "then woken by a request")
+    elif out["state"] == "awake":
+        text = f"{m.name}: awake: a request woke it before it slept (nothing released)"
     else:
         text = f"{m.name}: {out['state']} (running requests finish first; kvctl sleep --wait waits for it)"
     _answer(out, text, as_json)

@@ -78,6 +78,7 @@ def test_the_five_step_tour_runs_as_the_readme_shows_it() -> None:
     try:
         assert demo.stdout is not None
         assert demo.stdout.readline().rstrip("\n") == demo_shown[0]
+        assert demo.stdout.readline().rstrip("\n") == demo_shown[1]  # "... running forever, Ctrl-C stops them"
         names = demo_shown[0].split(": ")[-1].split(", ")
         for args, shown in rest:
             if args[0] == "watch":

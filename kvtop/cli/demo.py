@@ -54,7 +54,7 @@ def demo_cmd(models: int, duration: float | None, seed: int) -> None:
         if not fleet.wait_ready(timeout=30):
             raise Failure(fleet.failure or "the demo models did not start")
         click.echo(f"demo: {models} simulated model{'s' if models > 1 else ''} running: {', '.join(fleet.names())}")
-        until = "for " + (f"{duration:g} s" if duration else "ever")
+        until = f"for {duration:g} s" if duration else "forever"
         click.echo(f"look at them with 'kvtop' or 'kvctl watch'; running {until}, Ctrl-C stops them")
         while fleet.alive():
             time.sleep(0.2)

@@ -9,6 +9,7 @@ from conftest import send
 
 from kvcached_core import KVCacheManager, snapshot
 from kvcached_core.allocator.compact import Move
+from kvcached_core.segment import layout as L
 
 MiB = 1024 * 1024
 SMALL = dict(num_blocks=64, block_bytes=64 * 1024, num_layers=2, page_size=256 * 1024)
@@ -145,3 +146,48 @@ def test_the_segment_never_lags_the_page_table_under_controllers_and_churn(
     assert seen["samples"] > 100
     assert seen["lagged"] == [], f"{len(seen['lagged'])} of {seen['samples']} reads lagged: {seen['lagged'][:3]}"
     assert seen["asleep_mapped"] == 0
+
+
+# -- asleep means nothing mapped ------------------------------------------------------------------------------------
+def test_ready_while_blocks_are_held_refuses_and_the_model_stays_draining() -> None:
+    with KVCacheManager("nap", **SMALL) as m:  # type: ignore[arg-type]
+        m.set_sleep_handler(lambda action: None)
+        active, cached = m.alloc(6), m.alloc(2)
+        assert active and cached
+        m.mark_cached(cached)
+        m.sleep.sleep()
+        with pytest.raises(RuntimeError, match="holds 8 blocks \\(2 of them cached\\).*stays draining"):
+            m.sleep.ready()
+        m.free(active)
+        with pytest.raises(RuntimeError, match="holds 2 blocks"):
+            m.sleep.ready()
+        shown = snapshot("nap")
+        assert shown.sleep is not None and shown.sleep.state == "draining" and shown.blocks_used == 2
+        m.free(cached)
+        assert m.sleep.ready() > 0
+        shown = snapshot("nap")
+        assert shown.sleep is not None and shown.sleep.state == "asleep" and shown.mapped_bytes == 0
+
+
+def test_an_alloc_while_asleep_wakes_the_model_and_its_handler_hears_it() -> None:
+    from conftest import wait_for
+
+    with KVCacheManager("nap", **SMALL) as m:  # type: ignore[arg-type]
+        heard: list[str] = []
+        m.set_sleep_handler(heard.append)
+        m.sleep.sleep()
+        m.sleep.ready()
+        assert snapshot("nap").sleep.state == "asleep"  # type: ignore[union-attr]
+        ids = m.alloc(4)  # the engine's next request, before it called wake()
+        assert ids is not None and len(ids) == 4
+        shown = snapshot("nap")
+        assert shown.sleep is not None and shown.sleep.state == "awake" and shown.mapped_bytes > 0
+        assert m.sleep.state == L.SLEEP_AWAKE
+        wait_for(lambda: heard == ["sleep", "wake"], what="the handler to hear wake from the poller")
+        m.sleep.wake()  # the engine's own wake after it: nothing more to tell
+        assert heard == ["sleep", "wake"]
+        m.free(ids)
+        # try_to_reserve maps as an alloc does: it wakes a sleeping model too
+        m.sleep.sleep()
+        m.sleep.ready()
+        assert m.try_to_reserve(1) and snapshot("nap").sleep.state == "awake"  # type: ignore[union-attr]

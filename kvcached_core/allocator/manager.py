@@ -653,6 +653,8 @@ class KVCacheManager:
         count = min(count, self._headroom())
         if count <= 0:
             return 0
+        if self.sleep.state == L.SLEEP_ASLEEP:  # asleep means nothing mapped: an alloc that needs a page wakes it
+            self.sleep.alloc_woke()
         asked = self.pages.take_unmapped(count)
         mapped: list[int] = []
         try:
@@ -883,6 +885,8 @@ class KVCacheManager:
         with self._lock:
             self.pages.finish_mapping(asked, mapped)
             self._dirty.update(mapped)
+            if self.sleep.state == L.SLEEP_ASLEEP:  # the model fell asleep while we mapped: nothing stays mapped
+                self._unmap_reserved(len(self.pages.reserved))
             if self.limit_pages is not None:  # the limit fell while we mapped
                 self._unmap_excess(newest=True)
                 if self.limit_status == L.LIMIT_DEFERRED:

@@ -191,3 +191,71 @@ def test_an_alloc_while_asleep_wakes_the_model_and_its_handler_hears_it() -> Non
         m.sleep.sleep()
         m.sleep.ready()
         assert m.try_to_reserve(1) and snapshot("nap").sleep.state == "awake"  # type: ignore[union-attr]
+
+
+# -- the process's poller survives any handler ----------------------------------------------------------------------
+# Two allocators in one process, one poller thread. "a" holds a cached block alone on its second page, so a compaction
+# has a move to hand its compact handler, which raises SystemExit; its evict handler raises KeyboardInterrupt.
+TWO_IN_ONE = """
+import sys
+from kvcached_core.allocator.compact import plan
+b = KVCacheManager("b", name="b", num_blocks=64, block_bytes=64 * 1024, num_layers=2, page_size=256 * 1024)
+ids = [m.alloc(1)[0] for _ in range(8)]
+m.free([ids[0], *ids[5:]])
+m.mark_cached(ids[2:5])
+assert plan(m.pages, m.cache)
+def leave(moves):
+    raise SystemExit(3)
+def interrupt():
+    raise KeyboardInterrupt
+m.set_compact_handler(leave)
+m.set_evict_handler(interrupt)
+"""
+
+
+def test_a_handler_that_raises_systemexit_does_not_stop_the_poller(spawn_allocator) -> None:
+    from conftest import kvctl, wait_for
+
+    from kvcached_core.control.requests import request_limit, request_trim
+
+    spawn_allocator("a", script=TWO_IN_ONE)
+    failed = kvctl("compact", "a", "--wait", "5")
+    assert failed.exit_code == 1 and "compaction failed" in failed.stderr and failed.stderr.count("\n") == 1
+    assert snapshot("a").blocks_used == 4  # nothing moved
+    # A limit the cached blocks hold up: the poller asks the evict handler, which raises KeyboardInterrupt.
+    assert request_limit("a", 256 * 1024 * 2 * 2, wait=5).status == "deferred"
+    assert request_trim("b", wait=5).status == "trimmed"
+    assert request_trim("a", wait=5).status == "trimmed"
+    beat = snapshot("b").heartbeat_ns
+    wait_for(lambda: snapshot("b").heartbeat_ns > beat, what="b's next heartbeat")
+    assert not snapshot("b").late and not snapshot("a").late
+
+
+def test_the_poller_serves_the_others_whatever_one_tick_raises() -> None:
+    import threading
+
+    from conftest import wait_for
+
+    from kvcached_core.allocator import poller
+
+    class Served:
+        def __init__(self) -> None:
+            self.ticks = 0
+            self._closed = False
+
+    calm, wild = Served(), Served()
+    errors = [SystemExit(1), KeyboardInterrupt(), ValueError("not closed: a bug"), OSError(5, "EIO"), GeneratorExit()]
+
+    def tick(served: Served, raises: list[BaseException]) -> bool:
+        served.ticks += 1
+        if raises:
+            raise raises.pop(0)
+        return True
+
+    entries = [poller.register(calm, 0, tick, []), poller.register(wild, 0, tick, errors)]
+    try:
+        wait_for(lambda: not errors and wild.ticks > 6 and calm.ticks > 6, what="both served through every error")
+        assert all(t.name != "kvc-poller" or t.is_alive() for t in threading.enumerate())
+    finally:
+        for entry in entries:
+            poller.unregister(entry)

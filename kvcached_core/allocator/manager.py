@@ -790,7 +790,9 @@ class KVCacheManager:
             return  # active blocks hold it up: nothing to ask until they go
         try:
             handler()
-        except Exception:  # noqa: BLE001 - the limit stays deferred, as without a handler
+        except BaseException as exc:  # noqa: BLE001 - the limit stays deferred, as without a handler
+            if not isinstance(exc, Exception) and not poller.on_poller_thread():
+                raise  # SystemExit, KeyboardInterrupt: the engine's own thread's to handle (the poller's serves on)
             logging.getLogger(__name__).exception("%s: the engine's evict handler failed", self.name)
 
     def _unmap_excess(self, *, newest: bool = False) -> None:
@@ -936,7 +938,8 @@ class KVCacheManager:
         else:
             try:
                 result = self._compact()
-            except Exception:  # noqa: BLE001 - the engine's copy failed: nothing moved, the controller is told
+            except BaseException:  # noqa: BLE001 - the engine's copy failed (SystemExit included): nothing moved,
+                # the controller is told, and the poller goes on serving the process's other allocators
                 logging.getLogger(__name__).exception("%s: the engine's compact handler failed", self.name)
                 stats.status = L.COMPACT_FAILED
             else:

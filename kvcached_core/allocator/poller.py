@@ -176,17 +176,30 @@ class Poller:
             tick, state = entry.state
             try:
                 alive = tick(manager, state)
-            except (ValueError, OSError):  # closed under us (its segment unmapped): done with it
-                alive = False
-            except Exception:  # noqa: BLE001 - one allocator's failure never stops the others' service
-                if not entry.failed:  # said once; retried at every tick
-                    entry.failed = True
-                    logging.getLogger(__name__).exception("serving %s failed; retried at each tick",
-                                                          getattr(manager, "name", "an allocator"))
-                alive = True
+                entry.failed = False
+            except BaseException as exc:  # noqa: BLE001 - nothing one allocator (or its engine's handler) raises,
+                # SystemExit and KeyboardInterrupt included, stops the thread that serves the process's others
+                alive = _failed(entry, manager, exc)
             if not alive:
                 entry.removed = True
             del manager  # (its last reference may go here: __del__ closes it, re-entering this lock)
+
+
+def on_poller_thread() -> bool:
+    """True on the thread that serves this process's allocators (where a handler's SystemExit must not end it)."""
+    return threading.current_thread() is _poller._thread
+
+
+def _failed(entry: _Entry, manager: Any, exc: BaseException) -> bool:
+    """A tick raised: False when its manager is closed under it (its segment unmapped: done with it), else say
+    so (once until a tick succeeds again) and keep serving it (True)."""
+    if isinstance(exc, (ValueError, OSError)) and getattr(manager, "_closed", True):
+        return False
+    if not entry.failed:
+        entry.failed = True
+        logging.getLogger(__name__).error("serving %s failed; retried at each tick",
+                                          getattr(manager, "name", "an allocator"), exc_info=exc)
+    return True
 
 
 def _drain(sock: Any) -> None:

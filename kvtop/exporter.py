@@ -183,7 +183,8 @@ class KVCachedCollector(Collector):
                     sleep_state.add_metric([*labels, name], 1 if m.sleep.state == name else 0)
                 if m.sleep.after_idle_s is not None:
                     after_idle.add_metric(labels, m.sleep.after_idle_s)
-                slept.add_metric(labels, m.sleep.slept_bytes)
+                if m.sleep.state != "unknown":  # words that cannot be true: no figure, no state is 1
+                    slept.add_metric(labels, m.sleep.slept_bytes)
             for r in m.ranks:
                 rank_row = [m.name, str(r.rank), str(r.device), str(r.pid), self.host]
                 rank_mapped.add_metric(rank_row, r.mapped_bytes)

@@ -203,9 +203,10 @@ def frag_lines(m: ModelSnapshot, f: Fragmentation) -> list[str]:
     c = f.compaction
     if c is not None:
         how = f"kvctl compact {m.name}" if c.capable else "its engine registered no compact handler"
-        rows.append(("compaction", f"{c.compactions} done, {c.blocks_moved} blocks moved: "
-                                   f"{fmt_bytes(c.bytes_returned)} returned, {fmt_bytes(c.bytes_copied)} copied; "
-                                   f"last took {c.took_s * 1000:.1f} ms  ({how})"))
+        rows.append(("compaction", f"unknown (its figures cannot be true)  ({how})" if c.took_s is None else
+                     f"{c.compactions} done, {c.blocks_moved} blocks moved: "
+                     f"{fmt_bytes(c.bytes_returned)} returned, {fmt_bytes(c.bytes_copied)} copied; "
+                     f"last took {c.took_s * 1000:.1f} ms  ({how})"))
     lines += [f"  {label:<13}{text}" for label, text in rows]
     if f.worst_pages:
         lines.append("  emptiest in-use pages:")

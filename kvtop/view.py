@@ -338,7 +338,7 @@ def frag_table(m: ModelSnapshot | None) -> Table | Text:
         if m.sleep.state == "asleep":
             grid.add_row("released", Text(format_bytes(m.sleep.slept_bytes), style="green"))
     c = f.compaction
-    if c is not None and c.compactions:
+    if c is not None and c.compactions and c.took_s is not None:
         grid.add_row("compacted", Text(f"{format_bytes(c.bytes_returned)} ({c.compactions}×)", style="green"))
         grid.add_row("copied", f"{format_bytes(c.bytes_copied)}, last {c.took_s * 1000:.1f} ms")
     if m.limit_status in ("deferred", "conflict"):

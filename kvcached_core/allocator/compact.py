@@ -10,6 +10,7 @@ block the engine did not confirm never moves. This module plans and copies; the 
 from __future__ import annotations
 
 import ctypes
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,15 +38,17 @@ class CompactResult:
 
 
 class CompactStats:
-    """The allocator's compaction figures, as the segment's COMPACT words carry them (``layout.COMPACT_FIELDS``)."""
+    """The allocator's compaction figures, as the segment's COMPACT words carry them (``layout.COMPACT_FIELDS``,
+    then the last ``layout.COMPACT_ANSWERS`` answers to controllers)."""
 
-    __slots__ = L.COMPACT_FIELDS  # values() follows this order; a field __init__ does not set fails at the first publish
+    __slots__ = (*L.COMPACT_FIELDS, "answers")  # values() follows this order; a field __init__ does not set fails
 
     def __init__(self) -> None:
         self.capable = False
         self.status = L.COMPACT_DONE
         self.acked_seq = self.compactions = self.blocks_moved = self.bytes_copied = self.bytes_returned = 0
-        self.took_ns = self.acked_copied = self.acked_returned = 0
+        self.took_ns = 0
+        self.answers: deque[tuple[int, int, int, int, int]] = deque(maxlen=L.COMPACT_ANSWERS)  # newest first
 
     def count(self, result: CompactResult, took_ns: int) -> None:
         """Add one compaction that moved blocks."""
@@ -55,8 +58,16 @@ class CompactStats:
         self.bytes_returned += result.bytes_returned
         self.took_ns = took_ns
 
+    def answer(self, seq: int, status: int, copied: int = 0, returned: int = 0) -> None:
+        """Answer every controller request up to ``seq`` not answered yet with one compaction's outcome: the
+        requests that arrived together are folded into it, and each controller finds its own in ``answers``."""
+        self.answers.appendleft((self.acked_seq + 1, seq, status, copied, returned))
+        self.status, self.acked_seq = status, seq
+
     def values(self) -> tuple[int, ...]:
-        return tuple(int(getattr(self, name)) for name in L.COMPACT_FIELDS)
+        head = tuple(int(getattr(self, name)) for name in L.COMPACT_FIELDS)
+        answers = [*self.answers, *[(0, 0, 0, 0, 0)] * (L.COMPACT_ANSWERS - len(self.answers))]
+        return head + tuple(word for answer in answers for word in answer)
 
 
 def plan(pages: PageTable, cache: PrefixCache) -> list[Move]:

@@ -932,20 +932,17 @@ class KVCacheManager:
     def _serve_compact(self, seq: int) -> None:
         """Answer a controller's compact request (lock held): compacted with its bytes, no handler, or failed."""
         stats = self.compaction
-        stats.acked_copied = stats.acked_returned = 0
         if self._compact_handler is None:
-            stats.status = L.COMPACT_NO_HANDLER
+            stats.answer(seq, L.COMPACT_NO_HANDLER)
         else:
             try:
                 result = self._compact()
             except BaseException:  # noqa: BLE001 - the engine's copy failed (SystemExit included): nothing moved,
                 # the controller is told, and the poller goes on serving the process's other allocators
                 logging.getLogger(__name__).exception("%s: the engine's compact handler failed", self.name)
-                stats.status = L.COMPACT_FAILED
+                stats.answer(seq, L.COMPACT_FAILED)
             else:
-                stats.status = L.COMPACT_DONE
-                stats.acked_copied, stats.acked_returned = result.bytes_copied, result.bytes_returned
-        stats.acked_seq = seq
+                stats.answer(seq, L.COMPACT_DONE, result.bytes_copied, result.bytes_returned)
         self.segment.publish_compaction(stats.values())
 
     def _refill_due(self) -> bool:

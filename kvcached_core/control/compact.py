@@ -2,8 +2,10 @@
 
 A compact request is a sequence number in the CONTROL block (``layout.COMPACT_REQ_OFF``), taken
 like a trim: the process's poller sees it, runs :meth:`KVCacheManager.compact` with the engine's
-handler, and answers in the COMPACT words (acknowledged sequence, status, the bytes that
-compaction copied and returned). A later request answered first answers this one too.
+handler, and answers in the COMPACT words: the acknowledged sequence and, for each of its last
+few compactions that answered controllers, the requests it answered (first..last: requests that
+arrived together are folded into one compaction) with its status and the bytes it copied and
+returned, so each controller learns what its own request did, however many ask at once.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from pathlib import Path
 
 from ..segment import layout as L
-from ..segment.snapshot import ModelSnapshot
+from ..segment.snapshot import CompactInfo, ModelSnapshot
 from .requests import DEFAULT_WAIT_S, Ack, ControlError, _target, _wait, bump_sequence
 
 
@@ -30,7 +32,7 @@ def compact_problem(model: ModelSnapshot) -> str | None:
 
 def request_compact(name: str | ModelSnapshot, *, wait: float = DEFAULT_WAIT_S) -> Ack:
     """Ask a live model to compact now; return its answer: status ``compacted`` with the bytes returned and
-    copied (``pending`` with ``wait=0``). Raises ControlError (refused, or the engine's copy failed),
+    copied by the compaction that answered it (see :func:`compact_answer`; ``pending`` with ``wait=0``). Raises ControlError (refused, or the engine's copy failed),
     AckTimeout, ModelNotFound."""
     model = _target(name)
     problem = compact_problem(model)
@@ -46,12 +48,22 @@ def request_compact(name: str | ModelSnapshot, *, wait: float = DEFAULT_WAIT_S) 
         info = snap.compaction
         if info is None or info.acked_seq < seq:
             return None
-        if info.status == "no handler":
-            raise ControlError(f"{snap.name} cannot be compacted: its engine withdrew its compact handler")
-        if info.status != "compacted":
-            raise ControlError(f"{snap.name}: its engine's compaction {info.status} (nothing moved; its log says why)")
-        return Ack(snap.name, "compact", "compacted", info.acked_seq, snap.limit_bytes,
-                   bytes_returned=info.acked_returned, latency_s=time.monotonic() - started,
-                   bytes_copied=info.acked_copied)
+        return compact_answer(snap, info, seq, time.monotonic() - started)
 
     return _wait(model, done, wait, "compaction", pending, started)
+
+
+def compact_answer(snap: ModelSnapshot, info: CompactInfo, seq: int, waited_s: float) -> Ack:
+    """The answer to request ``seq``, which ``info`` acknowledges: its own compaction's (status ``compacted``), the
+    one it was folded into with requests of other controllers (``answered_range`` names them), or ``answered``
+    with no figures when its answer has left the allocator's record of the last ``layout.COMPACT_ANSWERS``."""
+    answer = info.answer_for(seq)
+    if answer is None:
+        return Ack(snap.name, "compact", "answered", seq, latency_s=waited_s)
+    if answer.status == "no handler":
+        raise ControlError(f"{snap.name} cannot be compacted: its engine withdrew its compact handler")
+    if answer.status != "compacted":
+        raise ControlError(f"{snap.name}: its engine's compaction {answer.status} (nothing moved; its log says why)")
+    return Ack(snap.name, "compact", "compacted", seq, snap.limit_bytes, bytes_returned=answer.bytes_returned,
+               latency_s=waited_s, bytes_copied=answer.bytes_copied,
+               answered_range=(answer.first_seq, answer.last_seq))

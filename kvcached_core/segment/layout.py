@@ -5,20 +5,25 @@ One file per model, ``<KVCACHED_SHM_DIR>/kvc.<name>``, mode 0600, little-endian:
     offset  size  region      written by     contents
     0       512   HEADER      allocator      magic, layout version, sizes, identity (once)
     512     96    CONTROL     controllers    limit bytes + revision + check, trim request seq, sleep request, compact request seq
-    608     32    LIVENESS    allocator      heartbeat (ns), claimed bytes (capacity ledger)
+    608     32    LIVENESS    allocator      heartbeat (ns), claimed bytes (capacity ledger): single 8-byte stores
     640     8     SEQ         allocator      seqlock sequence (odd while a publish is under way)
     648     176   COUNTERS    allocator      counters, acknowledgements, page-map sum, checksum
-    824     72    COMPACT     allocator      compaction: capable, status, acknowledged request, totals, last duration
-    896     64    TRAFFIC     engine         requests running/waiting, finished, tokens, preemptions
-    960     64    SLEEP       allocator      sleep state, policy, bytes released, acknowledged revision
-    1024    4*N   PAGE MAP    allocator      one u32 per page (see ``PAGE_*``)
+    832     232   COMPACT     allocator      sealed: compaction capable, status, acknowledged request, totals, the last answers
+    1088    80    TRAFFIC     engine         sealed: requests running/waiting, finished, tokens, preemptions
+    1216    64    SLEEP       allocator      sealed: sleep state, policy, bytes released, acknowledged revision
+    1536    4*N   PAGE MAP    allocator      one u32 per page (see ``PAGE_*``)
     ...     R*64  RANKS       allocator      tensor-parallel ranks: pid, device, mapped bytes
 
 Readers never lock. A publish bumps SEQ to odd, writes the dirty page entries and the
 counters, stores ``checksum = crc32(counters) ^ (seq & 0xffffffff)`` and bumps SEQ to even.
 A reader accepts a copy only when SEQ was even and unchanged around the copy, the checksum
 matches and the page-map sum matches, so a torn copy is caught on weakly ordered CPUs too.
-Controllers serialise among themselves with flock on the file; the allocator never takes it.
+The COMPACT, TRAFFIC and SLEEP regions are *sealed* blocks, each its own small seqlock:
+``seq | payload | check`` with ``check = crc32(payload) ^ (seq & 0xffffffff)`` (:func:`seal_check`);
+a writer (one lock per segment writer) stores seq odd, the payload, the check, then seq even,
+the two words with single 8-byte stores. A reader takes a block only when its seq is even and
+its check matches. Controllers serialise among themselves with flock on the file; the
+allocator never takes it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import struct
 import zlib
 
 MAGIC = b"KVCSEG\x00\x01"
-LAYOUT_VERSION = 2  # 2: the CONTROL block grew by the compact request (liveness moved), the COMPACT region
+LAYOUT_VERSION = 3  # 2: the CONTROL block grew by the compact request (liveness moved), the COMPACT region;
+# 3: COMPACT, TRAFFIC and SLEEP sealed (each its own seqlock and check), the last compaction answers, page map at 1536
 
 HEADER = struct.Struct("<8sIIQQ64s128s32s16sqQIiiiQQIIIQQIQQQ")
 HEADER_FIELDS = (
@@ -54,6 +60,7 @@ SLEEP_CTL = struct.Struct("<QQqQ")
 SLEEP_CTL_OFF = CONTROL_OFF + CONTROL.size
 SLEEP_POLICY_ONLY, SLEEP_SOON, SLEEP_NOW, SLEEP_WAKE = 0, 1, 2, 3  # actions: SOON lets running requests finish
 SLEEP_IDLE_KEEP, SLEEP_IDLE_OFF = -2, -1  # after_idle_ms: leave the policy as it is, remove it
+SLEEP_IDLE_MIN_MS = 100  # the shortest after-idle policy: shorter, a busy model would sleep between two requests
 # The compaction request, after the sleep request: a sequence number, acknowledged like trim's
 # (``COMPACT.acked_seq``); the CONTROL block's last 24 bytes are spare.
 COMPACT_REQ_OFF = SLEEP_CTL_OFF + SLEEP_CTL.size
@@ -78,44 +85,64 @@ COUNTER_FIELDS = (
 )
 COUNTERS_OFF = SEQ_OFF + 8
 CHECKSUM_OFF = COUNTERS_OFF + COUNTERS.size
-PAGE_MAP_OFF = 1024
+PAGE_MAP_OFF = 1536
 assert CHECKSUM_OFF + 8 <= PAGE_MAP_OFF
 
-# COMPACT: the allocator's compaction figures, plain aligned words written after each compaction
-# (``acked_seq`` last, like SLEEP). ``capable`` is 0 until the engine registers a compact handler;
-# ``status`` is how the last controller request ended (COMPACT_*); totals count every compaction
-# (a controller's, the engine's own, idle packing); ``acked_copied``/``acked_returned`` are the bytes
-# of the compaction that answered request ``acked_seq``; ``took_ns`` is the last compaction's time.
-COMPACT = struct.Struct("<IIQQQQQQQQ")
+
+def seal_check(payload: bytes | memoryview, seq: int) -> int:
+    """The check word of a sealed block (COMPACT, TRAFFIC, SLEEP): ties its payload to its sequence."""
+    return zlib.crc32(payload) ^ (seq & 0xFFFFFFFF)
+
+
+# A sealed block: u64 seq, the payload, u64 check (seal_check). Offsets below are the blocks' own;
+# ``*_OFF + 8`` is the payload's.
+SEAL_BYTES = 16
+
+# COMPACT: the allocator's compaction figures, written after each compaction. ``capable`` is 0 until
+# the engine registers a compact handler; ``status`` is how the last controller request ended
+# (COMPACT_*); totals count every compaction (a controller's, the engine's own, idle packing);
+# ``took_ns`` is the last compaction's time. Then the last COMPACT_ANSWERS answers to controllers,
+# newest first: (first_seq, last_seq, status, copied, returned): one compaction answers every request
+# from first_seq to last_seq (requests that arrived together are folded into one), with its bytes.
+COMPACT = struct.Struct("<IIQQQQQQ")
 COMPACT_FIELDS = ("capable", "status", "acked_seq", "compactions", "blocks_moved", "bytes_copied", "bytes_returned",
-                  "took_ns", "acked_copied", "acked_returned")
-COMPACT_OFF = CHECKSUM_OFF + 8
-# COMPACT in the parts the allocator writes apart: capable and status, acked_seq (last), the rest.
-COMPACT_HEAD = struct.Struct("<" + COMPACT.format.lstrip("<")[:2])
-COMPACT_TAIL = struct.Struct("<" + COMPACT.format.lstrip("<")[3:])
-COMPACT_ACK_OFF = COMPACT_OFF + COMPACT_HEAD.size  # acked_seq
-assert COMPACT_HEAD.size + U64.size + COMPACT_TAIL.size == COMPACT.size
+                  "took_ns")
+COMPACT_ANSWER = struct.Struct("<QQQQQ")
+COMPACT_ANSWER_FIELDS = ("first_seq", "last_seq", "status", "copied", "returned")
+COMPACT_ANSWERS = 4
+COMPACT_PAYLOAD = struct.Struct("<" + COMPACT.format.lstrip("<") + COMPACT_ANSWER.format.lstrip("<") * COMPACT_ANSWERS)
+COMPACT_OFF = 832
+assert COMPACT_OFF >= CHECKSUM_OFF + 8 and COMPACT_OFF % 8 == 0
 COMPACT_DONE, COMPACT_NO_HANDLER, COMPACT_FAILED = 0, 1, 2
 COMPACT_STATUS_NAMES = {COMPACT_DONE: "compacted", COMPACT_NO_HANDLER: "no handler", COMPACT_FAILED: "failed"}
 
-# TRAFFIC: what the engine's scheduler sees, written as plain aligned 64-bit words (no seqlock,
-# no system call: one store per field, once per scheduler step). ``published`` is 0 until an
-# engine writes it, so readers can tell "no traffic figures" (null) from zeros. Gauges (running,
-# waiting) and monotonic counters; ``last_request_ns`` is CLOCK_REALTIME, 0 before any request.
+# TRAFFIC: what the engine's scheduler sees, sealed once per scheduler step. ``published`` is 1 (the
+# block's seq 0: no engine ever wrote it, readers say "no traffic figures", never invented zeros).
+# Gauges (running, waiting) and monotonic counters; ``last_request_ns`` is CLOCK_REALTIME, 0 before any request.
 TRAFFIC = struct.Struct("<QQQQQQQQ")
 TRAFFIC_FIELDS = ("published", "running", "waiting", "finished", "prompt_tokens", "generated_tokens",
                   "preemptions", "last_request_ns")
-TRAFFIC_OFF = 896
-assert COMPACT_OFF + COMPACT.size <= TRAFFIC_OFF and TRAFFIC_OFF + TRAFFIC.size <= PAGE_MAP_OFF
+TRAFFIC_OFF = 1088
+assert COMPACT_OFF + SEAL_BYTES + COMPACT_PAYLOAD.size <= TRAFFIC_OFF
 
-# SLEEP: the allocator's answer, plain aligned words (written at each change; ``acked_revision`` last).
-# ``capable`` is 0 until an engine that can sleep registers its handler; after_idle_ms -1: no policy.
+# SLEEP: the allocator's answer, sealed at each change. ``capable`` is 0 until an engine that can
+# sleep registers its handler; after_idle_ms -1: no policy.
 SLEEP = struct.Struct("<QQQqQQ")
 SLEEP_FIELDS = ("capable", "state", "acked_revision", "after_idle_ms", "slept_bytes", "took_ns")
-SLEEP_OFF = TRAFFIC_OFF + 64
-assert SLEEP_OFF + SLEEP.size <= PAGE_MAP_OFF
+SLEEP_OFF = 1216
+assert TRAFFIC_OFF + SEAL_BYTES + TRAFFIC.size <= SLEEP_OFF and SLEEP_OFF + SEAL_BYTES + SLEEP.size <= PAGE_MAP_OFF
 SLEEP_AWAKE, SLEEP_DRAINING, SLEEP_ASLEEP = 0, 1, 2
 SLEEP_STATE_NAMES = {SLEEP_AWAKE: "awake", SLEEP_DRAINING: "draining", SLEEP_ASLEEP: "asleep"}
+SEALED = {"compact": (COMPACT_OFF, COMPACT_PAYLOAD.size), "traffic": (TRAFFIC_OFF, TRAFFIC.size),
+          "sleep": (SLEEP_OFF, SLEEP.size)}  # region -> (offset, payload bytes)
+WORDS_START, WORDS_END = COMPACT_OFF, SLEEP_OFF + SEAL_BYTES + SLEEP.size  # the sealed blocks, in one slice
+
+# What the readers take for possible (a word past these is forged or damaged and reads as unknown).
+MAX_AFTER_IDLE_MS = 366 * 86_400_000  # an after-idle policy of at most a year (controllers refuse more)
+MAX_DURATION_NS = 366 * 86_400 * 10**9  # a sleep or a compaction that took more than a year did not happen
+MAX_GAUGE = 1 << 32  # requests running or waiting in one engine
+MAX_COUNT = 1 << 53  # a monotonic count (requests, tokens, blocks, bytes) a float still holds exactly
+MAX_TIME_NS = (1 << 63) - 1  # a CLOCK_REALTIME time in ns (an int64)
 
 
 def sleep_check(action: int, after_idle_ms: int, revision: int) -> int:

@@ -18,6 +18,7 @@ import time
 from array import array
 from dataclasses import replace
 from pathlib import Path
+from zlib import crc32
 
 from ..config import shm_dir
 from ..interop.legacy import NotLegacy, is_legacy_name, read_legacy
@@ -27,7 +28,17 @@ from .liveness import AliveCheck, AliveMemo, judge, writer_alive
 from .names import SEGMENT_PREFIX, InvalidName, segment_path
 from .pgroups import GroupJudge
 from .procinfo import is_alive
-from .snapshot import CompactInfo, ModelSnapshot, Problem, RankInfo, Scan, SleepInfo, Traffic, model_from_fields
+from .snapshot import (
+    CompactAnswer,
+    CompactInfo,
+    ModelSnapshot,
+    Problem,
+    RankInfo,
+    Scan,
+    SleepInfo,
+    Traffic,
+    model_from_fields,
+)
 
 HEARTBEAT_STALE_S = liveness.HEARTBEAT_STALE_S
 READ_RETRIES = 32
@@ -139,8 +150,9 @@ class _HeaderChanged(Exception):
 
 
 def _consistent_copy(fd: int, header: dict, with_pages: bool,
-                     kept: _Open | None = None) -> tuple[dict, array | None, bytes]:
-    """Copy counters (and the page map) until one copy passes the seqlock and both checksums.
+                     kept: _Open | None = None) -> tuple[dict, array | None, bytes, _Words]:
+    """Copy counters (and the page map) until one copy passes the seqlock and both checksums, and its
+    sealed blocks (COMPACT, TRAFFIC, SLEEP) their own (see :func:`_words`).
 
     With ``kept`` (a file kept open since its header was parsed), a copy whose header differs
     raises :class:`_HeaderChanged` (the file may have been written over since), and counters
@@ -153,6 +165,7 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool,
     end = size if with_pages else L.PAGE_MAP_OFF
     seqs_seen: set[int] = set()
     quiet_failures, failed_seq = 0, -1
+    doubts, doubted = 0, b""
     for attempt in range(READ_RETRIES):
         raw = os.pread(fd, end, 0)
         if len(raw) < end:
@@ -200,7 +213,16 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool,
                 raise SegmentCorrupt("checksum mismatch in a quiet segment")
             _backoff(attempt)
             continue
-        return counters, pages, raw
+        words = _words(raw, header, counters, kept)
+        if not words.whole and attempt < READ_RETRIES - 1:
+            # A sealed block mid-write (odd: wait for it, as for the counters), or one that fails its check
+            # or a cross-check: read again; the same bytes failing QUIET_FAILURES times are what the file holds.
+            same = raw[L.CONTROL_OFF:L.LIVENESS_OFF] + raw[L.SEQ_OFF:L.SEQ_OFF + 8] + raw[L.WORDS_START:L.WORDS_END]
+            doubts, doubted = (doubts + 1 if same == doubted else 1), same
+            if words.writing or doubts < QUIET_FAILURES:
+                _backoff(attempt)
+                continue
+        return counters, pages, raw, words
     if len(seqs_seen) == 1:  # nobody is writing, yet no copy checks out
         seq = seqs_seen.pop()
         if seq & 1:
@@ -234,7 +256,7 @@ def _rank_bytes(fd: int, header: dict, body: bytes) -> bytes:
 class _Open:
     """A segment file opened for reading, with what its header said once it was checked."""
 
-    __slots__ = ("compaction", "counted", "fd", "fields", "header", "header_raw", "ino", "keep", "sleep", "static")
+    __slots__ = ("counted", "fd", "fields", "header", "header_raw", "ino", "keep", "static", "words")
 
     def __init__(self, fd: int, ino: int, keep: bool) -> None:
         self.fd, self.ino, self.keep = fd, ino, keep
@@ -243,8 +265,7 @@ class _Open:
         self.static: dict = {}  # the snapshot fields the header fixes
         self.counted: tuple[bytes, dict] | None = None  # the last counters region checked, decoded
         self.fields: tuple[dict, dict] | None = None  # the snapshot fields those counters alone fix
-        self.sleep: tuple[bytes, SleepInfo] | None = None  # the last words decoded, and what they said
-        self.compaction: tuple[bytes, CompactInfo] | None = None
+        self.words: tuple[bytes, dict, _Words] | None = None  # the last sealed blocks decoded (see _words)
 
     @classmethod
     def of(cls, path: str | Path, ino: int = -1, dev: int = -1) -> _Open:
@@ -288,7 +309,7 @@ class _Open:
         return self.header
 
     def forget(self) -> None:
-        self.header, self.sleep, self.compaction, self.counted, self.fields = None, None, None, None, None
+        self.header, self.words, self.counted, self.fields = None, None, None, None
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -314,7 +335,7 @@ def _read(file: _Open, path: str, with_pages: bool, now_ns: int | None, alive: A
         raise SegmentCorrupt("file shorter than its header says")  # cut since it was kept (a copy with the map sees it)
     try:
         # A header parsed just now is compared by the copy only when the file was kept open since.
-        counters, pages, body = _consistent_copy(fd, header, with_pages, None if fresh else file)
+        counters, pages, body, words = _consistent_copy(fd, header, with_pages, None if fresh else file)
     except _HeaderChanged:
         file.forget()
         return _read(file, path, with_pages, now_ns, alive)  # parsed afresh: no second comparison
@@ -326,6 +347,7 @@ def _read(file: _Open, path: str, with_pages: bool, now_ns: int | None, alive: A
         body = os.pread(fd, L.total_size(header["pages_total"], header["ranks_max"]) if with_pages
                         else L.PAGE_MAP_OFF, 0)
         pages = array("I", bytes(4 * header["pages_total"])) if with_pages else None
+        words = _words(body, header, counters, None)
     rank_raw = _rank_bytes(fd, header, body) if header["tp_world"] > 1 else b""
     control = L.CONTROL.unpack_from(body, L.CONTROL_OFF)  # limit, revision, check, trim_seq
     heartbeat = L.U64.unpack_from(body, L.HEARTBEAT_OFF)[0]
@@ -354,8 +376,9 @@ def _read(file: _Open, path: str, with_pages: bool, now_ns: int | None, alive: A
     values.update(
         status=status, limit_status=limit_status, requested_limit=None if requested < 0 else requested,
         limit_revision=revision, trim_seq=control[3], heartbeat_ns=heartbeat, read_ns=now_ns,
-        late=status == "live" and verdict.late, ranks=ranks, pages=pages, traffic=_traffic(body, now_ns),
-        sleep=_kept_sleep(file, body), compaction=_kept_compaction(file, body),
+        late=status == "live" and verdict.late, ranks=ranks, pages=pages,
+        traffic=None if words.traffic is None else Traffic(*words.traffic, now_ns),
+        sleep=words.sleep, compaction=words.compaction,
     )
     return model_from_fields(values)
 
@@ -380,43 +403,124 @@ def _counter_fields(file: _Open, counters: dict) -> dict:
     return fields
 
 
-def _kept_sleep(file: _Open, body: bytes) -> SleepInfo:
-    """The sleep words as last decoded for this file when they have not changed (frozen, so shared)."""
-    raw = body[L.SLEEP_OFF:L.SLEEP_OFF + L.SLEEP.size]
-    if file.sleep is None or file.sleep[0] != raw:
-        file.sleep = (raw, _sleep(body))
-    return file.sleep[1]
+class _Words:
+    """What a copy's sealed blocks say: traffic (its fields, or None), sleep, compaction; ``whole``: every block
+    was readable and possible (else, ``writing``: one was mid-write)."""
+
+    __slots__ = ("compaction", "sleep", "traffic", "whole", "writing")
+
+    def __init__(self, traffic: TrafficFields | None, sleep: SleepInfo, compaction: CompactInfo, whole: bool,
+                 writing: bool) -> None:
+        self.traffic, self.sleep, self.compaction, self.whole, self.writing = traffic, sleep, compaction, whole, writing
 
 
-def _kept_compaction(file: _Open, body: bytes) -> CompactInfo:
-    raw = body[L.COMPACT_OFF:L.COMPACT_OFF + L.COMPACT.size]
-    if file.compaction is None or file.compaction[0] != raw:
-        file.compaction = (raw, _compaction(body))
-    return file.compaction[1]
+TrafficFields = tuple[int, int, int, int, int, int, int]  # layout.TRAFFIC_FIELDS but published
+_WRITING = object()  # a sealed block whose sequence is odd: its writer is in the middle of it
 
 
-def _sleep(body: bytes) -> SleepInfo:
-    """The allocator's sleep words."""
-    v = dict(zip(L.SLEEP_FIELDS, L.SLEEP.unpack_from(body, L.SLEEP_OFF), strict=True))
-    return SleepInfo(bool(v["capable"]), L.SLEEP_STATE_NAMES.get(v["state"], "unknown"), v["acked_revision"],
-                     None if v["after_idle_ms"] < 0 else v["after_idle_ms"] / 1000, v["slept_bytes"],
-                     v["took_ns"] / 1e9)
+def _unseal(raw: bytes, region: str) -> bytes | object | None:
+    """The payload of a sealed block of the copy ``raw``: b"" never written, None failing its check, _WRITING."""
+    off, size = L.SEALED[region]
+    seq = _u64(raw, off)[0]
+    if not seq:
+        return b""
+    if seq & 1:
+        return _WRITING
+    payload = raw[off + 8:off + 8 + size]
+    return payload if _u64(raw, off + 8 + size)[0] == crc32(payload) ^ (seq & 0xFFFFFFFF) else None
 
 
-def _compaction(body: bytes) -> CompactInfo:
-    """The allocator's compaction words."""
-    v = dict(zip(L.COMPACT_FIELDS, L.COMPACT.unpack_from(body, L.COMPACT_OFF), strict=True))
-    return CompactInfo(bool(v["capable"]), v["compactions"], v["blocks_moved"], v["bytes_copied"],
-                       v["bytes_returned"], v["took_ns"] / 1e9, v["acked_seq"],
-                       L.COMPACT_STATUS_NAMES.get(v["status"], "unknown"), v["acked_copied"], v["acked_returned"])
+_u64 = L.U64.unpack_from
+UNKNOWN_SLEEP = SleepInfo(False, "unknown", 0, None, 0, 0.0)
+UNKNOWN_CAPABLE = SleepInfo(True, "unknown", 0, None, 0, 0.0)
 
 
-def _traffic(body: bytes, now_ns: int) -> Traffic | None:
-    """The engine's traffic words, or None when it publishes none."""
-    published, *rest = L.TRAFFIC.unpack_from(body, L.TRAFFIC_OFF)  # TRAFFIC_FIELDS[0]: 0 until an engine writes
-    if not published:
+def _words(raw: bytes, header: dict, counters: dict, kept: _Open | None) -> _Words:
+    """The sealed blocks of the copy ``raw``, checked and cross-checked (a forged or damaged word reads as
+    unknown, never as fact); the same object again while the blocks, control block and counters are."""
+    control, sealed = raw[L.CONTROL_OFF:L.LIVENESS_OFF], raw[L.WORDS_START:L.WORDS_END]
+    if kept is not None and kept.words is not None and kept.words[1] is counters and kept.words[0] == control + sealed:
+        return kept.words[2]
+    whole, writing = True, False
+    parts = []
+    for region in ("traffic", "sleep", "compact"):
+        payload = _unseal(raw, region)
+        if payload is None or payload is _WRITING:
+            whole, writing = False, writing or payload is _WRITING
+        parts.append(payload if isinstance(payload, bytes) else None)
+    traffic = _traffic(parts[0])
+    bundle = header["page_size"] * header["num_layers"] * header["num_kv_buffers"] * max(1, header["tp_world"])
+    sleep = _sleep(parts[1], counters, _u64(raw, L.SLEEP_CTL_OFF)[0], header["pages_total"] * bundle)
+    compaction = _compaction(parts[2], _u64(raw, L.COMPACT_REQ_OFF)[0], bundle,
+                             bundle // max(1, header["blocks_per_page"]))
+    possible = (parts[0] is None or parts[0] == b"" or traffic is not None) and sleep.state != "unknown" \
+        and compaction.compactions is not None and len(compaction.answers) == _answers_given(parts[2])
+    words = _Words(traffic, sleep, compaction, whole and possible, writing)
+    if kept is not None:
+        kept.words = (control + sealed, counters, words)
+    return words
+
+
+def _traffic(payload: bytes | None) -> TrafficFields | None:
+    """The engine's traffic fields (``layout.TRAFFIC_FIELDS`` but ``published``), or None: none published, or
+    unknown (a word no engine writes)."""
+    if not payload:
         return None
-    return Traffic(**dict(zip(L.TRAFFIC_FIELDS[1:], rest, strict=True)), read_ns=now_ns)
+    published, running, waiting, finished, prompt, generated, preempted, last_ns = L.TRAFFIC.unpack(payload)
+    if (published != 1 or max(running, waiting) > L.MAX_GAUGE or max(finished, prompt, generated, preempted) > L.MAX_COUNT
+            or last_ns > L.MAX_TIME_NS):
+        return None
+    return running, waiting, finished, prompt, generated, preempted, last_ns
+
+
+def _sleep(payload: bytes | None, counters: dict, asked: int, virtual: int) -> SleepInfo:
+    """The allocator's sleep words, checked: ``asked`` is the latest sleep request's revision, ``virtual`` the
+    model's whole span of bytes (more can never be released). UNKNOWN_SLEEP when they cannot be."""
+    if payload is None:
+        return UNKNOWN_SLEEP
+    if not payload:  # written at the allocator's start: none yet only while it starts
+        return SleepInfo(False, "awake", 0, None, 0, 0.0)
+    capable, state, acked, after_idle_ms, slept, took_ns = L.SLEEP.unpack(payload)
+    if (capable > 1 or state not in L.SLEEP_STATE_NAMES or acked > asked or slept > virtual
+            or not -1 <= after_idle_ms <= L.MAX_AFTER_IDLE_MS or took_ns > L.MAX_DURATION_NS
+            or (state == L.SLEEP_ASLEEP and (counters["mapped_bytes"] or counters["pages_inuse"]))):
+        # Nothing in these words is taken for fact but the capability (a request still reaches the allocator,
+        # which then writes its own words over them).
+        return UNKNOWN_CAPABLE if capable == 1 else UNKNOWN_SLEEP
+    return SleepInfo(bool(capable), L.SLEEP_STATE_NAMES[state], acked,
+                     None if after_idle_ms < 0 else after_idle_ms / 1000, slept, took_ns / 1e9)
+
+
+def _answers_given(payload: bytes | None) -> int:
+    """How many answers the COMPACT words hold (non-zero records)."""
+    if not payload:
+        return 0
+    values = L.COMPACT_PAYLOAD.unpack(payload)[len(L.COMPACT_FIELDS):]
+    return sum(1 for i in range(0, len(values), 5) if any(values[i:i + 5]))
+
+
+def _compaction(payload: bytes | None, asked: int, bundle: int, block_bundle: int) -> CompactInfo:
+    """The allocator's compaction words, checked: ``asked`` is the latest compact request. Totals that cannot
+    be (bytes copied are blocks moved x block bundle; bytes returned whole page bundles) read as None,
+    an answer that cannot be is left out, an acknowledgement of a request never made reads as 0."""
+    if payload is None:
+        return CompactInfo(False, None, None, None, None, None, 0, "unknown")
+    if not payload:
+        return CompactInfo(False, 0, 0, 0, 0, 0.0)
+    values = L.COMPACT_PAYLOAD.unpack(payload)
+    capable, status, acked, compactions, moved, copied, returned, took_ns = values[:len(L.COMPACT_FIELDS)]
+    acked = acked if acked <= asked else 0
+    answers = []
+    for i in range(len(L.COMPACT_FIELDS), len(values), 5):
+        first, last, code, a_copied, a_returned = values[i:i + 5]
+        if (1 <= first <= last <= acked and code in L.COMPACT_STATUS_NAMES and a_copied <= L.MAX_COUNT
+                and a_returned <= L.MAX_COUNT and not a_copied % max(1, block_bundle) and not a_returned % bundle):
+            answers.append(CompactAnswer(first, last, L.COMPACT_STATUS_NAMES[code], a_copied, a_returned))
+    shown = L.COMPACT_STATUS_NAMES.get(status, "unknown")
+    if (compactions > moved or moved > L.MAX_COUNT or copied != moved * block_bundle or returned > L.MAX_COUNT
+            or returned % bundle or took_ns > L.MAX_DURATION_NS):
+        return CompactInfo(capable == 1, None, None, None, None, None, acked, shown, tuple(answers))
+    return CompactInfo(capable == 1, compactions, moved, copied, returned, took_ns / 1e9, acked, shown, tuple(answers))
 
 
 class _KeptFiles:

@@ -44,39 +44,59 @@ class Traffic:
 
 @dataclass(frozen=True)
 class SleepInfo:
-    """The model's sleep state and policy (``layout.SLEEP``)."""
+    """The model's sleep state and policy (``layout.SLEEP``). Words no allocator writes (forged or damaged:
+    an impossible value, asleep over mapped memory, an acknowledgement of a request never made) read as
+    state ``unknown``, with no policy, no revision and no figures."""
 
     capable: bool  # its engine registered a sleep handler
-    state: str  # awake, draining, asleep
+    state: str  # awake, draining, asleep; unknown
     acked_revision: int
-    after_idle_s: float | None  # None: no after-idle policy
+    after_idle_s: float | None  # None: no after-idle policy (or unknown)
     slept_bytes: int  # released by the last sleep
     took_s: float  # how long the last sleep took, from the request to every page unmapped
 
     def to_dict(self) -> dict:
-        return {"state": self.state, "after_idle_s": self.after_idle_s, "slept_bytes": self.slept_bytes,
-                "capable": self.capable}
+        return {"state": self.state, "after_idle_s": self.after_idle_s,
+                "slept_bytes": None if self.state == "unknown" else self.slept_bytes, "capable": self.capable}
+
+
+@dataclass(frozen=True)
+class CompactAnswer:
+    """One compaction's answer to the controller requests ``first_seq..last_seq`` (folded into it)."""
+
+    first_seq: int
+    last_seq: int
+    status: str  # compacted, no handler, failed
+    bytes_copied: int
+    bytes_returned: int
 
 
 @dataclass(frozen=True)
 class CompactInfo:
-    """The model's compaction figures (``layout.COMPACT``): totals since start and the last request's answer."""
+    """The model's compaction figures (``layout.COMPACT``): totals since start and the last answers.
+    Totals that cannot be (forged or damaged words) read as None: unknown."""
 
     capable: bool  # its engine registered a compact handler
-    compactions: int  # compactions that moved at least one block
-    blocks_moved: int
-    bytes_copied: int  # KV bytes the engine copied (every layer, K and V, every rank)
-    bytes_returned: int  # bytes unmapped from the pages compaction emptied
-    took_s: float  # the last compaction, plan to last page unmapped
+    compactions: int | None  # compactions that moved at least one block
+    blocks_moved: int | None
+    bytes_copied: int | None  # KV bytes the engine copied (every layer, K and V, every rank)
+    bytes_returned: int | None  # bytes unmapped from the pages compaction emptied
+    took_s: float | None  # the last compaction, plan to last page unmapped
     acked_seq: int = 0  # the last controller request answered
     status: str = "compacted"  # how it ended: compacted, no handler, failed
-    acked_copied: int = 0  # the bytes of the compaction that answered it
-    acked_returned: int = 0
+    answers: tuple[CompactAnswer, ...] = ()  # the last answers, newest first (layout.COMPACT_ANSWERS)
+
+    def answer_for(self, seq: int) -> CompactAnswer | None:
+        """The answer to request ``seq``; None when it is not answered yet or its answer left the record."""
+        for answer in self.answers:
+            if answer.first_seq <= seq <= answer.last_seq:
+                return answer
+        return None
 
     def to_dict(self) -> dict:
         return {"capable": self.capable, "compactions": self.compactions, "blocks_moved": self.blocks_moved,
                 "bytes_copied": self.bytes_copied, "bytes_returned": self.bytes_returned,
-                "last_took_s": round(self.took_s, 6)}
+                "last_took_s": None if self.took_s is None else round(self.took_s, 6)}
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,10 @@ import mmap
 import os
 import secrets
 import stat
+import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from zlib import crc32 as _crc32
@@ -24,8 +27,9 @@ _pack_counters = L.COUNTERS.pack_into
 _pack_u64 = L.U64.pack_into
 _unpack_u64 = L.U64.unpack_from
 _pack_traffic = L.TRAFFIC.pack_into
-_pack_compact_head = L.COMPACT_HEAD.pack_into  # layout.COMPACT, in two parts around acked_seq
-_pack_compact_tail = L.COMPACT_TAIL.pack_into
+_pack_compact = L.COMPACT_PAYLOAD.pack_into
+_pack_sleep = L.SLEEP.pack_into
+assert sys.byteorder == "little"  # the single 8-byte stores (memoryview "Q") write the layout's byte order
 
 
 TEMP_PREFIX = ".kvc-new."  # a segment being created: TEMP_PREFIX + name + "." + pid
@@ -199,6 +203,16 @@ def create_segment_file(name: str, size: int, initial: bytes = b"", directory: P
             os.unlink(tmp)
 
 
+class _Sealed:
+    """One sealed block of a segment (``layout.SEALED``): where it is, its payload's view, its last sequence."""
+
+    __slots__ = ("check_at", "off", "payload", "seq")
+
+    def __init__(self, off: int, payload: memoryview) -> None:
+        self.off, self.payload, self.seq = off, payload, 0
+        self.check_at = (off + 8 + len(payload)) >> 3  # the check word's index among the u64 words
+
+
 class SegmentWriter:
     """Owns one segment: writes the header once, then publishes counters and page entries.
 
@@ -239,6 +253,11 @@ class SegmentWriter:
         self._ranks_off = L.ranks_offset(ident.pages_total)
         self._seq = 0
         self.page_sum = 0
+        self._words = self._buf[:L.PAGE_MAP_OFF].cast("Q")  # single aligned 8-byte stores, never a torn word
+        # The sealed blocks (layout.SEALED): their payloads' views and sequences, one lock for all of them
+        # (the engine's thread, the poller and compaction write them).
+        self._sealed_lock = threading.Lock()
+        self._sealed = {region: _Sealed(off, self._buf[off + 8:off + 8 + size]) for region, (off, size) in L.SEALED.items()}
 
     # -- publishing --------------------------------------------------------------------------
     def set_page(self, page: int, entry: int) -> None:
@@ -270,15 +289,33 @@ class SegmentWriter:
         off = self._ranks_off + index * L.RANK.size
         L.RANK.pack_into(self._buf, off, rank, device, pid, started, mapped, acked, flags, 0, 0)
 
+    def _seal(self, region: str, pack: Callable[..., None], *values: int) -> None:
+        """Write a sealed block (``layout.SEALED``): seq odd, the payload, its check, seq even; a reader takes
+        only a copy whose seq is even and whose check matches, so it never sees a half-written payload."""
+        block = self._sealed[region]
+        payload, words, at = block.payload, self._words, block.off >> 3
+        with self._sealed_lock:
+            seq = block.seq + 1
+            block.seq = seq + 1  # first: an exception below leaves the next write odd, then even again
+            words[at] = seq
+            pack(payload, 0, *values)
+            words[block.check_at] = _crc32(payload) ^ ((seq + 1) & 0xFFFFFFFF)
+            words[at] = seq + 1
+
     def publish_traffic(self, running: int, waiting: int, finished: int, prompt_tokens: int,
                         generated_tokens: int, preemptions: int, last_request_ns: int) -> None:
-        """The engine's traffic figures (see ``layout.TRAFFIC``): plain stores, safe from any one thread."""
-        _pack_traffic(self._buf, L.TRAFFIC_OFF, 1, running, waiting, finished, prompt_tokens, generated_tokens,
-                      preemptions, last_request_ns)
+        """The engine's traffic figures (see ``layout.TRAFFIC``), sealed: safe from any thread."""
+        self._seal("traffic", _pack_traffic, 1, running, waiting, finished, prompt_tokens, generated_tokens,
+                   preemptions, last_request_ns)
+
+    def publish_sleep(self, capable: int, state: int, acked_revision: int, after_idle_ms: int, slept_bytes: int,
+                      took_ns: int) -> None:
+        """The SLEEP words (``layout.SLEEP_FIELDS`` order), sealed."""
+        self._seal("sleep", _pack_sleep, capable, state, acked_revision, after_idle_ms, slept_bytes, took_ns)
 
     # -- liveness and capacity ---------------------------------------------------------------
     def heartbeat(self) -> None:
-        L.U64.pack_into(self._buf, L.HEARTBEAT_OFF, time.time_ns())
+        self._words[L.HEARTBEAT_OFF >> 3] = time.time_ns()  # one 8-byte store: never read as 0 or half-written
         if self._buf[:8] != L.MAGIC:
             self._restore_header()
 
@@ -293,7 +330,7 @@ class SegmentWriter:
             self.path, found)
 
     def set_claimed(self, nbytes: int) -> None:
-        L.U64.pack_into(self._buf, L.CLAIMED_OFF, max(0, nbytes))
+        self._words[L.CLAIMED_OFF >> 3] = max(0, nbytes)
 
     # -- control -----------------------------------------------------------------------------
     def read_control(self) -> ControlRequest:
@@ -306,15 +343,16 @@ class SegmentWriter:
         return ControlRequest(None if limit < 0 else limit, revision, trim_seq, compact_seq)
 
     def publish_compaction(self, values: tuple) -> None:
-        """The COMPACT words (``layout.COMPACT_FIELDS`` order): plain stores, the acknowledged request last."""
-        buf = self._buf
-        _pack_compact_head(buf, L.COMPACT_OFF, values[0], values[1])
-        _pack_compact_tail(buf, L.COMPACT_ACK_OFF + L.U64.size, *values[3:])
-        _pack_u64(buf, L.COMPACT_ACK_OFF, values[2])  # last: controllers key on it (it never reads back as 0)
+        """The COMPACT words (``layout.COMPACT_FIELDS`` then ``COMPACT_ANSWERS`` answers), sealed."""
+        self._seal("compact", _pack_compact, *values)
 
     def close(self, unlink: bool = True) -> None:
         if self._mm.closed:
             return
+        with self._sealed_lock:  # no sealed write after the buffer goes
+            for block in self._sealed.values():
+                block.payload.release()
+            self._words.release()
         self._pages.release()
         self._counters_view.release()
         self._buf.release()

@@ -19,7 +19,8 @@ from kvtop.cli.common import emit_json, pick, read
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 def compact_cmd(model: str, wait: float, as_json: bool) -> None:
     """Compact a model's prefix cache: its engine copies cached blocks into holes of denser pages, and the
-    pages emptied are unmapped. Prints the bytes returned and the bytes copied.
+    pages emptied are unmapped. Prints the bytes returned and the bytes copied by the compaction that
+    answered this request (requests made together are answered by one compaction: each says so).
 
     Only cached blocks no running request holds move, and only out of pages that empty; the
     engine confirms each move before its source is freed. The model must be live and its engine
@@ -38,13 +39,25 @@ def compact_cmd(model: str, wait: float, as_json: bool) -> None:
         ack = request_compact(m, wait=wait)
     except (ControlError, AckTimeout, OSError) as exc:
         raise Failure(str(exc)) from None
+    folded = ack.answered_range is not None and ack.answered_range != (ack.revision, ack.revision)
     if as_json:
+        known = ack.status != "answered"
         emit_json({"name": ack.name, "status": ack.status, "revision": ack.revision,
-                   "bytes_returned": ack.bytes_returned, "bytes_copied": ack.bytes_copied,
+                   "bytes_returned": ack.bytes_returned if known else None,
+                   "bytes_copied": ack.bytes_copied if known else None,
+                   "answered_with": list(ack.answered_range) if ack.answered_range else None,
                    "latency_s": round(ack.latency_s, 6)})
         return
     if ack.status == "pending":
         click.echo(f"{ack.name}: compaction requested, not waiting for the answer")
         return
-    click.echo(f"{ack.name}: returned {T.fmt_bytes(ack.bytes_returned)} ({ack.bytes_returned} bytes), "
-               f"copied {T.fmt_bytes(ack.bytes_copied)} ({ack.bytes_copied} bytes) in {ack.latency_s * 1000:.0f} ms")
+    if ack.status == "answered":
+        click.echo(f"{ack.name}: compaction request {ack.revision} was answered, but its figures are no longer "
+                   f"recorded (more compactions answered since); returned and copied unknown")
+        return
+    line = (f"{ack.name}: returned {T.fmt_bytes(ack.bytes_returned)} ({ack.bytes_returned} bytes), "
+            f"copied {T.fmt_bytes(ack.bytes_copied)} ({ack.bytes_copied} bytes) in {ack.latency_s * 1000:.0f} ms")
+    if folded and ack.answered_range is not None:
+        first, last = ack.answered_range
+        line += f" (one compaction answered requests {first}-{last} together, this one included; figures are that compaction's)"
+    click.echo(line)

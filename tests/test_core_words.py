@@ -305,3 +305,19 @@ def test_two_controllers_at_once_each_learn_their_own_compaction(spawn_allocator
     assert (gone["status"], gone["bytes_returned"], gone["bytes_copied"]) == ("answered", None, None)
     text = kvctl("compact", "cc")
     assert text.exit_code == 0 and "returned 0 B" in text.stdout
+
+
+@pytest.mark.parametrize("region", ["traffic", "sleep", "compact"])
+def test_a_sealed_block_that_fails_its_check_reads_as_unknown(spawn_allocator, shm_dir, region):
+    """A damaged block in a quiet segment: that block is unknown, the model and its counters are read as usual."""
+    spawn_allocator("damaged", script="m.publish_traffic(1, 0, 1, 10, 10, 0, 1)\nb = m.alloc(4)\n")
+    path = shm_dir / "kvc.damaged"
+    off, size = L.SEALED[region]
+    with open(path, "r+b") as fh:
+        check = L.U64.unpack(os.pread(fh.fileno(), 8, off + 8 + size))[0]
+        os.pwrite(fh.fileno(), L.U64.pack(check ^ 1), off + 8 + size)
+    snap = kc.snapshot("damaged")
+    assert snap.status == "live" and snap.blocks_used == 4
+    shown = {"traffic": snap.traffic, "sleep": snap.sleep.state, "compact": snap.compaction.compactions}
+    assert shown[region] in (None, "unknown")
+    assert [k for k, v in shown.items() if v in (None, "unknown")] == [region]

@@ -5,6 +5,11 @@ allocates a prompt's blocks at once (reusing shared hot prefixes from the prefix
 decode adds one block at a time, requests finish at different moments and their prompt blocks
 go to the prefix cache. Memory is real (host backend), so sizes are kept small.
 
+Each model can sleep (``kvctl sleep``, kvtop's ``w``): it stops admitting requests, lets the
+running ones finish (``--now``: preempts them), drops its prefix cache, frees every block and
+calls ``ready()``, so every page is unmapped. It wakes on ``kvctl wake`` or on its next request:
+the simulated users of a sleeping model come back with its next burst of traffic.
+
 Not part of the allocator: a client of kvcached_core's public API, as an engine is, that
 ``kvctl demo`` and ``kvtop --demo`` start (each model is ``python -m kvtop.demo`` in a child).
 """
@@ -21,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, cast
@@ -57,13 +63,57 @@ class DemoEngine:
     max_running: int = 24
     running: list[Request] = field(default_factory=list)
     prefixes: dict[int, list[int]] = field(default_factory=dict)  # hot prefix key -> cached blocks
+    # What the sleep handler asked, from the allocator's poller thread, for step() to act on: "sleep"
+    # drains, "sleep_now" preempts, "wake" admits again (a deque: append and popleft need no lock).
+    asked: deque[str] = field(default_factory=deque)
+    draining: bool = False
+    asleep: bool = False
+
+    def on_sleep(self, action: str) -> None:
+        """The engine's sleep handler: returns at once; the serving loop does the work at its next step."""
+        self.asked.append(action)
 
     def step(self, phase: str) -> None:
+        arrivals = self.rng.randint(0, {"burst": 3, "steady": 1, "idle": 0}[phase])
+        self._take_sleep_request()
+        if self.asleep and arrivals and phase == "burst":
+            self.manager.sleep.wake()  # a request for a sleeping model wakes it, as in a serving engine
+            self.asleep = False
+        if not (self.draining or self.asleep):
+            for _ in range(arrivals):
+                if len(self.running) < self.max_running:
+                    self._admit()
+        self._decode()
+        if self.draining and not self.running:
+            self._fall_asleep()
+
+    def _take_sleep_request(self) -> None:
+        while self.asked:
+            asked = self.asked.popleft()
+            if asked == "wake":
+                self.draining = self.asleep = False
+            elif not self.asleep:
+                self.draining = True
+                if asked == "sleep_now":  # preempted: their blocks go at once
+                    for req in self.running:
+                        self.manager.free(req.prefix + req.blocks)
+                    self.running.clear()
+
+    def _fall_asleep(self) -> None:
+        """Drained: drop the prefix cache, so no block is held, and let the allocator unmap every page.
+        Tried again at the next step if a block is still held (an eviction raced the free)."""
         m = self.manager
-        arrivals = {"burst": 3, "steady": 1, "idle": 0}[phase]
-        for _ in range(self.rng.randint(0, arrivals)):
-            if len(self.running) < self.max_running:
-                self._admit()
+        self.prefixes.clear()
+        try:
+            m.free(list(m.cache.blocks))  # with no request running, every block held is a cached one
+            m.sleep.ready()
+        except (RuntimeError, ValueError):
+            return
+        self.draining = False
+        self.asleep = True
+
+    def _decode(self) -> None:
+        m = self.manager
         for req in list(self.running):
             if req.decode_left <= 0:
                 self._finish(req)
@@ -177,6 +227,7 @@ def run_model(name: str, engine: str, layers: int, seed: int, duration: float | 
     print("ready", flush=True)
     with manager:
         demo = DemoEngine(manager, rng)
+        manager.set_sleep_handler(demo.on_sleep)
         start = time.monotonic()
         period, offset = rng.uniform(12, 24), rng.uniform(0, 10)
         while not (signalled or stopping.is_set()):

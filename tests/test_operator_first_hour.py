@@ -225,6 +225,40 @@ def test_a_demo_model_whose_parent_is_gone_before_it_starts_ends_at_once(shm_dir
     assert not (shm_dir / "kvc.orphan").exists()
 
 
+def demo_model(name: str) -> kc.ModelSnapshot:
+    return kc.snapshot(name)
+
+
+def serving(name: str) -> bool:
+    m = demo_model(name)
+    return m.sleep is not None and m.sleep.state == "awake" and m.blocks_used > 0
+
+
+def test_a_demo_model_sleeps_as_kvctl_asks_and_wakes_on_kvctl_wake_or_a_request(shm_dir: Path) -> None:
+    """The first model a newcomer steers can sleep: it drains, frees every block, unmaps every page, and
+    serves again after kvctl wake, or by itself when its next request comes (its next burst)."""
+    from kvtop.demo import DemoFleet
+
+    with DemoFleet(models=1) as fleet:
+        assert fleet.wait_ready(timeout=60), fleet.failure
+        name = fleet.names()[0]
+        wait_for(lambda: serving(name), 60, "the demo model's traffic")
+        done = kvctl("sleep", "demo-llama", "--wait")  # running requests finish first
+        assert done.exit_code == 0, done.stderr
+        assert done.stdout.startswith(f"{name}: asleep, released ")
+        m = demo_model(name)
+        assert m.sleep is not None and m.sleep.state == "asleep"
+        assert (m.mapped_bytes, m.blocks_used, m.blocks_cached, m.pages_inuse) == (0, 0, 0, 0)
+
+        assert kvctl("wake", "demo-llama").exit_code == 0
+        wait_for(lambda: serving(name), 90, "requests served again after kvctl wake")
+
+        done = kvctl("sleep", "demo-llama", "--now", "--wait")  # running requests preempted
+        assert done.exit_code == 0 and ": asleep, released " in done.stdout, (done.stdout, done.stderr)
+        wait_for(lambda: serving(name), 90, "the next request to wake it")
+        assert demo_model(name).sleep.acked_revision == 3  # type: ignore[union-attr]  # no wake was asked
+
+
 # -- files left behind ---------------------------------------------------------------------
 
 def test_the_capacity_lock_is_not_left_in_the_segment_directory(shm_dir: Path, spawn_allocator) -> None:

@@ -32,17 +32,15 @@ from kvcached_core.segment.reader import (
     PublishUnfinished,
     SegmentCorrupt,
     _backoff,
-    _compaction,
     _legacy_sized,
     _printable,
     _printable_problem,
     _rank_bytes,
-    _sleep,
-    _traffic,
     _unpublished_counters,
+    _words,
     parse_header,
 )
-from kvcached_core.segment.snapshot import ModelSnapshot, Problem, RankInfo, Scan
+from kvcached_core.segment.snapshot import ModelSnapshot, Problem, RankInfo, Scan, Traffic
 
 _SUMS: dict[str, tuple[bytes, int]] = {}  # per segment name: the last page map summed, and its sum
 _SUMS_MAX = 4096
@@ -167,6 +165,7 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
     limit_status = L.LIMIT_STATUS_NAMES.get(counters["limit_status"], "unknown")
     if status == "stale" and control["revision"] > counters["applied_revision"]:
         limit_status = "stale"
+    words = _words(body, header, counters, None)  # the sealed blocks (layout 3), decoded as the current reader does
     return ModelSnapshot(
         name=header["name"], path=str(path), model=header["model"], engine=header["engine"],
         backend=header["backend"], pid=header["pid"], uid=header["uid"],
@@ -188,8 +187,9 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
         heartbeat_ns=heartbeat, read_ns=now_ns, start_time=header["start_time"],
         late=status == "live" and verdict.late, pid_ns=header["pid_ns"],
         tp_world=header["tp_world"], ranks=ranks, pages=pages,
-        device_capacity=header["device_capacity"], traffic=_traffic(body, now_ns), sleep=_sleep(body),
-        compaction=_compaction(body),
+        device_capacity=header["device_capacity"],
+        traffic=None if words.traffic is None else Traffic(*words.traffic, now_ns), sleep=words.sleep,
+        compaction=words.compaction,
     )
 
 

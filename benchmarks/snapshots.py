@@ -2,8 +2,9 @@
 
 A child process owns 64 segments (``SegmentWriter``, the allocator's own publish path, without
 64 allocators' threads competing for the CPU) with 4096 pages each and realistic page maps,
-publishes a state change on one of them every millisecond and keeps every heartbeat fresh,
-so every model reads as live. Timed here: ``list_models()`` (counters of all 64),
+publishes a state change on one of them every millisecond (counters and page map, then its
+traffic and sleep words, as an engine step does) and keeps every heartbeat fresh, so every model
+reads as live with traffic, sleep and compaction words to check. Timed here: ``list_models()`` (counters of all 64),
 ``list_models(with_pages=True)`` (plus all 64 page maps), ``snapshot(name)`` (one model and
 its page map, found by name) and ``fragmentation()`` of a snapshot.
 
@@ -48,8 +49,14 @@ def publish(w):
                   updated_ns=time.time_ns(), effective_limit=-1, requested_limit=-1, ranks_active=1)
     w.publish(tuple(fields.values()))
 
+def words(w, n):
+    w.publish_traffic(8, 2, n, 100 * n, 50 * n, 0, time.time_ns())
+    w.publish_sleep(1, L.SLEEP_AWAKE, 0, 60_000, 0, 0)
+
 for w in writers:
     publish(w)
+    words(w, 1)
+    w.publish_compaction((1, 0, 0) + (0,) * (len(L.COMPACT_FIELDS) - 3 + 5 * L.COMPACT_ANSWERS))
 
 def churn():
     n = 0
@@ -62,6 +69,7 @@ def churn():
         fields = dict.fromkeys(L.COUNTER_FIELDS[:-1], 0)
         fields.update(updated_ns=time.time_ns(), effective_limit=-1, requested_limit=-1, ranks_active=1)
         w.publish(tuple(fields.values()))
+        words(w, n)
         if n % 64 == 0:
             for each in writers:
                 each.heartbeat()

@@ -407,11 +407,18 @@ class _Words:
     """What a copy's sealed blocks say: traffic (its fields, or None), sleep, compaction; ``whole``: every block
     was readable and possible (else, ``writing``: one was mid-write)."""
 
-    __slots__ = ("compaction", "sleep", "traffic", "whole", "writing")
+    __slots__ = ("compaction", "rest_possible", "sleep", "sleep_key", "traffic", "whole", "writing")
 
     def __init__(self, traffic: TrafficFields | None, sleep: SleepInfo, compaction: CompactInfo, whole: bool,
-                 writing: bool) -> None:
+                 writing: bool, sleep_key: tuple = (), rest_possible: bool = True) -> None:
         self.traffic, self.sleep, self.compaction, self.whole, self.writing = traffic, sleep, compaction, whole, writing
+        self.sleep_key, self.rest_possible = sleep_key, rest_possible  # what sleep and compaction were decoded from
+
+    def again(self, traffic: TrafficFields | None, payload: bytes | None, whole: bool, writing: bool) -> _Words:
+        """These sleep and compaction words with other traffic words."""
+        return _Words(traffic, self.sleep, self.compaction,
+                      whole and self.rest_possible and _traffic_possible(payload, traffic), writing, self.sleep_key,
+                      self.rest_possible)
 
 
 TrafficFields = tuple[int, int, int, int, int, int, int]  # layout.TRAFFIC_FIELDS but published
@@ -449,16 +456,29 @@ def _words(raw: bytes, header: dict, counters: dict, kept: _Open | None) -> _Wor
             whole, writing = False, writing or payload is _WRITING
         parts.append(payload if isinstance(payload, bytes) else None)
     traffic = _traffic(parts[0])
-    bundle = header["page_size"] * header["num_layers"] * header["num_kv_buffers"] * max(1, header["tp_world"])
-    sleep = _sleep(parts[1], counters, _u64(raw, L.SLEEP_CTL_OFF)[0], header["pages_total"] * bundle)
-    compaction = _compaction(parts[2], _u64(raw, L.COMPACT_REQ_OFF)[0], bundle,
-                             bundle // max(1, header["blocks_per_page"]))
-    possible = (parts[0] is None or parts[0] == b"" or traffic is not None) and sleep.state != "unknown" \
-        and compaction.compactions is not None and len(compaction.answers) == _answers_given(parts[2])
-    words = _Words(traffic, sleep, compaction, whole and possible, writing)
+    # The sleep and compact words change seldom (traffic every engine step): decoded again only when they,
+    # or what they are checked against, changed.
+    asleep_ok = not (counters["mapped_bytes"] or counters["pages_inuse"])
+    key = (parts[1], parts[2], control, asleep_ok)
+    if kept is not None and kept.words is not None and kept.words[2].sleep_key == key:
+        words = kept.words[2].again(traffic, parts[0], whole, writing)
+    else:
+        bundle = header["page_size"] * header["num_layers"] * header["num_kv_buffers"] * max(1, header["tp_world"])
+        sleep = _sleep(parts[1], counters, _u64(raw, L.SLEEP_CTL_OFF)[0], header["pages_total"] * bundle)
+        compaction = _compaction(parts[2], _u64(raw, L.COMPACT_REQ_OFF)[0], bundle,
+                                 bundle // max(1, header["blocks_per_page"]))
+        rest_possible = sleep.state != "unknown" and compaction.compactions is not None \
+            and len(compaction.answers) == _answers_given(parts[2])
+        words = _Words(traffic, sleep, compaction, whole, writing, key, rest_possible)
+        words.whole = whole and rest_possible and _traffic_possible(parts[0], traffic)
     if kept is not None:
         kept.words = (control + sealed, counters, words)
     return words
+
+
+def _traffic_possible(payload: bytes | None, traffic: TrafficFields | None) -> bool:
+    """The traffic words are none, or figures that can be."""
+    return payload is None or payload == b"" or traffic is not None
 
 
 def _traffic(payload: bytes | None) -> TrafficFields | None:

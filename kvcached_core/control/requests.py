@@ -57,6 +57,7 @@ class Ack:
     superseded_by: int = 0  # status superseded: the later revision (another controller's) that the model applied
     superseding_status: str = ""  # and that revision's status; effective_limit is then its limit
     bytes_copied: int = 0  # compact: KV bytes the engine copied
+    after_idle_s: float | None = None  # sleep: the after-idle policy the model holds once it took the request
     answered_range: tuple[int, int] | None = None  # compact: the requests (first, last) its one compaction answered
 
 

@@ -6,6 +6,7 @@ answered ``superseded`` with what the model did instead.
 
 from __future__ import annotations
 
+import math
 import mmap
 import time
 from pathlib import Path
@@ -29,6 +30,25 @@ def sleep_problem(model: ModelSnapshot) -> str | None:
     return None
 
 
+def after_idle_ms(seconds: float) -> int:
+    """The after-idle policy of ``seconds`` as the whole milliseconds a model holds; ControlError when no model
+    can hold it: from ``SLEEP_IDLE_MIN_MS`` (100 ms; shorter, a busy model would sleep between two requests)
+    to ``MAX_AFTER_IDLE_MS`` (366 days)."""
+    seconds = float(seconds)
+    if math.isnan(seconds) or seconds < 0:
+        raise ControlError(f"an after-idle time must be a duration of at least {L.SLEEP_IDLE_MIN_MS} ms, "
+                           f"not {seconds:g} s")
+    if seconds * 1000 > L.MAX_AFTER_IDLE_MS:  # inf too
+        raise ControlError(f"an after-idle time of {seconds:g} s is beyond the longest, "
+                           f"{L.MAX_AFTER_IDLE_MS // 3_600_000}h (366 days); off removes the policy")
+    ms = round(seconds * 1000)
+    if ms < L.SLEEP_IDLE_MIN_MS:
+        raise ControlError(f"an after-idle time of {seconds * 1000:g} ms is below the shortest, "
+                           f"{L.SLEEP_IDLE_MIN_MS}ms (a busy model would sleep between two requests); "
+                           "to sleep now, leave out --after-idle")
+    return ms
+
+
 def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float | None | bool = False,
                   wait: float = DEFAULT_WAIT_S, until_done: bool = False) -> Ack:
     """Ask a model to sleep (``sleep``, ``sleep_now``), wake (``wake``) or only change its after-idle
@@ -40,18 +60,16 @@ def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float
     request woke it). ``wait=0`` returns ``pending`` at once. Raises ControlError, AckTimeout, ModelNotFound.
     """
     code = ACTIONS[action]
-    model = _target(name)
-    problem = sleep_problem(model)
-    if problem is not None:
-        raise ControlError(problem)
     if after_idle_s is False:
         idle_ms = L.SLEEP_IDLE_KEEP
     elif after_idle_s is None:
         idle_ms = L.SLEEP_IDLE_OFF
     else:
-        idle_ms = round(float(after_idle_s) * 1000)
-        if idle_ms < 0:
-            raise ControlError("an after-idle time cannot be negative")
+        idle_ms = after_idle_ms(after_idle_s)
+    model = _target(name)
+    problem = sleep_problem(model)
+    if problem is not None:
+        raise ControlError(problem)
     started = time.monotonic()
     before = _last_sleep(model)
     def write(mm: mmap.mmap) -> int:
@@ -73,7 +91,7 @@ def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float
         if info.acked_revision > revision:
             return Ack(snap.name, action, "superseded", revision, bytes_returned=info.slept_bytes,
                        latency_s=time.monotonic() - started, superseded_by=info.acked_revision,
-                       superseding_status=info.state)
+                       superseding_status=info.state, after_idle_s=info.after_idle_s)
         if target is not None and not info.capable:
             raise ControlError(f"{snap.name} cannot sleep: its engine withdrew its sleep handler")
         if target == "asleep" and info.state == "awake":  # taken, and awake again: a request woke it
@@ -82,7 +100,7 @@ def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float
             return None
         return Ack(snap.name, action, info.state, revision, bytes_returned=info.slept_bytes,
                    latency_s=info.took_s if info.state == "asleep" and target == "asleep"
-                   else time.monotonic() - started)
+                   else time.monotonic() - started, after_idle_s=info.after_idle_s)
 
     return _wait(model, done, wait, action.replace("_", " "), pending, started)
 
@@ -102,5 +120,6 @@ def _woken(name: str, action: str, revision: int, info: SleepInfo, before: tuple
     releasing ``bytes_returned`` in ``latency_s``, then woke) when its last sleep's figures changed since
     the request; ``awake`` (a request came before it slept: nothing released) when they did not."""
     if (info.slept_bytes, info.took_s) != before:
-        return Ack(name, action, "woken", revision, bytes_returned=info.slept_bytes, latency_s=info.took_s)
-    return Ack(name, action, "awake", revision, latency_s=waited_s)
+        return Ack(name, action, "woken", revision, bytes_returned=info.slept_bytes, latency_s=info.took_s,
+                   after_idle_s=info.after_idle_s)
+    return Ack(name, action, "awake", revision, latency_s=waited_s, after_idle_s=info.after_idle_s)

@@ -30,7 +30,14 @@ class DurationType(click.ParamType):
         match = _DURATION.match(text)
         if match is None:
             self.fail(f"{value!r} is not a duration (like 30s, 5m, 1h, or off)", param, ctx)
-        return float(match.group(1)) * _UNIT_S[match.group(2) or "s"]
+        seconds = float(match.group(1)) * _UNIT_S[match.group(2) or "s"]
+        from kvcached_core.control.sleep import after_idle_ms
+
+        try:
+            after_idle_ms(seconds)  # one a model can hold, or a usage error now
+        except ControlError as exc:
+            self.fail(f"{value!r}: {exc}", param, ctx)
+        return seconds
 
 
 def _model(name: str) -> ModelSnapshot:
@@ -56,6 +63,8 @@ def _run(m: ModelSnapshot, action: str, after_idle: float | None | bool, wait: b
         raise Failure(str(exc)) from None
     out = {"name": ack.name, "action": action, "state": ack.status, "revision": ack.revision,
            "slept_bytes": ack.bytes_returned, "took_s": round(ack.latency_s, 6)}
+    if action == "policy":
+        out["after_idle_s"] = ack.after_idle_s  # what the model holds now
     if ack.status == "superseded":
         out["superseded_by"] = ack.superseded_by
         out["state"] = ack.superseding_status
@@ -66,11 +75,22 @@ def _run(m: ModelSnapshot, action: str, after_idle: float | None | bool, wait: b
     return out
 
 
+def _policy_text(name: str, out: dict) -> str:
+    """The after-idle policy the model holds now, in the milliseconds it holds."""
+    held = out["after_idle_s"]
+    policy = "none" if held is None else f"sleep after {round(held * 1000)} ms ({held:g} s) without a request"
+    if out.get("superseded"):
+        return (f"{name}: a later request (revision {out['superseded_by']}) replaced this one; "
+                f"the model's after-idle policy: {policy}")
+    return f"{name}: after-idle policy removed" if held is None else f"{name}: after-idle policy set: {policy}"
+
+
 @click.command("sleep")
 @model_argument()
 @click.option("--now", is_flag=True, help="Preempt running requests instead of letting them finish (they run again after waking).")
 @click.option("--after-idle", "after_idle", type=DurationType(), default=None, metavar="DURATION|off",
-              help="Set the policy instead of sleeping now: sleep after this long without a request (off removes it).")
+              help="Set the policy instead of sleeping now: sleep after this long without a request, "
+                   "from 100ms to 8784h (366 days); off removes it.")
 @click.option("--wait", is_flag=True, help="Wait until the model is asleep (every page unmapped).")
 @click.option("--timeout", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="SEC", help=TIMEOUT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
@@ -96,8 +116,7 @@ def sleep_cmd(ctx: click.Context, model: str, now: bool, after_idle: float | Non
         if now:
             raise click.UsageError("--now sleeps at once; --after-idle sets a policy: give one of them", ctx)
         out = _run(m, "policy", after_idle, False, timeout)
-        policy_text = "removed" if after_idle is None else f"sleep after {after_idle:g} s idle"
-        _answer(out | {"after_idle_s": after_idle}, f"{m.name}: after-idle policy {policy_text}", as_json)
+        _answer(out, _policy_text(m.name, out), as_json)
         return
     if m.sleep is not None and m.sleep.state == "asleep":
         _answer({"name": m.name, "action": "sleep", "state": "asleep", "revision": m.sleep.acked_revision,

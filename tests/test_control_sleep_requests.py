@@ -1,0 +1,68 @@
+"""Sleep requests: a policy the model can hold, one whole record per request, the later request wins."""
+
+from __future__ import annotations
+
+import json
+import mmap
+from pathlib import Path
+
+import pytest
+from conftest import kvctl, wait_for
+
+from kvcached_core import ControlError, snapshot
+from kvcached_core.control.requests import write_request
+from kvcached_core.control.sleep import request_sleep
+from kvcached_core.segment import layout as L
+
+ENGINE = """
+held = m.alloc(8)
+def handler(action):
+    global held
+    if action.startswith("sleep"):
+        m.free(held)
+        held = []
+        m.sleep.ready()
+    else:
+        held = m.alloc(8)
+m.set_sleep_handler(handler)
+"""
+
+
+def _forge(path: Path, action: int, idle_ms: int) -> int:
+    """Write a whole, well-checked sleep request as a controller would, with any policy value."""
+    def write(mm: mmap.mmap) -> int:
+        revision = L.SLEEP_CTL.unpack_from(mm, L.SLEEP_CTL_OFF)[0] + 1
+        L.SLEEP_CTL.pack_into(mm, L.SLEEP_CTL_OFF, revision, action, idle_ms, L.sleep_check(action, idle_ms, revision))
+        return revision
+
+    return write_request(path, write)
+
+
+def test_kvctl_after_idle_says_the_milliseconds_the_model_holds(spawn_allocator) -> None:
+    spawn_allocator("eng", script=ENGINE)
+    result = kvctl("sleep", "eng", "--after-idle", "100.4ms")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "eng: after-idle policy set: sleep after 100 ms (0.1 s) without a request\n"
+    assert snapshot("eng").sleep.after_idle_s == 0.1
+    answer = json.loads(kvctl("sleep", "eng", "--after-idle", "5m", "--json").stdout)
+    assert answer["after_idle_s"] == 300.0 == snapshot("eng").sleep.after_idle_s
+    assert kvctl("sleep", "eng", "--after-idle", "off").stdout == "eng: after-idle policy removed\n"
+
+
+@pytest.mark.parametrize("seconds", [0, 1e-7, 0.0994, -1, float("nan"), float("inf"), 2**63 / 1000, 367 * 86400])
+def test_request_sleep_refuses_a_policy_no_model_can_hold(spawn_allocator, seconds: float) -> None:
+    spawn_allocator("eng", script=ENGINE)
+    with pytest.raises(ControlError, match="after-idle time"):
+        request_sleep("eng", "policy", after_idle_s=seconds)
+    assert snapshot("eng").sleep.acked_revision == 0  # nothing written
+
+
+def test_the_allocator_keeps_its_policy_when_a_request_carries_one_no_controller_writes(spawn_allocator) -> None:
+    """A well-checked record with a policy of 0 ms (or beyond a year) is answered, its policy left as it was."""
+    spawn_allocator("eng", script=ENGINE)
+    request_sleep("eng", "policy", after_idle_s=60)
+    path = Path(snapshot("eng").path)
+    for idle_ms in (0, 5, L.MAX_AFTER_IDLE_MS + 1, 2**63 - 1):
+        revision = _forge(path, L.SLEEP_POLICY_ONLY, idle_ms)
+        assert wait_for(lambda r=revision: snapshot("eng").sleep.acked_revision == r)
+        assert snapshot("eng").sleep.after_idle_s == 60 and snapshot("eng").sleep.state == "awake"

@@ -33,17 +33,29 @@ def test_the_readme_reads_in_five_minutes() -> None:
     assert len(README.read_bytes()) <= 12 * 1024, f"README.md is {len(README.read_bytes())} bytes"
 
 
+CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
+
+
 def test_its_test_command_is_the_one_ci_runs() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     command = ci[ci.index("# The README's test command:") + 1]
-    _, tests = blocks(section("Two commands"), "sh")
+    _, tests, _ = blocks(section("Two commands"), "sh")
     assert tests.strip() == command
+
+
+def test_its_cpu_build_command_is_cis_with_torch_from_the_cpu_index() -> None:
+    """PyPI's torch on Linux is the CUDA build: the README's other command differs only where torch comes from."""
+    _, tests, cpu = blocks(section("Two commands"), "sh")
+    torch = "pip install -q torch==2.13.0"
+    assert tests.count(torch) == 1 and cpu.strip() == tests.strip().replace(torch, f"{torch} {CPU_INDEX}")
+    text = " ".join(section("Two commands").split())
+    assert "PyPI's `torch==2.13.0` is torch's CUDA build" in text and "With the CPU build the wheels" in text
 
 
 def test_its_first_command_installs_the_package_alone_and_starts_the_demo() -> None:
     from kvtop.app import cli
 
-    install, _ = blocks(section("Two commands"), "sh")
+    install, *_ = blocks(section("Two commands"), "sh")
     steps = install.strip().split(" && ")
     assert steps == ["python3 -m venv .venv", ".venv/bin/pip install -e .", ".venv/bin/kvtop --demo"]
     assert re.search(r'^kvtop = "kvtop\.app:main"$', (ROOT / "pyproject.toml").read_text(), re.M)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -66,3 +69,45 @@ def test_the_allocator_keeps_its_policy_when_a_request_carries_one_no_controller
         revision = _forge(path, L.SLEEP_POLICY_ONLY, idle_ms)
         assert wait_for(lambda r=revision: snapshot("eng").sleep.acked_revision == r)
         assert snapshot("eng").sleep.after_idle_s == 60 and snapshot("eng").sleep.state == "awake"
+
+
+def _half_write(path: Path, write: Callable[[mmap.mmap], None]) -> None:
+    """What a controller killed part way through its write leaves: ``write`` under the controllers' lock, no poke."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, L.PAGE_MAP_OFF) as mm:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            write(mm)
+    finally:
+        os.close(fd)  # the lock goes with the descriptor, as it does with a killed process
+
+
+def _asked(mm: mmap.mmap) -> int:
+    return L.U64.unpack_from(mm, L.SLEEP_CTL_OFF)[0]
+
+
+@pytest.mark.parametrize("left", ["revision-0", "body-only"])
+def test_after_a_half_written_sleep_request_the_next_requests_apply(spawn_allocator, left: str) -> None:
+    """revision-0: the record with its revision word 0, as a controller that wrote the record before its revision
+    left it; body-only: a new action, policy and check without the revision word, as one writing the revision
+    last leaves it. Neither is taken; each next request applies, none is answered superseded."""
+    spawn_allocator("eng", script=ENGINE)
+    for action in ("sleep_now", "wake", "sleep_now", "wake"):
+        request_sleep("eng", action, wait=10, until_done=True)
+    path = Path(snapshot("eng").path)
+
+    def damage(mm: mmap.mmap) -> None:
+        revision = _asked(mm) + 1
+        check = L.sleep_check(L.SLEEP_NOW, L.SLEEP_IDLE_KEEP, revision)
+        L.SLEEP_CTL.pack_into(mm, L.SLEEP_CTL_OFF, 0 if left == "revision-0" else _asked(mm), L.SLEEP_NOW,
+                              L.SLEEP_IDLE_KEEP, check)
+
+    _half_write(path, damage)
+    request_sleep("eng", "policy", after_idle_s=False, wait=10)  # a poke: the allocator looks at the record
+    assert snapshot("eng").sleep.state == "awake"  # the half-written sleep was not taken
+    for action, state in (("sleep_now", "asleep"), ("wake", "awake"), ("sleep", "asleep"), ("wake", "awake")):
+        ack = request_sleep("eng", action, wait=10, until_done=True)
+        assert ack.status == state, ack
+        assert snapshot("eng").sleep.acked_revision == ack.revision
+    assert kvctl("sleep", "eng", "--after-idle", "5m").exit_code == 0
+    assert snapshot("eng").sleep.after_idle_s == 300

@@ -80,9 +80,11 @@ class SleepControl:
 
     def read_request(self) -> tuple[int, int, int] | None:
         """(revision, action, after_idle_ms) of a controller's request not yet taken; None when there is none
-        (or it is half-written)."""
+        (or it is half-written: its check does not match). A whole request whose revision is not the one last
+        taken is new, even a lower one: a record left damaged (its revision word 0) must not make the next
+        requests look old."""
         revision, action, after_idle_ms, check = L.SLEEP_CTL.unpack_from(self._m.segment._buf, L.SLEEP_CTL_OFF)
-        if revision <= self.acked_revision or check != L.sleep_check(action, after_idle_ms, revision):
+        if revision in (0, self.acked_revision) or check != L.sleep_check(action, after_idle_ms, revision):
             return None
         return revision, action, after_idle_ms
 

@@ -73,10 +73,7 @@ def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float
     started = time.monotonic()
     before = _last_sleep(model)
     def write(mm: mmap.mmap) -> int:
-        revision = L.SLEEP_CTL.unpack_from(mm, L.SLEEP_CTL_OFF)[0] + 1
-        L.SLEEP_CTL.pack_into(mm, L.SLEEP_CTL_OFF, 0, code, idle_ms, L.sleep_check(code, idle_ms, revision))
-        L.U64.pack_into(mm, L.SLEEP_CTL_OFF, revision)  # last: the allocator keys on it
-        return revision
+        return write_sleep_request(mm, code, idle_ms)
 
     revision = write_request(Path(model.path), write)
     pending = Ack(model.name, action, "pending", revision)
@@ -103,6 +100,21 @@ def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float
                    else time.monotonic() - started, after_idle_s=info.after_idle_s)
 
     return _wait(model, done, wait, action.replace("_", " "), pending, started)
+
+
+def write_sleep_request(mm: mmap.mmap, action: int, idle_ms: int) -> int:
+    """Write one sleep request record (under the controllers' lock) and return its revision: the action, the
+    policy and the check tied to the new revision first, the revision word last. A controller killed half way
+    leaves the last whole request's revision with a check that no longer matches it: nothing is taken, and
+    the next request numbers on from it."""
+    revision = L.U64.unpack_from(mm, L.SLEEP_CTL_OFF)[0] + 1
+    if revision > L.MAX_SLEEP_REVISION:  # a damaged word: start again (the allocator takes any revision but its last)
+        revision = 1
+    L.U64.pack_into(mm, L.SLEEP_CTL_OFF + 8, action)
+    L.I64.pack_into(mm, L.SLEEP_CTL_OFF + 16, idle_ms)
+    L.U64.pack_into(mm, L.SLEEP_CTL_OFF + 24, L.sleep_check(action, idle_ms, revision))
+    L.U64.pack_into(mm, L.SLEEP_CTL_OFF, revision)  # last: the allocator keys on it
+    return revision
 
 
 def _last_sleep(model: ModelSnapshot) -> tuple[int, float] | None:

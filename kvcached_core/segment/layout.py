@@ -55,12 +55,15 @@ LIMIT_REV_OFF = CONTROL_OFF + 8
 LIMIT_CHECK_OFF = CONTROL_OFF + 16
 TRIM_REQ_OFF = CONTROL_OFF + 24
 
-# The sleep request, in the CONTROL block after the limit: revision, action, after-idle policy, check.
+# The sleep request, in the CONTROL block after the limit: revision, action, after-idle policy, check. A
+# controller writes the revision word last; the allocator takes a request whose check matches and whose
+# revision is not the one it took last.
 SLEEP_CTL = struct.Struct("<QQqQ")
 SLEEP_CTL_OFF = CONTROL_OFF + CONTROL.size
 SLEEP_POLICY_ONLY, SLEEP_SOON, SLEEP_NOW, SLEEP_WAKE = 0, 1, 2, 3  # actions: SOON lets running requests finish
 SLEEP_IDLE_KEEP, SLEEP_IDLE_OFF = -2, -1  # after_idle_ms: leave the policy as it is, remove it
 SLEEP_IDLE_MIN_MS = 100  # the shortest after-idle policy: shorter, a busy model would sleep between two requests
+MAX_SLEEP_REVISION = 2**63 - 1  # past it (a damaged word), controllers number requests from 1 again
 # The compaction request, after the sleep request: a sequence number, acknowledged like trim's
 # (``COMPACT.acked_seq``); the CONTROL block's last 24 bytes are spare.
 COMPACT_REQ_OFF = SLEEP_CTL_OFF + SLEEP_CTL.size

@@ -259,3 +259,43 @@ def test_the_poller_serves_the_others_whatever_one_tick_raises() -> None:
     finally:
         for entry in entries:
             poller.unregister(entry)
+
+
+# -- a sleep handler that raises ------------------------------------------------------------------------------------
+FAILING_SLEEP = """
+fail = [SystemExit(2)]
+heard = []
+def handler(action):
+    heard.append(action)
+    if fail and action.startswith("sleep"):
+        raise fail.pop(0)
+    if action.startswith("sleep"):
+        m.free(held)
+        held.clear()
+        m.sleep.ready()
+held = m.alloc(4)
+m.set_sleep_handler(handler)
+"""
+
+
+def test_a_sleep_handler_that_raises_refuses_the_request_and_the_model_stays_awake(spawn_allocator) -> None:
+    from conftest import kvctl, wait_for
+
+    from kvcached_core.control.requests import ControlError
+    from kvcached_core.control.sleep import request_sleep
+
+    proc = spawn_allocator("eng", script=FAILING_SLEEP)
+    refused = kvctl("sleep", "eng", "--wait", "--timeout", "30")
+    assert refused.exit_code == 1 and refused.stderr.count("\n") == 1
+    assert "eng refused to sleep: its engine's sleep handler failed" in refused.stderr and "stays awake" in refused.stderr
+    shown = snapshot("eng")
+    assert shown.sleep is not None and shown.sleep.state == "awake" and shown.blocks_used == 4
+    send(proc, "assert m.sleep.state == 0, m.sleep.state")  # the allocator is awake too: it refills its pool
+    send(proc, "fail.append(KeyboardInterrupt())")
+    with pytest.raises(ControlError, match="refused to sleep now"):
+        request_sleep("eng", "sleep_now", wait=30)
+    woke = kvctl("wake", "eng", "--wait", "--timeout", "30")
+    assert woke.exit_code == 0, woke.stderr
+    assert request_sleep("eng", "sleep", wait=30, until_done=True).status == "asleep"  # the next one is served
+    wait_for(lambda: snapshot("eng").mapped_bytes == 0)
+    assert request_sleep("eng", "wake", wait=30, until_done=True).status == "awake"

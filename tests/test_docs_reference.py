@@ -178,6 +178,7 @@ REGIONS = {  # region -> (offset, size) from the constants readers and writers u
     "compact": (L.COMPACT_OFF, L.SEAL_BYTES + L.COMPACT_PAYLOAD.size),
     "traffic": (L.TRAFFIC_OFF, L.SEAL_BYTES + L.TRAFFIC.size),
     "sleep": (L.SLEEP_OFF, L.SEAL_BYTES + L.SLEEP.size),
+    "refused": (L.SLEEP_REFUSED_OFF, 8),
 }
 
 

@@ -106,6 +106,7 @@ class SleepControl:
                 self._awake_since = time.monotonic()  # the policy tries again after another idle period
                 if self.acked_revision != taken:  # a controller's request: it learns it was refused
                     self.refused_revision = self.acked_revision
+                    self._m.segment.publish_sleep_refused(self.refused_revision)  # before the acknowledgement
                 self._write()
 
     def _tell_woken(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import time
 from pathlib import Path
 
@@ -57,7 +58,8 @@ def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float
     Returns once the model took the request (``until_done``: once it is asleep or awake), with status
     the model's state then (``superseded`` when a later request replaced this one; for a sleep that a
     request already ended, ``woken``: it slept, releasing ``bytes_returned`` in ``latency_s``, then a
-    request woke it). ``wait=0`` returns ``pending`` at once. Raises ControlError, AckTimeout, ModelNotFound.
+    request woke it). ``wait=0`` returns ``pending`` at once. Raises ControlError (also when the engine's
+    handler refused the request: it raised), AckTimeout, ModelNotFound.
     """
     code = ACTIONS[action]
     if after_idle_s is False:
@@ -89,6 +91,10 @@ def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float
             return Ack(snap.name, action, "superseded", revision, bytes_returned=info.slept_bytes,
                        latency_s=time.monotonic() - started, superseded_by=info.acked_revision,
                        superseding_status=info.state, after_idle_s=info.after_idle_s)
+        if _refused(Path(snap.path), revision):
+            verb = {"sleep_now": "sleep now", "policy": "change its after-idle policy"}.get(action, action)
+            raise ControlError(f"{snap.name} refused to {verb}: its engine's sleep handler failed (its log says why); "
+                               f"it stays {info.state}")
         if target is not None and not info.capable:
             raise ControlError(f"{snap.name} cannot sleep: its engine withdrew its sleep handler")
         if target == "asleep" and info.state == "awake":  # taken, and awake again: a request woke it
@@ -100,6 +106,22 @@ def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float
                    else time.monotonic() - started, after_idle_s=info.after_idle_s)
 
     return _wait(model, done, wait, action.replace("_", " "), pending, started)
+
+
+def _refused(path: Path, revision: int) -> bool:
+    """Whether the model's engine refused request ``revision`` (``layout.SLEEP_REFUSED_OFF``, stored before the
+    acknowledgement that was just read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        raw = os.pread(fd, 8, L.SLEEP_REFUSED_OFF)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return len(raw) == 8 and L.U64.unpack(raw)[0] == revision
 
 
 def write_sleep_request(mm: mmap.mmap, action: int, idle_ms: int) -> int:

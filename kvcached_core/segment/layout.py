@@ -11,6 +11,7 @@ One file per model, ``<KVCACHED_SHM_DIR>/kvc.<name>``, mode 0600, little-endian:
     832     232   COMPACT     allocator      sealed: compaction capable, status, acknowledged request, totals, the last answers
     1088    80    TRAFFIC     engine         sealed: requests running/waiting, finished, tokens, preemptions
     1216    64    SLEEP       allocator      sealed: sleep state, policy, bytes released, acknowledged revision
+    1528    8     REFUSED     allocator      the last sleep request its engine's handler refused (one store)
     1536    4*N   PAGE MAP    allocator      one u32 per page (see ``PAGE_*``)
     ...     R*64  RANKS       allocator      tensor-parallel ranks: pid, device, mapped bytes
 
@@ -139,6 +140,11 @@ SLEEP_STATE_NAMES = {SLEEP_AWAKE: "awake", SLEEP_DRAINING: "draining", SLEEP_ASL
 SEALED = {"compact": (COMPACT_OFF, COMPACT_PAYLOAD.size), "traffic": (TRAFFIC_OFF, TRAFFIC.size),
           "sleep": (SLEEP_OFF, SLEEP.size)}  # region -> (offset, payload bytes)
 WORDS_START, WORDS_END = COMPACT_OFF, SLEEP_OFF + SEAL_BYTES + SLEEP.size  # the sealed blocks, in one slice
+# The last sleep request (revision) whose engine's handler raised: one plain word (a single 8-byte store) that
+# the allocator stores before the SLEEP words acknowledging that request, so a controller that reads its own
+# revision acknowledged then reads here whether it was refused. Last before the page map.
+SLEEP_REFUSED_OFF = PAGE_MAP_OFF - 8
+assert WORDS_END <= SLEEP_REFUSED_OFF and SLEEP_REFUSED_OFF % 8 == 0
 
 # What the readers take for possible (a word past these is forged or damaged and reads as unknown).
 MAX_AFTER_IDLE_MS = 366 * 86_400_000  # an after-idle policy of at most a year (controllers refuse more)

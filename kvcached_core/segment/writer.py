@@ -313,6 +313,11 @@ class SegmentWriter:
         """The SLEEP words (``layout.SLEEP_FIELDS`` order), sealed."""
         self._seal("sleep", _pack_sleep, capable, state, acked_revision, after_idle_ms, slept_bytes, took_ns)
 
+    def publish_sleep_refused(self, revision: int) -> None:
+        """The last sleep request its engine's handler refused (``layout.SLEEP_REFUSED_OFF``): one 8-byte store,
+        made before the SLEEP words that acknowledge that request."""
+        self._words[L.SLEEP_REFUSED_OFF >> 3] = revision
+
     # -- liveness and capacity ---------------------------------------------------------------
     def heartbeat(self) -> None:
         self._words[L.HEARTBEAT_OFF >> 3] = time.time_ns()  # one 8-byte store: never read as 0 or half-written

@@ -6,11 +6,13 @@ import fcntl
 import json
 import mmap
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import kvctl, wait_for
+from conftest import ROOT, child_env, kvctl, send, wait_for
 
 from kvcached_core import ControlError, snapshot
 from kvcached_core.control.requests import write_request
@@ -111,3 +113,39 @@ def test_after_a_half_written_sleep_request_the_next_requests_apply(spawn_alloca
         assert snapshot("eng").sleep.acked_revision == ack.revision
     assert kvctl("sleep", "eng", "--after-idle", "5m").exit_code == 0
     assert snapshot("eng").sleep.after_idle_s == 300
+
+
+def _kvctl_process(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kvtop.cli", *args], cwd=ROOT, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize(("first", "later", "state"), [("sleep", "wake", "awake"), ("wake", "sleep", "asleep")])
+def test_the_later_of_two_kvctl_processes_wins_over_a_pending_request(spawn_allocator, first: str, later: str,
+                                                                      state: str) -> None:
+    """The first controller's request waits (the model's poller is held); the later one, which reads the model
+    still in the state the first asks to leave, is written too and is what the model does."""
+    proc = spawn_allocator("eng", script=ENGINE)
+    if first == "wake":
+        request_sleep("eng", "sleep", wait=10, until_done=True)
+    path = Path(snapshot("eng").path)
+    acked = snapshot("eng").sleep.acked_revision
+    asked = lambda: L.U64.unpack_from(path.read_bytes(), L.SLEEP_CTL_OFF)[0]  # noqa: E731
+    send(proc, "m._watch.lock.acquire()")  # the poller waits: both requests land before the model looks
+    try:
+        earlier = _kvctl_process(first, "eng", "--wait", "--timeout", "30")
+        wait_for(lambda: asked() == acked + 1, timeout=30, what="the first controller's request")
+        assert snapshot("eng").sleep.state == state  # as the later controller reads it: already what it asks
+        second = _kvctl_process(later, "eng", "--wait", "--timeout", "30", "--json")
+        wait_for(lambda: asked() == acked + 2, timeout=30, what="the later controller's request")
+    finally:
+        send(proc, "m._watch.lock.release()")
+    out, err = second.communicate(timeout=60)
+    assert second.returncode == 0, err
+    answer = json.loads(out)
+    assert answer["state"] == state and answer["revision"] == acked + 2 and "already" not in answer
+    out, err = earlier.communicate(timeout=60)
+    assert earlier.returncode == 0, err
+    assert out == f"eng: a later request (revision {acked + 2}) replaced this one; the model is {state}\n"
+    now = snapshot("eng").sleep
+    assert now.state == state and now.acked_revision == acked + 2

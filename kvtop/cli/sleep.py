@@ -75,6 +75,22 @@ def _run(m: ModelSnapshot, action: str, after_idle: float | None | bool, wait: b
     return out
 
 
+def _already(m: ModelSnapshot, out: dict, state: str) -> bool:
+    """Whether the request found the model ``state`` already and changed nothing (marks ``out``): it was so when
+    read, no other controller's request was pending or came since (the model took ours as the next revision),
+    and it answered with that state (asleep: with the same last sleep). A request is always written, so a
+    later request wins over one another controller left pending."""
+    before = m.sleep
+    if before is None or before.state != state or out["state"] != state or out.get("superseded") or out.get("woken"):
+        return False
+    if out["revision"] != before.acked_revision + 1:
+        return False
+    if state == "asleep" and (out["slept_bytes"], out["took_s"]) != (before.slept_bytes, round(before.took_s, 6)):
+        return False
+    out["already"] = True
+    return True
+
+
 def _policy_text(name: str, out: dict) -> str:
     """The after-idle policy the model holds now, in the milliseconds it holds."""
     held = out["after_idle_s"]
@@ -118,13 +134,10 @@ def sleep_cmd(ctx: click.Context, model: str, now: bool, after_idle: float | Non
         out = _run(m, "policy", after_idle, False, timeout)
         _answer(out, _policy_text(m.name, out), as_json)
         return
-    if m.sleep is not None and m.sleep.state == "asleep":
-        _answer({"name": m.name, "action": "sleep", "state": "asleep", "revision": m.sleep.acked_revision,
-                 "slept_bytes": m.sleep.slept_bytes, "already": True},
-                f"{m.name}: already asleep (nothing changed)", as_json)
-        return
     out = _run(m, "sleep_now" if now else "sleep", False, wait, timeout)
-    if out.get("superseded"):
+    if _already(m, out, "asleep"):
+        text = f"{m.name}: already asleep (nothing changed)"
+    elif out.get("superseded"):
         text = f"{m.name}: a later request (revision {out['superseded_by']}) replaced this one; the model is {out['state']}"
     elif out["state"] == "asleep":
         text = f"{m.name}: asleep, released {T.fmt_bytes(out['slept_bytes'])} in {out['took_s'] * 1000:.1f} ms"
@@ -151,12 +164,10 @@ def wake_cmd(model: str, wait: bool, timeout: float, as_json: bool) -> None:
       kvctl wake llama-3-8b --wait
     """
     m = _model(model)
-    if m.sleep is not None and m.sleep.state == "awake" and m.sleep.capable:
-        _answer({"name": m.name, "action": "wake", "state": "awake", "revision": m.sleep.acked_revision,
-                 "already": True}, f"{m.name}: already awake (nothing changed)", as_json)
-        return
     out = _run(m, "wake", False, wait, timeout)
-    if out.get("superseded"):
+    if _already(m, out, "awake"):
+        text = f"{m.name}: already awake (nothing changed)"
+    elif out.get("superseded"):
         text = f"{m.name}: a later request (revision {out['superseded_by']}) replaced this one; the model is {out['state']}"
     else:
         text = f"{m.name}: {out['state']}"

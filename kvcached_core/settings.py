@@ -68,6 +68,12 @@ VARIABLES: tuple[Var, ...] = (
         "CUDA backend: the KV budget of each device, shared by every allocator on it (`60GiB`, `80%` of the "
         "device's memory); a growth past it is refused as the driver's out-of-memory would be",
         shown="none: the driver's out-of-memory"),
+    Var("KVCACHED_MIN", None, "size",
+        "a model's memory.min under pressure: bytes never reclaimed from it by another model's refused growth "
+        "(`4GiB`, `none`); live: `kvctl policy MODEL --min`", shown="none"),
+    Var("KVCACHED_PRIORITY", "0", "integer",
+        "who gives first when a device's budget is short: lower gives first (-1000..1000); live: "
+        "`kvctl policy MODEL --priority`"),
     Var("KVCACHED_POLICY", "affinity", "choice",
         "placement and eviction policy: `affinity`, `best-fit` (the public kvcached's) or `first-fit`"),
     Var("KVCACHED_IDLE_RETURN_S", "10", "number",
@@ -152,6 +158,8 @@ class Settings:
     max_cached_blocks: int | None  # as set; None when unset
     host_capacity_bytes: int
     device_budget: DeviceBudget | None  # None: the driver's out-of-memory is the budget
+    min_bytes: int  # KVCACHED_MIN; 0: none
+    priority: int
     policy: str
     idle_return_s: float | None  # None: never
     ipc_name: str | None
@@ -308,6 +316,28 @@ def _device_budget(raw: Raw, done: dict[str, Any]) -> DeviceBudget | None:
     return DeviceBudget(size_bytes=parsed)
 
 
+def _min_bytes(raw: Raw, done: dict[str, Any]) -> int:
+    from .sizes import SizeError, parse_size
+
+    value = (raw["KVCACHED_MIN"] or "").strip()
+    if not value:
+        return 0
+    try:
+        parsed = parse_size(value, allow_none=True)
+    except SizeError as exc:
+        raise ConfigError(f"KVCACHED_MIN: {exc}") from None
+    return parsed or 0
+
+
+def _priority(raw: Raw, done: dict[str, Any]) -> int:
+    from .segment.layout import PRIORITY_MAX, PRIORITY_MIN
+
+    value = _int(raw, "KVCACHED_PRIORITY")
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise ConfigError(f"KVCACHED_PRIORITY={value} must be between {PRIORITY_MIN} and {PRIORITY_MAX}")
+    return value
+
+
 def _policy(raw: Raw, done: dict[str, Any]) -> str:
     value = raw["KVCACHED_POLICY"] or BY_NAME["KVCACHED_POLICY"].default or ""
     if value not in POLICIES:
@@ -386,6 +416,8 @@ _PARSERS: dict[str, Callable[[Raw, dict[str, Any]], Any]] = {
     "max_cached_blocks": _cached_blocks,
     "host_capacity_bytes": _host_capacity,
     "device_budget": _device_budget,
+    "min_bytes": _min_bytes,
+    "priority": _priority,
     "policy": _policy,
     "idle_return_s": _idle,
     "ipc_name": lambda raw, done: raw["KVCACHED_IPC_NAME"] or None,

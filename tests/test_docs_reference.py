@@ -178,6 +178,8 @@ REGIONS = {  # region -> (offset, size) from the constants readers and writers u
     "compact": (L.COMPACT_OFF, L.SEAL_BYTES + L.COMPACT_PAYLOAD.size),
     "traffic": (L.TRAFFIC_OFF, L.SEAL_BYTES + L.TRAFFIC.size),
     "sleep": (L.SLEEP_OFF, L.SEAL_BYTES + L.SLEEP.size),
+    "pressure": (L.PRESSURE_OFF, L.SEAL_BYTES + L.PRESSURE.size),
+    "control2": (L.CONTROL2_OFF, L.CONTROL2_SIZE),
     "refused": (L.SLEEP_REFUSED_OFF, 8),
 }
 

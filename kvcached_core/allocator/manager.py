@@ -22,6 +22,7 @@ from .pages import PageTable
 from .placement import Policy, drain_victims, make_policy, place_draining
 from .poller import HEARTBEAT_INTERVAL_S
 from .prefix_cache import PrefixCache
+from .pressure import PressureControl
 from .sleep import SleepControl, SleepHandler
 
 # While traffic keeps draining the pool, the refill thread looks for work every REFILL_POLL_S
@@ -79,6 +80,8 @@ class KVCacheManager:
         tp_timeout: float | None = None,
         policy: str | Policy | None = None,
         refill_linger_s: float | None = None,
+        min_bytes: int | None = None,
+        priority: int | None = None,
     ) -> None:
         page_size = config.page_size_bytes() if page_size is None else page_size
         for label, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes),
@@ -173,6 +176,10 @@ class KVCacheManager:
         self._compact_handler: CompactHandler | None = None  # the engine's copy (see compact)
         self._evict_handler: EvictHandler | None = None  # see set_evict_handler
         self.compaction = CompactStats()  # the segment's COMPACT words
+        # Memory pressure between the models of a device (kvcached_core.allocator.pressure): min and priority
+        # from the arguments, else KVCACHED_MIN / KVCACHED_PRIORITY; kvctl policy changes them live.
+        self.pressure = PressureControl(self, config.settings().min_bytes if min_bytes is None else min_bytes,
+                                        config.settings().priority if priority is None else priority)
         self._fast: Any = None  # the C path, attached below (fastpath.attach): it publishes too
         self._publish()
         self.segment.publish_compaction(self.compaction.values())
@@ -360,23 +367,33 @@ class KVCacheManager:
         answers with :meth:`evict_for_limit`. Without one a limit waits for the engine to evict. None removes it."""
         with self._lock:
             self._evict_handler = handler
+            self.pressure.publish()  # whether it can give cached pages to another model's reclaim
             self._ask_evict()
 
     def evict_for_limit(self) -> list[int]:
-        """Under a deferred limit, evict the cached blocks that keep it from applying: whole cached pages,
-        cheapest first, no more pages than are over the limit (``placement.drain_victims``); active blocks stay.
-        Returns them: the engine drops them from its prefix index. [] when no limit waits on cached blocks
-        (a look without the lock first: cheap enough for every engine step) or once closed."""
-        if self.limit_status != L.LIMIT_DEFERRED or not self.cache.blocks or self._closed:
+        """Under a deferred limit, or while another model's reclaim waits on this one (allocator/pressure.py),
+        evict the cached blocks that keep it from its target: whole cached pages, cheapest first, no more pages
+        than are over the target (``placement.drain_victims``); active blocks stay. Returns them: the engine
+        drops them from its prefix index. [] when nothing waits on cached blocks (a look without the lock
+        first: cheap enough for every engine step) or once closed."""
+        if not self.cache.blocks or self._closed or (self.limit_status != L.LIMIT_DEFERRED
+                                                     and self.pressure.give_target is None):
             return []
         with self._lock:
-            if self._closed or self.limit_status != L.LIMIT_DEFERRED or self.limit_pages is None:
+            target = self._evict_target()
+            if self._closed or target is None:
                 return []
-            victims = self._drop_cached(drain_victims(self.cache, self.pages, self.limit_pages))
+            victims = self._drop_cached(drain_victims(self.cache, self.pages, target))
             if victims:
                 self._update_limit_status()
                 self._publish()
             return victims
+
+    def _evict_target(self) -> int | None:
+        """The pages a deferred limit or a reclaim under way evicts cached pages down to (the lower); None: neither."""
+        targets = [t for t in (self.limit_pages if self.limit_status == L.LIMIT_DEFERRED else None,
+                               self.pressure.give_target) if t is not None]
+        return min(targets) if targets else None
 
     def backend_mapped_bytes(self) -> int:
         """Bytes mapped now (every mapped page bundle)."""
@@ -663,7 +680,19 @@ class KVCacheManager:
             self._map_error = exc
         self.pages.finish_mapping(asked, mapped)
         self._dirty.update(mapped)
+        if len(mapped) < len(asked) and self._map_error is None:
+            self._refused((len(asked) - len(mapped)) * self.bundle_bytes)
+        elif mapped:
+            self.pressure.satisfied()
         return len(mapped)
+
+    def _refused(self, nbytes: int) -> None:
+        """The device's budget refused a growth of ``nbytes`` (lock held): the refill thread asks the other
+        models of the device for them (allocator/pressure.py); this thread never waits for it."""
+        self.pressure.note_refused(nbytes)
+        self._refill_requested = True
+        if not self._refill_polling:
+            self._refill_wanted.notify()
 
     def _empty_page(self) -> int | None:
         page = self.pages.take_reserved()
@@ -784,9 +813,10 @@ class KVCacheManager:
     def _ask_evict(self) -> None:
         """A deferred limit that whole cached pages hold up: ask the engine's evict handler to evict them."""
         handler = self._evict_handler
-        if handler is None or self._closed or self.limit_status != L.LIMIT_DEFERRED or self.limit_pages is None:
+        target = self._evict_target()
+        if handler is None or self._closed or target is None:
             return
-        if not drain_victims(self.cache, self.pages, self.limit_pages):
+        if not drain_victims(self.cache, self.pages, target):
             return  # active blocks hold it up: nothing to ask until they go
         try:
             handler()
@@ -860,6 +890,9 @@ class KVCacheManager:
 
         Keeps the pool at its minimum, mapping outside the lock so alloc never waits on it.
         """
+        if self.pressure.wanted and self.pressure.relieve():
+            with self._lock:  # other models gave memory: map what the refused growth needed now
+                self._refill_requested = True
         if not (self._refill_requested or self._closed) and time.monotonic() < linger_until:
             time.sleep(REFILL_POLL_S)  # nothing asked: look again without touching the lock
             return linger_until
@@ -896,8 +929,11 @@ class KVCacheManager:
             self._mapping_done.notify_all()
             if not self._closed:
                 self._publish()
+            if mapped and len(mapped) == len(asked):
+                self.pressure.satisfied()
             if len(mapped) < len(asked):
-                # The device said no: wait for the next alloc to ask again.
+                # The device said no: ask the other models for memory (next step), and wait for the next alloc.
+                self.pressure.note_refused((len(asked) - len(mapped)) * self.bundle_bytes)
                 linger_until = 0.0
                 self._refill_polling = False
                 self._refill_wanted.wait(timeout=0.05)
@@ -960,8 +996,8 @@ class KVCacheManager:
         self._publish()
 
     def _refill_need(self) -> int:
-        if self.sleep.state != L.SLEEP_AWAKE:  # draining or asleep: nothing is mapped ahead of need
-            return 0
+        if self.sleep.state != L.SLEEP_AWAKE or self.pressure.holding():
+            return 0  # draining or asleep, or it just gave memory to another model: nothing is mapped ahead of need
         pool = len(self.pages.reserved) + self.pages.inflight
         want = self.min_reserved - pool
         if want > 0:  # a batch when the backend asks for one, never past the pool's maximum
@@ -987,6 +1023,10 @@ class KVCacheManager:
                                          or request.compact_seq > self.compaction.acked_seq)
         if idle or asked:
             self._serve_controls(idle)
+        if self.pressure.pending():
+            with self._lock:
+                if not self._closed:
+                    self.pressure.tick()
         elif self.limit_status == L.LIMIT_DEFERRED and self._evict_handler is not None and self.cache.blocks:
             with self._lock:  # still deferred: the engine may have cached blocks since (an idle one evicts nothing)
                 self._ask_evict()

@@ -11,6 +11,8 @@ One file per model, ``<KVCACHED_SHM_DIR>/kvc.<name>``, mode 0600, little-endian:
     832     232   COMPACT     allocator      sealed: compaction capable, status, acknowledged request, totals, the last answers
     1088    80    TRAFFIC     engine         sealed: requests running/waiting, finished, tokens, preemptions
     1216    64    SLEEP       allocator      sealed: sleep state, policy, bytes released, acknowledged revision
+    1280    152   PRESSURE    allocator      sealed: memory policy (min, priority), reclaim answers and totals
+    1440    64    CONTROL2    controllers    policy request (revision, min, priority, check); other models: reclaim request
     1528    8     REFUSED     allocator      the last sleep request its engine's handler refused (one store)
     1536    4*N   PAGE MAP    allocator      one u32 per page (see ``PAGE_*``)
     ...     R*64  RANKS       allocator      tensor-parallel ranks: pid, device, mapped bytes
@@ -19,7 +21,7 @@ Readers never lock. A publish bumps SEQ to odd, writes the dirty page entries an
 counters, stores ``checksum = crc32(counters) ^ (seq & 0xffffffff)`` and bumps SEQ to even.
 A reader accepts a copy only when SEQ was even and unchanged around the copy, the checksum
 matches and the page-map sum matches, so a torn copy is caught on weakly ordered CPUs too.
-The COMPACT, TRAFFIC and SLEEP regions are *sealed* blocks, each its own small seqlock:
+The COMPACT, TRAFFIC, SLEEP and PRESSURE regions are *sealed* blocks, each its own small seqlock:
 ``seq | payload | check`` with ``check = crc32(payload) ^ (seq & 0xffffffff)`` (:func:`seal_check`);
 a writer (one lock per segment writer) stores seq odd, the payload, the check, then seq even,
 the two words with single 8-byte stores. A reader takes a block only when its seq is even and
@@ -137,14 +139,44 @@ SLEEP_OFF = 1216
 assert TRAFFIC_OFF + SEAL_BYTES + TRAFFIC.size <= SLEEP_OFF and SLEEP_OFF + SEAL_BYTES + SLEEP.size <= PAGE_MAP_OFF
 SLEEP_AWAKE, SLEEP_DRAINING, SLEEP_ASLEEP = 0, 1, 2
 SLEEP_STATE_NAMES = {SLEEP_AWAKE: "awake", SLEEP_DRAINING: "draining", SLEEP_ASLEEP: "asleep"}
+
+# PRESSURE: the model's memory policy and reclaim figures (allocator/pressure.py), sealed at each change.
+# Policy: ``policy_revision`` (the last POLICY_CTL revision taken), ``min_bytes`` (-1: none), ``priority``
+# (lower gives first), ``can_give_cached`` (the engine evicts cached pages on request). As a donor: the last
+# reclaim request answered (``reclaim_acked_seq``), what it gave (reserved and cached bytes, how long it
+# took, to whom: a :func:`model_id`) and totals. As an asker: bytes taken and requests made, the bytes a
+# refused growth waits for now (``wanted_bytes``, 0: none) and the last reclaim's latency (refused growth to
+# bytes given).
+PRESSURE = struct.Struct("<QqqQQQQQQQQQQQQQQ")
+PRESSURE_FIELDS = ("policy_revision", "min_bytes", "priority", "can_give_cached",
+                   "reclaim_acked_seq", "given_bytes", "given_reserved", "given_cached", "given_took_ns", "given_to",
+                   "gave_total", "gave_count", "took_total", "took_count", "asked_count", "wanted_bytes",
+                   "latency_ns")
+PRESSURE_OFF = SLEEP_OFF + 64
+assert SLEEP_OFF + SEAL_BYTES + SLEEP.size <= PRESSURE_OFF
 SEALED = {"compact": (COMPACT_OFF, COMPACT_PAYLOAD.size), "traffic": (TRAFFIC_OFF, TRAFFIC.size),
-          "sleep": (SLEEP_OFF, SLEEP.size)}  # region -> (offset, payload bytes)
-WORDS_START, WORDS_END = COMPACT_OFF, SLEEP_OFF + SEAL_BYTES + SLEEP.size  # the sealed blocks, in one slice
+          "sleep": (SLEEP_OFF, SLEEP.size), "pressure": (PRESSURE_OFF, PRESSURE.size)}  # region -> (offset, payload)
+WORDS_START, WORDS_END = COMPACT_OFF, PRESSURE_OFF + SEAL_BYTES + PRESSURE.size  # the sealed blocks, in one slice
+
+# CONTROL2: the second controllers' block, written as CONTROL is (under the controllers' flock, one record
+# whose check ties it to its revision, the revision word last). POLICY_CTL: a controller's policy request
+# (min -1 none, -2 keep; priority POLICY_PRIORITY_KEEP keeps it). RECLAIM_CTL: another model's reclaim request
+# (sequence, bytes wanted, the asker's model_id, check); one outstanding at a time (see allocator/pressure.py).
+CONTROL2_OFF = 1440
+CONTROL2_SIZE = 64
+POLICY_CTL = struct.Struct("<QqqQ")
+POLICY_CTL_OFF = CONTROL2_OFF
+POLICY_MIN_NONE, POLICY_MIN_KEEP = -1, -2
+POLICY_PRIORITY_KEEP = -(1 << 63)
+PRIORITY_MIN, PRIORITY_MAX = -1000, 1000  # the priorities a controller may set (readers take others as forged)
+RECLAIM_CTL = struct.Struct("<QQQQ")
+RECLAIM_CTL_OFF = POLICY_CTL_OFF + POLICY_CTL.size
+assert WORDS_END <= CONTROL2_OFF and RECLAIM_CTL_OFF + RECLAIM_CTL.size <= CONTROL2_OFF + CONTROL2_SIZE
 # The last sleep request (revision) whose engine's handler raised: one plain word (a single 8-byte store) that
 # the allocator stores before the SLEEP words acknowledging that request, so a controller that reads its own
 # revision acknowledged then reads here whether it was refused. Last before the page map.
 SLEEP_REFUSED_OFF = PAGE_MAP_OFF - 8
-assert WORDS_END <= SLEEP_REFUSED_OFF and SLEEP_REFUSED_OFF % 8 == 0
+assert CONTROL2_OFF + CONTROL2_SIZE <= SLEEP_REFUSED_OFF and SLEEP_REFUSED_OFF % 8 == 0
 
 # What the readers take for possible (a word past these is forged or damaged and reads as unknown).
 MAX_AFTER_IDLE_MS = 366 * 86_400_000  # an after-idle policy of at most a year (controllers refuse more)
@@ -158,6 +190,23 @@ def sleep_check(action: int, after_idle_ms: int, revision: int) -> int:
     """Ties a sleep request to its revision so a half-written one is never acted on."""
     raw = U64.pack(action) + I64.pack(after_idle_ms) + U64.pack(revision)
     return (zlib.crc32(raw) | (revision << 32)) & 0xFFFFFFFFFFFFFFFF
+
+
+def policy_check(revision: int, min_bytes: int, priority: int) -> int:
+    """Ties a policy request to its revision so a half-written one is never acted on."""
+    raw = U64.pack(revision) + I64.pack(min_bytes) + I64.pack(priority)
+    return (zlib.crc32(raw) | (revision << 32)) & 0xFFFFFFFFFFFFFFFF
+
+
+def reclaim_check(seq: int, want_bytes: int, asker: int) -> int:
+    """Ties a reclaim request to its sequence number."""
+    raw = U64.pack(seq) + U64.pack(want_bytes) + U64.pack(asker)
+    return (zlib.crc32(raw) | (seq << 32)) & 0xFFFFFFFFFFFFFFFF
+
+
+def model_id(pid: int, name: str) -> int:
+    """A model's id in reclaim records (the asker a donor gave to): its pid and a hash of its name."""
+    return ((pid & 0xFFFFFFFF) << 32) | zlib.crc32(name.encode())
 
 
 RANK = struct.Struct("<iiqQQQQQQ")  # rank, device, pid, start_time, mapped_bytes, acked_seq, flags, 2 spare

@@ -32,6 +32,7 @@ from .snapshot import (
     CompactAnswer,
     CompactInfo,
     ModelSnapshot,
+    PressureInfo,
     Problem,
     RankInfo,
     Scan,
@@ -378,7 +379,7 @@ def _read(file: _Open, path: str, with_pages: bool, now_ns: int | None, alive: A
         limit_revision=revision, trim_seq=control[3], heartbeat_ns=heartbeat, read_ns=now_ns,
         late=status == "live" and verdict.late, ranks=ranks, pages=pages,
         traffic=None if words.traffic is None else Traffic(*words.traffic, now_ns),
-        sleep=words.sleep, compaction=words.compaction,
+        sleep=words.sleep, compaction=words.compaction, pressure=words.pressure,
     )
     return model_from_fields(values)
 
@@ -407,18 +408,20 @@ class _Words:
     """What a copy's sealed blocks say: traffic (its fields, or None), sleep, compaction; ``whole``: every block
     was readable and possible (else, ``writing``: one was mid-write)."""
 
-    __slots__ = ("compaction", "rest_possible", "sleep", "sleep_key", "traffic", "whole", "writing")
+    __slots__ = ("compaction", "pressure", "rest_possible", "sleep", "sleep_key", "traffic", "whole", "writing")
 
     def __init__(self, traffic: TrafficFields | None, sleep: SleepInfo, compaction: CompactInfo, whole: bool,
-                 writing: bool, sleep_key: tuple = (), rest_possible: bool = True) -> None:
+                 writing: bool, sleep_key: tuple = (), rest_possible: bool = True,
+                 pressure: PressureInfo | None = None) -> None:
         self.traffic, self.sleep, self.compaction, self.whole, self.writing = traffic, sleep, compaction, whole, writing
+        self.pressure = pressure
         self.sleep_key, self.rest_possible = sleep_key, rest_possible  # what sleep and compaction were decoded from
 
     def again(self, traffic: TrafficFields | None, payload: bytes | None, whole: bool, writing: bool) -> _Words:
-        """These sleep and compaction words with other traffic words."""
+        """These sleep, compaction and pressure words with other traffic words."""
         return _Words(traffic, self.sleep, self.compaction,
                       whole and self.rest_possible and _traffic_possible(payload, traffic), writing, self.sleep_key,
-                      self.rest_possible)
+                      self.rest_possible, self.pressure)
 
 
 TrafficFields = tuple[int, int, int, int, int, int, int]  # layout.TRAFFIC_FIELDS but published
@@ -445,12 +448,13 @@ UNKNOWN_CAPABLE = SleepInfo(True, "unknown", 0, None, 0, 0.0)
 def _words(raw: bytes, header: dict, counters: dict, kept: _Open | None) -> _Words:
     """The sealed blocks of the copy ``raw``, checked and cross-checked (a forged or damaged word reads as
     unknown, never as fact); the same object again while the blocks, control block and counters are."""
-    control, sealed = raw[L.CONTROL_OFF:L.LIVENESS_OFF], raw[L.WORDS_START:L.WORDS_END]
+    control = raw[L.CONTROL_OFF:L.LIVENESS_OFF] + raw[L.CONTROL2_OFF:L.CONTROL2_OFF + L.CONTROL2_SIZE]
+    sealed = raw[L.WORDS_START:L.WORDS_END]
     if kept is not None and kept.words is not None and kept.words[1] is counters and kept.words[0] == control + sealed:
         return kept.words[2]
     whole, writing = True, False
     parts = []
-    for region in ("traffic", "sleep", "compact"):
+    for region in ("traffic", "sleep", "compact", "pressure"):
         payload = _unseal(raw, region)
         if payload is None or payload is _WRITING:
             whole, writing = False, writing or payload is _WRITING
@@ -459,7 +463,7 @@ def _words(raw: bytes, header: dict, counters: dict, kept: _Open | None) -> _Wor
     # The sleep and compact words change seldom (traffic every engine step): decoded again only when they,
     # or what they are checked against, changed.
     asleep_ok = not (counters["mapped_bytes"] or counters["pages_inuse"])
-    key = (parts[1], parts[2], control, asleep_ok)
+    key = (parts[1], parts[2], parts[3], control, asleep_ok)
     if kept is not None and kept.words is not None and kept.words[2].sleep_key == key:
         words = kept.words[2].again(traffic, parts[0], whole, writing)
     else:
@@ -467,9 +471,10 @@ def _words(raw: bytes, header: dict, counters: dict, kept: _Open | None) -> _Wor
         sleep = _sleep(parts[1], counters, _u64(raw, L.SLEEP_CTL_OFF)[0], header["pages_total"] * bundle)
         compaction = _compaction(parts[2], _u64(raw, L.COMPACT_REQ_OFF)[0], bundle,
                                  bundle // max(1, header["blocks_per_page"]))
+        pressure = _pressure(parts[3], raw, header["pages_total"] * bundle)
         rest_possible = sleep.state != "unknown" and compaction.compactions is not None \
-            and len(compaction.answers) == _answers_given(parts[2])
-        words = _Words(traffic, sleep, compaction, whole, writing, key, rest_possible)
+            and len(compaction.answers) == _answers_given(parts[2]) and (pressure is not None or parts[3] is None)
+        words = _Words(traffic, sleep, compaction, whole, writing, key, rest_possible, pressure)
         words.whole = whole and rest_possible and _traffic_possible(parts[0], traffic)
     if kept is not None:
         kept.words = (control + sealed, counters, words)
@@ -509,6 +514,26 @@ def _sleep(payload: bytes | None, counters: dict, asked: int, virtual: int) -> S
         return UNKNOWN_CAPABLE if capable == 1 else UNKNOWN_SLEEP
     return SleepInfo(bool(capable), L.SLEEP_STATE_NAMES[state], acked,
                      None if after_idle_ms < 0 else after_idle_ms / 1000, slept, took_ns / 1e9)
+
+
+def _pressure(payload: bytes | None, raw: bytes, virtual: int) -> PressureInfo | None:
+    """The allocator's pressure words, checked against the requests written (``raw``'s CONTROL2) and the model's
+    whole span ``virtual``: None when they cannot be (or failed their check), never taken for fact."""
+    if payload is None:
+        return None
+    if not payload:  # written at the allocator's start: none yet only while it starts
+        return PressureInfo(0, 0, 0, False, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0.0)
+    (revision, min_bytes, priority, cached, acked, given, given_reserved, given_cached, given_ns, given_to,
+     gave, gave_count, took, took_count, asked, wanted, latency_ns) = L.PRESSURE.unpack(payload)
+    if (revision > _u64(raw, L.POLICY_CTL_OFF)[0] or acked > _u64(raw, L.RECLAIM_CTL_OFF)[0]
+            or not -1 <= min_bytes <= virtual or min_bytes == 0 or not L.PRIORITY_MIN <= priority <= L.PRIORITY_MAX
+            or cached > 1 or given != given_reserved + given_cached or given > virtual or wanted > virtual
+            or max(gave, took, gave_count, took_count, asked) > L.MAX_COUNT
+            or max(given_ns, latency_ns) > L.MAX_DURATION_NS):
+        return None
+    return PressureInfo(revision, max(0, min_bytes), priority, bool(cached), acked, given, given_reserved,
+                        given_cached, given_ns / 1e9, given_to, gave, gave_count, took, took_count, asked, wanted,
+                        latency_ns / 1e9)
 
 
 def _answers_given(payload: bytes | None) -> int:

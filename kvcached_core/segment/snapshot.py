@@ -100,6 +100,43 @@ class CompactInfo:
 
 
 @dataclass(frozen=True)
+class PressureInfo:
+    """The model's memory policy and reclaim figures (``layout.PRESSURE``; allocator/pressure.py).
+
+    As a donor, ``given_*`` describe the last reclaim it answered (``given_to`` is the asker's
+    ``layout.model_id``); as an asker, ``wanted_bytes`` is what a refused growth waits for now.
+    """
+
+    policy_revision: int
+    min_bytes: int  # 0: none
+    priority: int  # lower gives first
+    can_give_cached: bool  # its engine evicts cached pages on request
+    reclaim_acked_seq: int
+    given_bytes: int
+    given_reserved: int
+    given_cached: int
+    given_took_s: float
+    given_to: int
+    gave_total: int
+    gave_count: int
+    took_total: int
+    took_count: int
+    asked_count: int
+    wanted_bytes: int
+    latency_s: float  # the last reclaim it asked for: from the refused growth to the bytes given
+
+    def policy_dict(self) -> dict:
+        return {"min_bytes": self.min_bytes, "priority": self.priority}
+
+    def to_dict(self) -> dict:
+        return {"gave_bytes": self.gave_total, "gave_count": self.gave_count, "took_bytes": self.took_total,
+                "took_count": self.took_count, "asked_count": self.asked_count, "wanted_bytes": self.wanted_bytes,
+                "last_latency_s": round(self.latency_s, 6),
+                "last_given": {"bytes": self.given_bytes, "reserved_bytes": self.given_reserved,
+                               "cached_bytes": self.given_cached, "took_s": round(self.given_took_s, 6)}}
+
+
+@dataclass(frozen=True)
 class ModelSnapshot:
     """One model at one instant. ``status`` is live, stale or legacy."""
 
@@ -153,6 +190,7 @@ class ModelSnapshot:
     traffic: Traffic | None = None  # None: the engine publishes no traffic figures (never invented zeros)
     sleep: SleepInfo | None = None  # None: unknown (upstream segments)
     compaction: CompactInfo | None = None  # None: unknown (upstream segments)
+    pressure: PressureInfo | None = None  # None: unknown (upstream segments, forged or damaged words)
     pages: array | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -260,6 +298,8 @@ class ModelSnapshot:
             "traffic": None if self.traffic is None else self.traffic.to_dict(),
             "sleep": None if self.sleep is None else self.sleep.to_dict(),
             "compaction": None if self.compaction is None else self.compaction.to_dict(),
+            "policy": None if self.pressure is None else self.pressure.policy_dict(),
+            "pressure": None if self.pressure is None else self.pressure.to_dict(),
         }
 
 

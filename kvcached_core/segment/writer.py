@@ -29,6 +29,7 @@ _unpack_u64 = L.U64.unpack_from
 _pack_traffic = L.TRAFFIC.pack_into
 _pack_compact = L.COMPACT_PAYLOAD.pack_into
 _pack_sleep = L.SLEEP.pack_into
+_pack_pressure = L.PRESSURE.pack_into
 assert sys.byteorder == "little"  # the single 8-byte stores (memoryview "Q") write the layout's byte order
 
 
@@ -312,6 +313,10 @@ class SegmentWriter:
                       took_ns: int) -> None:
         """The SLEEP words (``layout.SLEEP_FIELDS`` order), sealed."""
         self._seal("sleep", _pack_sleep, capable, state, acked_revision, after_idle_ms, slept_bytes, took_ns)
+
+    def publish_pressure(self, *values: int) -> None:
+        """The PRESSURE words (``layout.PRESSURE_FIELDS`` order), sealed."""
+        self._seal("pressure", _pack_pressure, *values)
 
     def publish_sleep_refused(self, revision: int) -> None:
         """The last sleep request its engine's handler refused (``layout.SLEEP_REFUSED_OFF``): one 8-byte store,

@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "limit": "kvtop.cli.control:limit_cmd",
     "trim": "kvtop.cli.control:trim_cmd",
     "compact": "kvtop.cli.compact:compact_cmd",
+    "policy": "kvtop.cli.policy:policy_cmd",
     "sleep": "kvtop.cli.sleep:sleep_cmd",
     "wake": "kvtop.cli.sleep:wake_cmd",
     "watch": "kvtop.cli.watch:watch_cmd",

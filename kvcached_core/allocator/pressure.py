@@ -1,0 +1,329 @@
+"""Memory pressure between the models of one device: a model's policy, and reclaim.
+
+Think of the Linux memory controller for cgroups: a limit is memory.max; a model's ``min`` is
+memory.min (never reclaimed from it) and its ``priority`` orders who gives first (lower gives first).
+
+A model whose growth the device's budget refused (``KVCACHED_DEVICE_BUDGET`` or
+``KVCACHED_HOST_CAPACITY``) asks the other models of that budget for the bytes it lacks, from its
+background refill thread, never from ``alloc``: it writes one reclaim request into a donor's
+second control block (``layout.RECLAIM_CTL``) and pokes it. Donors are taken lowest priority
+first, then the one furthest above its share of the budget, then the longest idle. A donor's
+poller answers: reserved pages first, then whole pages of cached blocks through its engine's evict
+handler (the one a lowered limit uses, so the engine's prefix index stays right), never an active
+block, never below its ``min``; it answers with the bytes it gave (``layout.PRESSURE``) and then
+keeps its warm pool down for ``HOLD_S`` (no ping-pong between two busy models). One request per
+donor at a time: an asker writes only when the donor has answered every earlier one.
+
+Everything is counted where kvctl, kvtop and the exporter show it: reclaims asked and answered,
+bytes given and taken, the last reclaim's latency and the bytes a model waits for.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..segment import layout as L
+from ..segment.control_io import ControlWriteError, write_without_waiting
+from ..segment.reader import read_segment, scan
+from ..segment.snapshot import ModelSnapshot
+from .poller import poke
+
+if TYPE_CHECKING:
+    from .manager import KVCacheManager
+
+log = logging.getLogger(__name__)
+
+HOLD_S = 2.0  # a donor keeps its warm pool down this long after it gave (and asks nobody meanwhile)
+REASK_S = 0.25  # an asker asks again at most this often while its growth stays refused
+ANSWER_WAIT_S = 1.0  # how long an asker waits for one donor's answer before it tries the next
+GIVE_WAIT_S = 0.5  # how long a donor waits for its engine to evict cached pages before it answers with what it has
+POLL_S = 0.002
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A model that may give: what a reclaim could take from it now, and what orders it."""
+
+    snapshot: ModelSnapshot
+    givable: int  # bytes: reserved pages, and whole cached pages when its engine can evict them; down to its min
+    priority: int
+    above_share: int  # bytes mapped above an equal share of the budget
+    idle_s: float
+
+
+def givable_bytes(snap: ModelSnapshot) -> int:
+    """What a reclaim could take from ``snap``: its reserved pages, then its whole cached pages (when its engine
+    evicts on request), never below its ``min`` nor an active block."""
+    pressure = snap.pressure
+    if pressure is None or snap.status != "live" or snap.late:
+        return 0
+    bundle = snap.bundle_bytes
+    free_pages = snap.pages_reserved
+    if pressure.can_give_cached and snap.pages is not None and snap.blocks_cached:
+        free_pages += sum(1 for e in snap.pages if L.decode_page(e)[0] and L.decode_page(e)[1]
+                          and L.decode_page(e)[1] == L.decode_page(e)[2])
+    floor = math.ceil(pressure.min_bytes / bundle) * bundle if pressure.min_bytes else 0
+    return max(0, min(free_pages * bundle, snap.mapped_bytes - floor))
+
+
+def donors(models: Sequence[ModelSnapshot], me: ModelSnapshot, budget: int) -> list[Candidate]:
+    """The models ``me`` may ask, in the order it asks them: lowest priority first, then the furthest above
+    an equal share of ``budget``, then the longest idle. Only models of its backend and device, live, that
+    could give something."""
+    peers = [s for s in models if s.backend == me.backend and (me.backend == "host" or s.device == me.device)
+             and not s.legacy]
+    share = budget // max(1, len(peers))
+    found: list[Candidate] = []
+    for snap in peers:
+        if snap.path == me.path or snap.pressure is None:
+            continue
+        givable = givable_bytes(snap)
+        if givable <= 0:
+            continue
+        idle = snap.traffic.idle_s if snap.traffic is not None else None
+        found.append(Candidate(snap, givable, snap.pressure.priority, snap.mapped_bytes - share,
+                               idle if idle is not None else float("inf")))
+    found.sort(key=lambda c: (c.priority, -c.above_share, -c.idle_s))
+    return found
+
+
+class PressureControl:
+    """One allocator's policy (min, priority) and both sides of reclaim: the donor's answers, the asker's requests.
+
+    The donor side runs on the process's poller (:meth:`tick`, lock held); the asker side on the refill
+    thread (:meth:`relieve`, lock not held). Figures go to the segment's PRESSURE block.
+    """
+
+    def __init__(self, manager: KVCacheManager, min_bytes: int = 0, priority: int = 0) -> None:
+        self._m = manager
+        self.min_bytes = min_bytes
+        self.priority = priority
+        self.policy_revision = 0
+        self.id = L.model_id(manager.segment.pid, manager.name)
+        # donor
+        self.acked_seq = 0
+        self.given = self.given_reserved = self.given_cached = self.given_took_ns = self.given_to = 0
+        self.gave_total = self.gave_count = 0
+        self.hold_until = 0.0
+        self.give_target: int | None = None  # pages the engine's evict handler works down to (a reclaim waits)
+        self._giving: tuple[int, int, int, int, float] | None = None  # seq, want, asker, reserved given, started
+        # asker
+        self.took_total = self.took_count = self.asked_count = 0
+        self.wanted = 0  # bytes a refused growth waits for (0: none)
+        self.latency_ns = 0  # the last reclaim: from the refused growth to the bytes given
+        self._wanted_since = 0
+        self._next_ask = 0.0
+        self._asking = threading.Lock()
+        self._write()
+
+    # -- published figures ---------------------------------------------------------------------
+    def _write(self) -> None:
+        self._m.segment.publish_pressure(
+            self.policy_revision, -1 if not self.min_bytes else self.min_bytes, self.priority,
+            int(self._m._evict_handler is not None), self.acked_seq, self.given, self.given_reserved,
+            self.given_cached, self.given_took_ns, self.given_to, self.gave_total, self.gave_count,
+            self.took_total, self.took_count, self.asked_count, self.wanted, self.latency_ns)
+
+    def publish(self) -> None:
+        with self._m._lock:
+            self._write()
+
+    def pending(self) -> bool:
+        """A policy request or a reclaim waits for :meth:`tick` (plain reads, no lock: the poller looks every tick)."""
+        buf = self._m.segment._buf
+        return (self._giving is not None or L.U64.unpack_from(buf, L.POLICY_CTL_OFF)[0] > self.policy_revision
+                or L.U64.unpack_from(buf, L.RECLAIM_CTL_OFF)[0] > self.acked_seq)
+
+    def satisfied(self) -> None:
+        """A growth succeeded (lock held): nothing waits for memory any more."""
+        if self.wanted:
+            self.wanted = 0
+            self._write()
+
+    @property
+    def min_pages(self) -> int:
+        return math.ceil(self.min_bytes / self._m.bundle_bytes) if self.min_bytes else 0
+
+    def holding(self) -> bool:
+        """The model gave memory lately: its warm pool stays down (no ping-pong)."""
+        return time.monotonic() < self.hold_until
+
+    def set_policy(self, min_bytes: int | None, priority: int | None) -> None:
+        """Change ``min`` (bytes, 0 or None: none) and ``priority``; None leaves a figure as it is."""
+        if min_bytes is not None:
+            self.min_bytes = max(0, min_bytes)
+        if priority is not None:
+            self.priority = priority
+        self._write()
+
+    # -- the poller: policy requests and reclaims asked of this model --------------------------------
+    def tick(self) -> None:
+        """Take a controller's policy request and serve a reclaim (lock held by the caller)."""
+        m = self._m
+        buf = m.segment._buf
+        revision, min_bytes, priority, check = L.POLICY_CTL.unpack_from(buf, L.POLICY_CTL_OFF)
+        if revision > self.policy_revision and check == L.policy_check(revision, min_bytes, priority):
+            self.policy_revision = revision
+            self.set_policy(None if min_bytes == L.POLICY_MIN_KEEP else max(0, min_bytes),
+                            None if priority == L.POLICY_PRIORITY_KEEP else priority)
+        if self._giving is not None:
+            self._finish_give(force=False)
+            return
+        seq, want, asker, check = L.RECLAIM_CTL.unpack_from(buf, L.RECLAIM_CTL_OFF)
+        if seq > self.acked_seq and check == L.reclaim_check(seq, want, asker):
+            self._give(seq, want, asker)
+
+    def _give(self, seq: int, want: int, asker: int) -> None:
+        m = self._m
+        started = time.monotonic()
+        bundle = m.bundle_bytes
+        self.hold_until = started + HOLD_S
+        room = max(0, m.pages.mapped_pages - self.min_pages)  # never below min
+        pages = min(room, math.ceil(want / bundle))
+        reserved = m._unmap_reserved(min(pages, len(m.pages.reserved)))
+        m.backend.trim_pool(0)  # a pool of device handles counts against the budget too
+        missing = pages - reserved // bundle
+        handler = m._evict_handler
+        if missing > 0 and handler is not None and m.cache.blocks:
+            self.give_target = max(self.min_pages, m.pages.pages_inuse - missing)
+            self._giving = (seq, want, asker, reserved, started)
+            try:
+                handler()
+            except Exception:  # noqa: BLE001 - the engine could not evict: it gives what it gave
+                log.exception("%s: the engine's evict handler failed during a reclaim", m.name)
+            self._finish_give(force=False)
+            return
+        self._giving = (seq, want, asker, reserved, started)
+        self._finish_give(force=True)
+
+    def _finish_give(self, *, force: bool) -> None:
+        """Answer the reclaim under way once the engine evicted down to the target (or it waited long enough)."""
+        assert self._giving is not None
+        m = self._m
+        seq, want, asker, reserved, started = self._giving
+        target = self.give_target
+        done = target is None or m.pages.pages_inuse <= target
+        if not (done or force or time.monotonic() - started >= GIVE_WAIT_S):
+            return
+        # the pages the eviction emptied joined the warm pool: they go too, as far as the request asked
+        pages = max(0, math.ceil(want / m.bundle_bytes) - reserved // m.bundle_bytes)
+        pages = min(pages, max(0, m.pages.mapped_pages - self.min_pages))
+        cached = m._unmap_reserved(min(pages, len(m.pages.reserved)))
+        m.backend.trim_pool(0)
+        flush = getattr(m.backend, "flush", None)
+        if flush is not None:
+            flush()  # the bytes are free for the asker when the answer says so (deferred unmaps done)
+        self._giving = None
+        self.give_target = None
+        self.given, self.given_reserved, self.given_cached = reserved + cached, reserved, cached
+        self.given_took_ns = int((time.monotonic() - started) * 1e9)
+        self.given_to = asker
+        self.gave_total += self.given
+        self.gave_count += 1
+        self.acked_seq = seq
+        self.hold_until = time.monotonic() + HOLD_S
+        m._publish()
+        self._write()
+
+    # -- the refill thread: ask the others ------------------------------------------------------------
+    def note_refused(self, nbytes: int) -> None:
+        """A growth of ``nbytes`` was refused by the budget (lock held): the refill thread asks for them, and for
+        a warm pool's worth beside them (so the allocs that follow are served from the pool, not by one reclaim
+        each), as far as the model's limit lets it map."""
+        m = self._m
+        nbytes = min(nbytes + m.min_reserved * m.bundle_bytes, m._headroom() * m.bundle_bytes)
+        if not self.wanted:
+            self._wanted_since = time.monotonic_ns()
+        if nbytes > self.wanted:
+            self.wanted = nbytes
+            self._write()
+
+    def relieve(self) -> int:
+        """Ask donors for the bytes a refused growth waits for (refill thread, lock not held); the bytes given."""
+        if not self.wanted or self.holding() or time.monotonic() < self._next_ask:
+            return 0
+        if not self._asking.acquire(blocking=False):
+            return 0
+        try:
+            return self._ask_donors()
+        finally:
+            self._next_ask = time.monotonic() + REASK_S
+            self._asking.release()
+
+    def _ask_donors(self) -> int:
+        m = self._m
+        found = scan(with_pages=True, directory=m.segment.path.parent)
+        me = next((s for s in found.models if s.path == str(m.segment.path)), None)
+        if me is None:
+            return 0
+        got = 0
+        want = self.wanted
+        for candidate in donors(found.models, me, m.backend.capacity_bytes()):
+            ask = min(want - got, candidate.givable)
+            given = self._ask(candidate.snapshot, ask)
+            if given is None:
+                continue
+            got += given
+            if got >= want:
+                break
+        with m._lock:
+            if got:
+                self.took_total += got
+                self.took_count += 1
+                self.latency_ns = time.monotonic_ns() - self._wanted_since
+            self.wanted = max(0, self.wanted - got) if got < self.wanted else 0
+            if self.wanted:
+                self._wanted_since = time.monotonic_ns() if got else self._wanted_since
+            self._write()
+        return got
+
+    def _ask(self, donor: ModelSnapshot, want: int) -> int | None:
+        """One reclaim request to ``donor`` and its answer: the bytes it gave; None when it could not be asked
+        (a request of another model outstanding, its lock held, gone) or did not answer in time."""
+        path = Path(donor.path)
+        pressure = donor.pressure
+        assert pressure is not None
+
+        def write(mm) -> int:  # noqa: ANN001 - the segment's mmap
+            seq = L.U64.unpack_from(mm, L.RECLAIM_CTL_OFF)[0]
+            if seq > pressure.reclaim_acked_seq:
+                return 0  # one request per donor: another model's is outstanding
+            seq += 1
+            L.U64.pack_into(mm, L.RECLAIM_CTL_OFF + 8, want)
+            L.U64.pack_into(mm, L.RECLAIM_CTL_OFF + 16, self.id)
+            L.U64.pack_into(mm, L.RECLAIM_CTL_OFF + 24, L.reclaim_check(seq, want, self.id))
+            L.U64.pack_into(mm, L.RECLAIM_CTL_OFF, seq)  # last: the donor keys on it
+            return seq
+
+        try:
+            written = write_without_waiting(path, write)
+        except (ControlWriteError, OSError, ValueError):
+            return None
+        if written is None or not written[0]:
+            return None
+        seq, token = written
+        with self._m._lock:
+            self.asked_count += 1
+            self._write()
+        poke(token)
+        deadline = time.monotonic() + ANSWER_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                snap = read_segment(path)
+            except BlockingIOError:
+                snap = None
+            except (OSError, ValueError):
+                return None  # gone: the asker goes on with the next
+            if snap is not None and snap.pressure is not None and snap.pressure.reclaim_acked_seq >= seq:
+                return snap.pressure.given_bytes if snap.pressure.reclaim_acked_seq == seq else 0
+            if snap is not None and snap.status != "live":
+                return None
+            time.sleep(POLL_S)
+        return None

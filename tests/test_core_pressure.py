@@ -220,3 +220,26 @@ def test_forged_pressure_words_read_as_unknown(shm_dir) -> None:
         with m._lock:
             m.pressure.tick()
         assert (m.pressure.min_bytes, m.pressure.priority, m.pressure.policy_revision) == (4 * MiB, 9, 1)
+
+
+def test_an_engine_schedules_against_the_shared_budget_and_waiting_requests_ask_for_memory(
+        budget, spawn_allocator) -> None:
+    spawn_allocator("idle", script=DONOR, **GEOMETRY)
+    wait_for(lambda: snap("idle").mapped_bytes >= 22 * MiB, what="the donor to map its blocks")
+    with asker() as m:
+        assert m.available_size(device=False) == 256  # its own limit would let it take every block
+        time.sleep(0.05)  # the budget figure is at most 10 ms old
+        free = m.schedulable_blocks()
+        assert free <= 4 * 4, f"{free} schedulable blocks while the budget leaves at most 4 pages"
+        # vLLM's scheduler queues by that count and publishes what waits: that asks the donor, no alloc tried
+        m.publish_traffic(0, 3, 0, 0, 0, 0, time.time_ns())
+        wait_for(lambda: snap("idle").pressure.gave_total > 0, what="queued requests to take memory from the donor")
+
+        def grown() -> bool:  # an engine's steps: the count, then what still waits
+            time.sleep(0.02)
+            if m.schedulable_blocks() >= 4 * 8:
+                return True
+            m.publish_traffic(0, 3, 0, 0, 0, 0, time.time_ns())
+            return False
+
+        wait_for(grown, timeout=20, what="the budget to leave room for the queued requests")

@@ -108,6 +108,7 @@ TRIED = {
     "limit": [("limit", "llama", "4GiB"), ("limit", "--all", "none")],
     "trim": [("trim", "llama"), ("trim", "--all")],
     "compact": [("compact", "llama")],
+    "policy": [("policy", "llama"), ("policy", "llama", "--priority", "3")],
     "sleep": [("sleep", "llama"), ("sleep", "llama", "--after-idle", "5m")],
     "wake": [("wake", "llama")],
     "watch": [("watch", "--count", "1"), ("watch", "--format", "json", "--count", "1")],

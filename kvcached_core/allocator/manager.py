@@ -172,6 +172,7 @@ class KVCacheManager:
         self._map_error: BackendError | None = None  # see _raise_map_error
         self._refill_requested = False  # set by traffic; a trim or an idle model stays trimmed
         self._refill_polling = False  # the refill thread looks by itself: no need to wake it
+        self._budget_short = False  # schedulable_blocks found the shared budget, not the limit, holding it back
         self.sleep = SleepControl(self)  # sleep and wake (kvcached_core.allocator.sleep)
         self._compact_handler: CompactHandler | None = None  # the engine's copy (see compact)
         self._evict_handler: EvictHandler | None = None  # see set_evict_handler
@@ -328,12 +329,23 @@ class KVCacheManager:
         Under a deferred limit, never more than the limit leaves beside the active blocks: an engine
         that admits work by this count (vLLM's scheduler) stops admitting and preempts until the
         model fits, so its pages drain and the limit applies, instead of refilling every hole.
+
+        Under a budget shared with other models (``Backend.budget_free_bytes``), never more than that budget
+        leaves beside what is mapped: the engine queues instead of admitting work it cannot map, and a model
+        whose engine then waits with requests queued asks the others for memory (:meth:`publish_traffic`).
         """
         with self._lock:
             free = self.available_size(device=False) + len(self.cache)
             if self.limit_status == L.LIMIT_DEFERRED and self.limit_pages is not None:
                 active = self.pages.blocks_used - len(self.cache)
                 free = min(free, max(0, self.limit_pages * self.blocks_per_page - active))
+            budget = self.backend.budget_free_bytes()
+            self._budget_short = False
+            if budget is not None:
+                room = (self.pages.free_in_mapped() + len(self.cache)
+                        + min(budget // self.bundle_bytes, self._headroom()) * self.blocks_per_page)
+                if room < free:
+                    free, self._budget_short = room, True
             return free
 
     def trim(self) -> int:
@@ -387,6 +399,8 @@ class KVCacheManager:
             if victims:
                 self._update_limit_status()
                 self._publish()
+                if self.pressure.give_target is not None:  # a reclaim waits on these pages: answer it now
+                    poller.poke(self.segment.wake_token)
             return victims
 
     def _evict_target(self) -> int | None:
@@ -431,6 +445,12 @@ class KVCacheManager:
         if not self._closed:
             self.segment.publish_traffic(running, waiting, finished, prompt_tokens, generated_tokens, preemptions,
                                          last_request_ns)
+            if waiting and self._budget_short and not self.pressure.wanted:
+                # Requests wait while the shared budget, not the model's limit, holds the engine back: that is a
+                # refused growth too, although no alloc was tried (the engine schedules by schedulable_blocks).
+                with self._lock:
+                    if not self._closed:
+                        self._refused(self.bundle_bytes)
 
     # -- prefix cache ------------------------------------------------------------------------
     def mark_cached(self, ids: Iterable[int]) -> list[int]:

@@ -70,6 +70,11 @@ class Backend(ABC):
         """Hook through which the backend records the bytes it holds in the segment (host only);
         ``own_segment`` is that segment's (st_dev, st_ino), so the backend never counts itself twice."""
 
+    def budget_free_bytes(self) -> int | None:
+        """What the budget this backend shares with other allocators leaves (``backends.ledger``), at most a few
+        milliseconds old; None when it shares no budget (the driver's out-of-memory is the limit)."""
+        return None
+
     def trim_pool(self, keep_pages: int) -> None:  # noqa: B027 - optional hook
         """Release cached physical handles beyond ``keep_pages`` (backends with a handle pool)."""
 

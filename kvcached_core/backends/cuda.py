@@ -54,7 +54,7 @@ from ..settings import CUDA_LAYOUTS, settings
 from .base import Backend, BackendError, BackendUnavailable, Geometry
 from .cuda_native import NATIVE_ENV, NativeVmm, native_mode_from_env
 from .cuda_native import load as load_native
-from .ledger import CapacityLedger
+from .ledger import BUDGET_MAX_AGE_S, CapacityLedger
 
 LAYOUTS = CUDA_LAYOUTS
 LAYOUT_ENV = "KVCACHED_CUDA_LAYOUT"
@@ -740,6 +740,12 @@ class CudaBackend(Backend):
         if self.ledger is not None:
             free = min(free, self.ledger.free_bytes())
         return int(free) + ours
+
+    def budget_free_bytes(self) -> int | None:
+        """Under a device budget: what it leaves, plus what our pool and deferred unmaps could map again."""
+        if self.ledger is None:
+            return None
+        return self.ledger.free_bytes(BUDGET_MAX_AGE_S) + self.pooled_bytes() + self.returning_bytes()
 
     def pooled_bytes(self) -> int:
         """Unmapped physical handles kept for regrowth."""

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from ..config import host_capacity_bytes
 from .base import Backend, BackendError, Geometry
-from .ledger import CapacityLedger
+from .ledger import BUDGET_MAX_AGE_S, CapacityLedger
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python's mmap lacks the name but passes the number
 
@@ -120,6 +120,9 @@ class HostBackend(Backend):
 
     def free_bytes(self) -> int:
         return self.ledger.free_bytes()
+
+    def budget_free_bytes(self) -> int | None:
+        return self.ledger.free_bytes(BUDGET_MAX_AGE_S)
 
     def close(self) -> None:
         if not self.mm.closed:

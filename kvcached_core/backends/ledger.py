@@ -30,6 +30,7 @@ from ..segment.names import SEGMENT_PREFIX
 LOCK_NAME = ".kvc-host-capacity.lock"  # the host budget's lock file; a device budget's: lock_name("cuda", device)
 LOCK_WAIT_S = 2.0  # the most _lock waits by default; claims take it without waiting
 RAM_MARGIN = 256 * 1024 * 1024  # the host budget also leaves this much of the machine's RAM free
+BUDGET_MAX_AGE_S = 0.01  # Backend.budget_free_bytes: how old the others' claims may be (a scan each time counted)
 
 
 def lock_name(backend: str, device: int | None) -> str:
@@ -65,6 +66,7 @@ class CapacityLedger:
         self.claimed = 0
         self._set_claimed: Callable[[int], None] | None = None  # callback into our segment
         self._own: tuple[int, int] | None = None  # our segment's (st_dev, st_ino): counted as self.claimed
+        self._others_cached, self._others_at = 0, float("-inf")  # see free_bytes
 
     def bind(self, set_claimed: Callable[[int], None] | None, own_segment: tuple[int, int] | None = None) -> None:
         self._set_claimed = set_claimed
@@ -190,6 +192,11 @@ class CapacityLedger:
         self.claimed = max(0, held)
         self._announce(self.claimed)
 
-    def free_bytes(self) -> int:
-        return max(0, self.capacity - self._others() - self.claimed)
+    def free_bytes(self, max_age_s: float = 0.0) -> int:
+        """What the budget leaves; the others' claims counted at most ``max_age_s`` ago (a directory scan each time
+        they are counted: an engine that asks every scheduler step takes a figure a few milliseconds old)."""
+        now = time.monotonic()
+        if max_age_s <= 0 or now - self._others_at > max_age_s:
+            self._others_cached, self._others_at = self._others(), now
+        return max(0, self.capacity - self._others_cached - self.claimed)
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..backends import Backend, BackendError, Geometry
-from ..backends.ledger import CapacityLedger
+from ..backends.ledger import BUDGET_MAX_AGE_S, CapacityLedger
 from ..config import host_capacity_bytes
 from ..segment import layout as L
 from ..settings import TP_STRATEGIES, default_of, settings
@@ -328,6 +328,9 @@ class BroadcastBackend(Backend):
         if self.ledger is not None:
             free = min(free, self.ledger.free_bytes())
         return free
+
+    def budget_free_bytes(self) -> int | None:
+        return None if self.ledger is None else self.ledger.free_bytes(BUDGET_MAX_AGE_S)
 
     def bind_claims(self, set_claimed: Callable[[int], None], own_segment: tuple[int, int] | None = None) -> None:
         if self.ledger is not None:

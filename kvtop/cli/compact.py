@@ -8,12 +8,12 @@ from kvcached_core import ControlError
 from kvcached_core.control.requests import AckTimeout
 from kvtop import textfmt as T
 from kvtop.cli import Failure, model_argument
-from kvtop.cli.common import emit_json, pick, read
+from kvtop.cli.common import Number, emit_json, pick, read
 
 
 @click.command("compact")
 @model_argument()
-@click.option("--wait", "--timeout", "wait", type=click.FloatRange(min=0), default=10.0, show_default=True,
+@click.option("--wait", "--timeout", "wait", type=Number(min=0), default=10.0, show_default=True,
               metavar="SEC", help="Seconds to wait for the model's answer (0: do not wait), as limit and trim's "
                                   "--wait (--timeout: the same).")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")

@@ -11,7 +11,7 @@ from kvcached_core.control.requests import AckTimeout
 from kvcached_core.segment.reader import ModelNotFound, resolve
 from kvtop import textfmt as T
 from kvtop.cli import Failure, model_argument
-from kvtop.cli.common import emit_json, read
+from kvtop.cli.common import Number, emit_json, read
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -108,7 +108,7 @@ def _policy_text(name: str, out: dict) -> str:
               help="Set the policy instead of sleeping now: sleep after this long without a request, "
                    "from 100ms to 8784h (366 days); off removes it.")
 @click.option("--wait", is_flag=True, help="Wait until the model is asleep (every page unmapped).")
-@click.option("--timeout", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="SEC", help=TIMEOUT_HELP)
+@click.option("--timeout", type=Number(min=0), default=60.0, show_default=True, metavar="SEC", help=TIMEOUT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @click.pass_context
 def sleep_cmd(ctx: click.Context, model: str, now: bool, after_idle: float | None, wait: bool, timeout: float,
@@ -154,7 +154,7 @@ def sleep_cmd(ctx: click.Context, model: str, now: bool, after_idle: float | Non
 @click.command("wake")
 @model_argument()
 @click.option("--wait", is_flag=True, help="Wait until the model is awake.")
-@click.option("--timeout", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="SEC", help=TIMEOUT_HELP)
+@click.option("--timeout", type=Number(min=0), default=60.0, show_default=True, metavar="SEC", help=TIMEOUT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 def wake_cmd(model: str, wait: bool, timeout: float, as_json: bool) -> None:
     """Wake a sleeping model: its engine schedules again and maps pages as requests need them.

@@ -9,7 +9,6 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from ..allocator.poller import poke
 from ..config import ConfigError, host_capacity_bytes
 from ..interop.legacy import flock_within, limit_refusal, percent_base, write_legacy_limit
 from ..segment import layout as L
+from ..segment.control_io import ControlWriteError, open_for_control, wake_token
 from ..segment.names import SEGMENT_PREFIX
 from ..segment.reader import ModelNotFound, read_segment, resolve, scan
 from ..segment.snapshot import ModelSnapshot
@@ -63,27 +63,14 @@ class Ack:
 
 def _open_for_control(path: Path) -> tuple[int, mmap.mmap]:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ControlError(f"cannot open {path.name} for writing: {exc.strerror or exc}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ControlError(f"{path} is not a regular file")
-        if st.st_uid != os.getuid():
-            raise ControlError(f"{path.name} belongs to uid {st.st_uid}, not you (uid {os.getuid()}); refusing to write it")
-        if st.st_mode & 0o077:
-            raise ControlError(f"{path.name} is readable by others (mode {st.st_mode & 0o777:o}); refusing to trust it")
-        mm = mmap.mmap(fd, L.PAGE_MAP_OFF, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, mm
+        return open_for_control(path)
+    except ControlWriteError as exc:
+        raise ControlError(str(exc)) from None
 
 
 def _wake(mm: mmap.mmap) -> None:
     """Poke the allocator so it applies the request now instead of at its next heartbeat tick."""
-    poke(dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(mm, 0), strict=True))["wake_token"])
+    poke(wake_token(mm))
 
 
 def _lock(fd: int, path: Path) -> None:

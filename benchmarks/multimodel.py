@@ -1,16 +1,20 @@
 """Several real vLLM engines sharing one KV budget under staggered bursty traffic.
 
-    python -m benchmarks multimodel [--quick] [--no-write] [--keep-logs]
+    python -m benchmarks multimodel [--quick] [--prefix on|off|both] [--no-write] [--keep-logs]
 
 Two configurations replay the same recorded trace (``benchmarks/traces/multimodel.json``, made
 once by ``--make-trace`` with a fixed seed): **static**, plain vLLM with an equal fixed block count
 per engine (``--num-gpu-blocks-override``), and **elastic**, the vLLM plugin (``ENABLE_KVCACHED``)
 with one budget shared by every engine through ``KVCACHED_HOST_CAPACITY``; the total KV bytes are
-the same. Per model and in total: TTFT mean and p99, time per output token, throughput,
-preemptions, and each model's KV bytes over time, sampled every 0.5 s (static: vLLM's usage gauge;
-elastic: the live segments, as ``kvctl list --json`` reads them). Every engine of both
-configurations starts at once (start-up is most of the wall time on two cores); static replays,
-is stopped, then elastic replays. The tiny model and vLLM's cache (its model-class inspection) are
+the same. Every prompt of a model starts with that model's system prompt (the trace's
+``system_prompt_tokens``, whole blocks), so with vLLM's prefix caching (its default) each engine's
+cache fills. Each row of the report is one setting of prefix caching, the same in both
+configurations: ``--prefix both`` (the default) runs prefix caching on, then off. Per row, model
+and in total: TTFT mean and p99, time per output token, throughput, preemptions, prefix-cache hits,
+and each model's KV bytes over time, sampled every 0.5 s (static: vLLM's usage gauge; elastic: the
+live segments, as ``kvctl list --json`` reads them, with their reclaim figures: bytes given and
+taken). For each row every engine of both configurations starts at once (start-up is most of the
+wall time on two cores); static replays, is stopped, then elastic replays. The tiny model and vLLM's cache (its model-class inspection) are
 kept under ``~/.cache/kvcached/`` between runs; a first run fills them before the engines start, the
 inspection once for every engine (10-20 s on two cores, against about 40 s when each engine inspects).
 Results, with where the wall time went (each engine's start, each replay and stop), go to
@@ -54,13 +58,17 @@ TOKEN_BYTES = LAYERS * 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES
 BLOCK_TOKENS = 128  # vLLM's CPU default block size
 BLOCKS_PER_ENGINE = 64  # the static share: 8192 tokens, four 2 MiB pages per layer (32 MiB in all)
 BLOCK_BYTES = BLOCK_TOKENS * TOKEN_BYTES  # one block across every layer: 512 KiB
+SYSTEM_PROMPT_TOKENS = 4 * BLOCK_TOKENS  # each model's shared prefix: four whole blocks
 
 
 # -- the trace -------------------------------------------------------------------------------------
 def make_trace(*, seed: int = 24, models: int = 3, duration_s: float = 150.0, peak_rate: float = 1.6,
                base_rate: float = 0.05, prompt_tokens: tuple[int, int] = (1200, 1800),
-               output_tokens: tuple[int, int] = (24, 64)) -> list[dict]:
-    """Per model a triangular peak of Poisson arrivals, the peaks staggered over ``duration_s``."""
+               output_tokens: tuple[int, int] = (24, 64), system_tokens: int = SYSTEM_PROMPT_TOKENS) -> list[dict]:
+    """Per model a triangular peak of Poisson arrivals, the peaks staggered over ``duration_s``.
+
+    Each row's prompt begins with its model's system prompt of ``system_tokens`` (see :func:`prompt_ids`).
+    """
     rng = random.Random(seed)
     width = duration_s / (models + 1)
     rows: list[dict] = []
@@ -76,24 +84,36 @@ def make_trace(*, seed: int = 24, models: int = 3, duration_s: float = 150.0, pe
             if rng.random() * rate_max > rate:
                 continue  # thinning: a non-homogeneous Poisson process
             rows.append({"t": round(t, 3), "model": f"m{m}", "prompt_tokens": rng.randint(*prompt_tokens),
-                         "max_tokens": rng.randint(*output_tokens), "seed": rng.randrange(1 << 30)})
+                         "max_tokens": rng.randint(*output_tokens), "seed": rng.randrange(1 << 30),
+                         "system_tokens": system_tokens})
     rows.sort(key=lambda r: r["t"])
     return rows
+
+
+def trace_rows(data: dict) -> list[dict]:
+    """A trace file's requests, each with the file's ``system_prompt_tokens`` unless it names its own."""
+    system = int(data.get("system_prompt_tokens", 0))
+    return [dict({"system_tokens": system}, **r) for r in data["requests"]]
 
 
 def load_trace(quick: bool) -> tuple[list[dict], int]:
     data = json.loads(TRACE.read_text())
     if not quick:
-        return data["requests"], data["models"]
+        return trace_rows(data), data["models"]
     # --quick: the first two models' peaks, compressed to a third of the time.
-    keep = [dict(r, t=round(r["t"] / 3, 3)) for r in data["requests"] if r["model"] in ("m0", "m1")
+    keep = [dict(r, t=round(r["t"] / 3, 3)) for r in trace_rows(data) if r["model"] in ("m0", "m1")
             and r["t"] < data["duration_s"] * 0.55]
     return keep, 2
 
 
 def prompt_ids(row: dict) -> list[int]:
+    """The prompt's token ids: the model's system prompt (the same ``system_tokens`` for every request of
+    that model, BOS included), then the request's own tokens up to ``prompt_tokens`` in all."""
+    system = int(row.get("system_tokens", 0))
+    shared = random.Random(f"system-{row['model']}")
     rng = random.Random(row["seed"])
-    return [1] + [rng.randrange(4, 512) for _ in range(row["prompt_tokens"] - 1)]
+    head = [1] + [shared.randrange(4, 512) for _ in range(system - 1)] if system else [1]
+    return head + [rng.randrange(4, 512) for _ in range(max(0, row["prompt_tokens"] - len(head)))]
 
 
 # -- engines ---------------------------------------------------------------------------------------
@@ -254,22 +274,27 @@ def engine_env(workdir: Path, elastic: bool, core: int, capacity: int) -> dict[s
     return env
 
 
-def launch(model_dir: Path, names: list[str], workdir: Path, elastic: bool, capacity: int) -> list[Engine]:
+def engine_cmd(model_dir: Path, name: str, port: int, elastic: bool, prefix_caching: bool) -> list[str]:
+    """One engine's server command line; prefix caching as asked (vLLM's default is on), the same
+    in both configurations; static engines get their fixed share of blocks."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--port", str(port), "--host", "127.0.0.1", "--served-model-name", name,
+           "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", "float32", "--seed", "0",
+           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    if not elastic:
+        cmd += ["--num-gpu-blocks-override", str(BLOCKS_PER_ENGINE)]
+    return cmd
+
+
+def launch(model_dir: Path, names: list[str], workdir: Path, elastic: bool, capacity: int,
+           prefix_caching: bool = True) -> list[Engine]:
     """Start one server per model (not yet waited for); model ``i`` pinned to core ``i`` mod the CPUs."""
     engines: list[Engine] = []
     (workdir / "shm").mkdir(exist_ok=True)
     try:
         for i, name in enumerate(names):
             port = free_port()
-            # Prefix caching off in both configurations: the trace's prompts share no prefix, and a
-            # kvcached model's cached blocks are its own to evict (an idle model's cache would keep
-            # pages of the shared budget that another model needs; see benchmarks/results).
-            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                   "--port", str(port), "--host", "127.0.0.1", "--served-model-name", name,
-                   "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", "float32",
-                   "--seed", "0", "--no-enable-prefix-caching"]
-            if not elastic:
-                cmd += ["--num-gpu-blocks-override", str(BLOCKS_PER_ENGINE)]
+            cmd = engine_cmd(model_dir, name, port, elastic, prefix_caching)
             log = workdir / f"{'elastic' if elastic else 'static'}-{name}.log"
             with open(log, "w") as out:  # the child keeps its own copy of the descriptor
                 proc = subprocess.Popen(cmd, env=engine_env(workdir, elastic, i, capacity), stdout=out,
@@ -363,6 +388,9 @@ GAUGE = re.compile(r'^vllm:kv_cache_usage_perc\{[^}]*\}\s+(\S+)', re.M)
 PREEMPT = re.compile(r'^vllm:num_preemptions_total\{[^}]*\}\s+(\S+)', re.M)
 RUNNING = re.compile(r'^vllm:num_requests_running\{[^}]*\}\s+(\S+)', re.M)
 WAITING = re.compile(r'^vllm:num_requests_waiting\{[^}]*\}\s+(\S+)', re.M)
+PREFIX_HITS = re.compile(r'^vllm:prefix_cache_hits_total\{[^}]*\}\s+(\S+)', re.M)  # prompt tokens
+PREFIX_QUERIES = re.compile(r'^vllm:prefix_cache_queries_total\{[^}]*\}\s+(\S+)', re.M)
+PRESSURE_KEYS = ("gave_bytes", "gave_count", "took_bytes", "took_count", "asked_count", "wanted_bytes")
 
 
 def metric(text: str, pattern: re.Pattern[str]) -> float:
@@ -370,9 +398,11 @@ def metric(text: str, pattern: re.Pattern[str]) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def sample(engines: list[Engine], shm: Path | None) -> dict[str, dict[str, int | None]]:
+def sample(engines: list[Engine], shm: Path | None) -> dict[str, dict]:
     """Per engine now: bytes of blocks requests hold (``used``), bytes of KV memory the engine
-    holds (``held``), requests running and waiting (None: not read).
+    holds (``held``), bytes of prefix-cached blocks (``cached``), requests running and waiting, and
+    the reclaim figures of its segment (``pressure``: bytes and times it gave to and took from the
+    other models, the times it asked, the bytes it waits for now; elastic only; None: not read).
 
     Static engines (``shm`` None): vLLM's ``kv_cache_usage_perc`` is the share of its blocks
     (the placeholder block aside) that requests hold; the memory is the fixed share. Elastic
@@ -380,7 +410,7 @@ def sample(engines: list[Engine], shm: Path | None) -> dict[str, dict[str, int |
     neither cached nor the placeholder, and the bytes mapped, which is what the shared budget counts.
     vLLM's gauge means nothing there (its free count is what the shared budget would still grant).
     """
-    out: dict[str, dict[str, int | None]] = {key: {} for key in ("used", "held", "running", "waiting")}
+    out: dict[str, dict] = {key: {} for key in ("used", "held", "cached", "running", "waiting", "pressure")}
     texts: dict[str, str | None] = {}
     for e in engines:
         try:
@@ -399,22 +429,35 @@ def sample(engines: list[Engine], shm: Path | None) -> dict[str, dict[str, int |
         if shm is None:
             used = None if text is None else int(round(metric(text, GAUGE) * (BLOCKS_PER_ENGINE - 1))) * BLOCK_BYTES
             out["used"][e.name], out["held"][e.name] = used, BLOCKS_PER_ENGINE * BLOCK_BYTES
+            out["cached"][e.name] = out["pressure"][e.name] = None
         else:
             m = live.get(e.name)
             out["used"][e.name] = None if m is None else max(0, m.blocks_used - m.blocks_cached - 1) * m.block_bundle_bytes
             out["held"][e.name] = None if m is None else m.mapped_bytes
+            out["cached"][e.name] = None if m is None else m.blocks_cached * m.block_bundle_bytes
+            figures = None if m is None or m.pressure is None else m.pressure.to_dict()
+            out["pressure"][e.name] = None if figures is None else {k: figures[k] for k in PRESSURE_KEYS}
     return out
 
 
 def sampler(engines: list[Engine], shm: Path | None, t0: float, stop: threading.Event, samples: list[dict]) -> None:
-    """Every 0.5 s: ``{"t": s, "used": {model: bytes}, "held": {...}, "running": {...}, "waiting": {...}}``."""
+    """Every 0.5 s: ``{"t": s, "used": {model: bytes}, "held": {...}, ..., "pressure": {model: {...}}}`` (:func:`sample`)."""
     while not stop.wait(0.5):
         samples.append({"t": round(time.monotonic() - t0, 2), **sample(engines, shm)})
 
 
-def replay(engines: list[Engine], trace: list[dict], shm: Path | None) -> tuple[list[Result], list[dict], dict[str, float]]:
+def counters(engines: list[Engine]) -> dict[str, dict[str, float]]:
+    """Per engine: vLLM's preemptions and prefix-cache hit and queried prompt tokens so far."""
+    texts = {e.name: e.get("/metrics") for e in engines}
+    return {n: {"preemptions": metric(t, PREEMPT), "prefix_hit_tokens": metric(t, PREFIX_HITS),
+                "prefix_queried_tokens": metric(t, PREFIX_QUERIES)} for n, t in texts.items()}
+
+
+def replay(engines: list[Engine], trace: list[dict],
+           shm: Path | None) -> tuple[list[Result], list[dict], dict[str, dict[str, float]]]:
+    """Send the trace; the results, the samples and each engine's counters over the replay (:func:`counters`)."""
     by_name = {e.name: e for e in engines}
-    before = {e.name: metric(e.get("/metrics"), PREEMPT) for e in engines}
+    before = counters(engines)
     results: list[Result] = []
     threads: list[threading.Thread] = []
     samples: list[dict] = []
@@ -435,8 +478,9 @@ def replay(engines: list[Engine], trace: list[dict], shm: Path | None) -> tuple[
         th.join()
     stop.set()
     watch.join()
-    preempt = {e.name: metric(e.get("/metrics"), PREEMPT) - before[e.name] for e in engines}
-    return results, samples, preempt
+    after = counters(engines)
+    counted = {n: {k: after[n][k] - before[n][k] for k in after[n]} for n in after}
+    return results, samples, counted
 
 
 # -- figures ---------------------------------------------------------------------------------------
@@ -445,7 +489,17 @@ def p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))] if ordered else float("nan")
 
 
-def summarize(results: list[Result], samples: list[dict], preempt: dict[str, float]) -> dict:
+def reclaim_totals(samples: list[dict], names: list[str]) -> dict[str, int]:
+    """The models' reclaim figures at the end of the replay (their segments count from the engine's start)."""
+    totals = dict.fromkeys(PRESSURE_KEYS[:-1], 0)
+    for n in names:
+        last = next((s["pressure"][n] for s in reversed(samples) if s.get("pressure", {}).get(n)), None)
+        for k in totals:
+            totals[k] += (last or {}).get(k, 0)
+    return totals
+
+
+def summarize(results: list[Result], samples: list[dict], counted: dict[str, dict[str, float]]) -> dict:
     out: dict = {}
     for model in [*sorted({r.model for r in results}), "total"]:
         rs = [r for r in results if model in ("total", r.model)]
@@ -453,7 +507,7 @@ def summarize(results: list[Result], samples: list[dict], preempt: dict[str, flo
         ttft = [r.ttft for r in done if r.ttft is not None]
         tpot = [((r.end or 0) - r.sent - (r.ttft or 0)) / (r.tokens - 1) for r in done if r.tokens > 1]
         span = max((r.end or 0) for r in done) - min(r.sent for r in rs) if done else float("nan")
-        names = list(preempt) if model == "total" else [model]
+        names = list(counted) if model == "total" else [model]
         used = max((sum(s["used"].get(n) or 0 for n in names) for s in samples), default=0)
         held = max((sum(s["held"].get(n) or 0 for n in names) for s in samples), default=0)
         out[model] = {
@@ -461,7 +515,10 @@ def summarize(results: list[Result], samples: list[dict], preempt: dict[str, flo
             "ttft_mean_s": sum(ttft) / len(ttft) if ttft else float("nan"), "ttft_p99_s": p99(ttft),
             "tpot_mean_s": sum(tpot) / len(tpot) if tpot else float("nan"),
             "throughput_tok_s": sum(r.tokens for r in done) / span if done else 0.0,
-            "preemptions": int(sum(preempt.get(n, 0) for n in names)), "peak_kv_bytes": int(used),
+            "preemptions": int(sum(counted[n]["preemptions"] for n in names if n in counted)),
+            "prefix_hit_tokens": int(sum(counted[n]["prefix_hit_tokens"] for n in names if n in counted)),
+            "prefix_queried_tokens": int(sum(counted[n]["prefix_queried_tokens"] for n in names if n in counted)),
+            "reclaim": reclaim_totals(samples, names), "peak_kv_bytes": int(used),
             "peak_kv_held_bytes": int(held),
             "peak_running": max((sum(s["running"].get(n) or 0 for n in names) for s in samples), default=0),
             "peak_waiting": max((sum(s["waiting"].get(n) or 0 for n in names) for s in samples), default=0),
@@ -469,8 +526,13 @@ def summarize(results: list[Result], samples: list[dict], preempt: dict[str, flo
     return out
 
 
-def plot(runs: dict[str, dict], path: Path) -> Path | None:
-    """TTFT of every request for both configurations; each model's KV bytes stacked over time."""
+def row_name(prefix_caching: bool) -> str:
+    return f"prefix caching {'on' if prefix_caching else 'off'}"
+
+
+def plot(rows: list[dict], path: Path) -> Path | None:
+    """One column per row (prefix caching on, off): TTFT of every request for both configurations;
+    each model's KV bytes stacked over time."""
     try:
         import matplotlib
 
@@ -479,17 +541,29 @@ def plot(runs: dict[str, dict], path: Path) -> Path | None:
     except ImportError:
         print("no picture: matplotlib is missing (pip install -e '.[plot]')", file=sys.stderr)
         return None
-    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
+    fig, grid = plt.subplots(3, len(rows), figsize=(9 * len(rows), 9), sharex="col", squeeze=False)
+    for col, row in enumerate(rows):
+        plot_row([grid[i][col] for i in range(3)], row)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_row(axes: list, row: dict) -> None:
+    """One row's three panels (TTFT by arrival, static's KV in use, elastic's KV held)."""
+    runs, label = row["runs"], row_name(row["prefix_caching"])
     for name, run in runs.items():
         pts = sorted((r["sent"], r["ttft"]) for r in run["requests"] if r["ttft"] is not None)
         p99_s = run["summary"]["total"]["ttft_p99_s"]
         axes[0].plot([p[0] for p in pts], [p[1] for p in pts], ".", alpha=0.7,
                      label=f"{name} (p99 {p99_s:.2f} s)")
+    axes[0].set_title(f"{label}: TTFT by arrival", fontsize=10)
     axes[0].set_ylabel("TTFT (s), by arrival")
     axes[0].set_yscale("log")
     axes[0].legend(loc="upper left")
-    titles = {"static": ("used", "static: KV MiB in use (each model's fixed share dashed)"),
-              "elastic": ("held", "elastic: KV MiB each model holds (shared budget dashed)")}
+    titles = {"static": ("used", f"{label}, static: KV MiB in use (each model's fixed share dashed)"),
+              "elastic": ("held", f"{label}, elastic: KV MiB each model holds (shared budget dashed)")}
     for ax, name in zip(axes[1:], ("static", "elastic"), strict=True):
         key, title = titles[name]
         samples = runs[name]["samples"]
@@ -505,10 +579,6 @@ def plot(runs: dict[str, dict], path: Path) -> Path | None:
         ax.set_ylabel("MiB")
         ax.legend(loc="upper right")
     axes[-1].set_xlabel("time since the trace began (s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
 
 
 def versions() -> dict[str, str]:
@@ -523,9 +593,9 @@ def versions() -> dict[str, str]:
     return got
 
 
-def wall_time(report: dict) -> list[str]:
-    """Where the run's wall time went (a paragraph and a blank line), or nothing for an older report."""
-    ph = report.get("phases")
+def wall_time(row: dict) -> list[str]:
+    """Where a row's wall time went (a paragraph and a blank line), or nothing without its phases."""
+    ph = row.get("phases")
     if not ph:
         return []
     ready = ", ".join(f"{k} {v:.0f} s" for k, v in sorted(ph["ready_s"].items(), key=lambda kv: kv[1]))
@@ -533,28 +603,53 @@ def wall_time(report: dict) -> list[str]:
     if ph.get("build_model_s") is not None:
         warmed = " and vLLM's model inspection cached" if ph.get("model_info_warmed") else ""
         before = f"tiny model ready{warmed} in {ph['build_model_s']:.0f} s, "
-    return [f"Wall time {report['seconds']:.0f} s: {before}engines started in {ph['start_s']:.0f} s (ready: {ready}); "
+    return [f"Wall time {row['seconds']:.0f} s: {before}engines started in {ph['start_s']:.0f} s (ready: {ready}); "
             f"static replayed in {ph['static_replay_s']:.0f} s and stopped in {ph['static_stop_s']:.0f} s, "
             f"elastic in {ph['elastic_replay_s']:.0f} s and {ph['elastic_stop_s']:.0f} s.", ""]
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def row_table(row: dict) -> list[str]:
+    """A row's headline and its table (every configuration and model, the total last)."""
+    lines = [f"## {row_name(row['prefix_caching']).capitalize()}", "", *wall_time(row),
+             f"Headline: p99 TTFT static/elastic = **{row['ttft_p99_ratio']:.2f}x**, "
+             f"throughput elastic/static = **{row['throughput_ratio']:.2f}x**.", "",
+             "| config | model | requests | answered | TTFT mean s | TTFT p99 s | TPOT s | tok/s | preemptions "
+             "| prefix hits % | peak KV MiB in use | peak KV MiB held | MiB given / taken (reclaims) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for config in ("static", "elastic"):
+        for model, s in row[config].items():
+            queried = s.get("prefix_queried_tokens", 0)
+            hits = f"{100 * s.get('prefix_hit_tokens', 0) / queried:.0f}" if queried else "-"
+            rc = s.get("reclaim") or {}
+            reclaim = (f"{mib(rc['gave_bytes'])} ({rc['gave_count']}) / {mib(rc['took_bytes'])} ({rc['took_count']})"
+                       if config == "elastic" and rc else "-")
+            lines.append(f"| {config} | {model} | {s['requests']} | {s['answered']} | {s['ttft_mean_s']:.3f} | "
+                         f"{s['ttft_p99_s']:.3f} | {s['tpot_mean_s']:.4f} | {s['throughput_tok_s']:.1f} | "
+                         f"{s['preemptions']} | {hits} | {mib(s['peak_kv_bytes'])} | "
+                         f"{mib(s['peak_kv_held_bytes'])} | {reclaim} |")
+    return lines + [""]
 
 
 def markdown(report: dict) -> str:
     lines = [f"# Several vLLM engines, one KV budget ({report['mode']})", "",
              f"`{report['command']}` on {report['date']}; machine: {report['machine']}; versions: "
              f"{', '.join(f'{k} {v}' for k, v in report['versions'].items())}; load average at start "
-             f"{report['loadavg_start']}, at end {report['loadavg_end']}.", "",
-             *wall_time(report),
-             f"Headline: p99 TTFT static/elastic = **{report['ttft_p99_ratio']:.2f}x**, "
-             f"throughput elastic/static = **{report['throughput_ratio']:.2f}x**.", "",
-             "| config | model | requests | answered | TTFT mean s | TTFT p99 s | TPOT s | tok/s | preemptions "
-             "| peak KV MiB in use | peak KV MiB held |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for config in ("static", "elastic"):
-        for model, s in report[config].items():
-            lines.append(f"| {config} | {model} | {s['requests']} | {s['answered']} | {s['ttft_mean_s']:.3f} | "
-                         f"{s['ttft_p99_s']:.3f} | {s['tpot_mean_s']:.4f} | {s['throughput_tok_s']:.1f} | "
-                         f"{s['preemptions']} | {s['peak_kv_bytes'] / 2**20:.1f} | "
-                         f"{s['peak_kv_held_bytes'] / 2**20:.1f} |")
-    return "\n".join(lines) + "\n"
+             f"{report['loadavg_start']}, at end {report['loadavg_end']}; wall time {report['seconds']:.0f} s.", "",
+             "| prefix caching | p99 TTFT static / elastic | ratio | tokens/s static / elastic | ratio "
+             "| preemptions static / elastic |", "|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        s, e = row["static"]["total"], row["elastic"]["total"]
+        lines.append(f"| {'on' if row['prefix_caching'] else 'off'} | {s['ttft_p99_s']:.2f} s / {e['ttft_p99_s']:.2f} s "
+                     f"| **{row['ttft_p99_ratio']:.2f}x** | {s['throughput_tok_s']:.1f} / {e['throughput_tok_s']:.1f} "
+                     f"| **{row['throughput_ratio']:.2f}x** | {s['preemptions']} / {e['preemptions']} |")
+    lines.append("")
+    for row in report["rows"]:
+        lines += row_table(row)
+    return "\n".join(lines).rstrip() + "\n"
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -564,15 +659,17 @@ def capacity_bytes(models: int) -> int:
 
 
 def measure(engines: list[Engine], trace: list[dict], shm: Path | None, capacity: int) -> dict:
-    results, samples, preempt = replay(engines, trace, shm)
-    return {"summary": summarize(results, samples, preempt), "samples": samples,
+    results, samples, counted = replay(engines, trace, shm)
+    return {"summary": summarize(results, samples, counted), "samples": samples,
             "requests": [r.__dict__ for r in results], "capacity_bytes": capacity,
             "ports": [e.port for e in engines]}
 
 
-def run_both(trace: list[dict], models: int, workdir: Path, phases: dict | None = None) -> dict[str, dict]:
-    """Both configurations: every engine started at once (start-up is most of the wall time on two
-    cores), then static replays while the elastic engines stand idle, is stopped, and elastic replays.
+def run_both(trace: list[dict], models: int, workdir: Path, phases: dict | None = None,
+             prefix_caching: bool = True) -> dict[str, dict]:
+    """Both configurations, prefix caching on or off in both: every engine started at once (start-up is
+    most of the wall time on two cores), then static replays while the elastic engines stand idle, is
+    stopped, and elastic replays.
 
     ``phases`` (when given) is filled with where the wall time went, in seconds: building the model,
     each engine's ready time from launch, the start-up of all of them, each configuration's replay and stop.
@@ -596,7 +693,8 @@ def run_both(trace: list[dict], models: int, workdir: Path, phases: dict | None 
         mark = time.monotonic()
         for config in ("static", "elastic"):
             (workdir / config).mkdir()
-            engines[config] = launch(model_dir, names, workdir / config, config == "elastic", capacity_bytes(models))
+            engines[config] = launch(model_dir, names, workdir / config, config == "elastic", capacity_bytes(models),
+                                     prefix_caching)
         phases["ready_s"] = wait_ready([e for group in engines.values() for e in group])
         phases["start_s"] = round(time.monotonic() - mark, 1)
         for config in ("static", "elastic"):
@@ -612,9 +710,35 @@ def run_both(trace: list[dict], models: int, workdir: Path, phases: dict | None 
     return runs
 
 
+def ratios(runs: dict[str, dict]) -> dict[str, float]:
+    """p99 TTFT static/elastic and throughput elastic/static (above 1: elastic better), from the totals."""
+    s, e = runs["static"]["summary"]["total"], runs["elastic"]["summary"]["total"]
+    return {"ttft_p99_ratio": s["ttft_p99_s"] / e["ttft_p99_s"] if e["ttft_p99_s"] else float("nan"),
+            "throughput_ratio": (e["throughput_tok_s"] / s["throughput_tok_s"] if s["throughput_tok_s"]
+                                 else float("nan"))}
+
+
+def run_row(trace: list[dict], models: int, workdir: Path, prefix_caching: bool) -> dict:
+    """One row of the report: both configurations with prefix caching on or off, its ratios beside
+    ``prefix_caching``, each configuration's summary, samples and requests (``runs``), where the time went."""
+    started = time.monotonic()
+    workdir.mkdir()
+    phases: dict = {}
+    runs = run_both(trace, models, workdir, phases, prefix_caching)
+    return {"prefix_caching": prefix_caching, **ratios(runs), "static": runs["static"]["summary"],
+            "elastic": runs["elastic"]["summary"], "phases": phases,
+            "seconds": round(time.monotonic() - started, 1), "runs": runs}
+
+
+PREFIX = {"on": (True,), "off": (False,), "both": (True, False)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks multimodel", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two models, a third of the time (under 3 minutes)")
+    parser.add_argument("--prefix", choices=sorted(PREFIX), default="both",
+                        help="vLLM's prefix caching in both configurations: on (vLLM's default), off, or "
+                             "both, one row each (the default)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--keep-logs", action="store_true", help="keep the engines' logs (their folder is printed)")
     parser.add_argument("--trace", type=Path, help="replay this trace instead (the smoke test's short one)")
@@ -622,30 +746,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.make_trace:
         TRACE.parent.mkdir(exist_ok=True)
-        TRACE.write_text(json.dumps({"seed": 24, "models": 3, "duration_s": 150.0, "requests": make_trace()}) + "\n")
+        TRACE.write_text(json.dumps({"seed": 24, "models": 3, "duration_s": 150.0,
+                                     "system_prompt_tokens": SYSTEM_PROMPT_TOKENS, "requests": make_trace()}) + "\n")
         return 0
     if importlib.util.find_spec("vllm") is None:
         print(INSTALL_HINT, file=sys.stderr)
         return 1
     if args.trace:
         data = json.loads(args.trace.read_text())
-        trace, models = data["requests"], data["models"]
+        trace, models = trace_rows(data), data["models"]
     else:
         trace, models = load_trace(args.quick)
     started = time.monotonic()
     load0 = os.getloadavg()
     report: dict = {"mode": "quick" if args.quick else "full",
-                    "command": "python -m benchmarks multimodel" + (" --quick" if args.quick else ""),
+                    "command": "python -m benchmarks multimodel" + (" --quick" if args.quick else "")
+                               + (f" --prefix {args.prefix}" if args.prefix != "both" else ""),
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
                     "versions": versions(), "loadavg_start": [round(x, 2) for x in load0]}
     tmp = Path(tempfile.mkdtemp(prefix="kvcached-multimodel-"))  # kept on failure: the engines' logs
+    rows: list[dict] = []
     try:
-        phases: dict = {}
-        runs = run_both(trace, models, tmp, phases)
-        report["phases"] = phases
-        for config, run in runs.items():
-            report[config] = run["summary"]
+        for on in PREFIX[args.prefix]:
+            rows.append(run_row(trace, models, tmp / f"prefix-{'on' if on else 'off'}", on))
     except KeyboardInterrupt:
         print(f"interrupted: every engine was stopped (logs in {tmp})", file=sys.stderr)
         return 1
@@ -656,20 +780,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engine logs: {tmp}", file=sys.stderr)
     else:
         shutil.rmtree(tmp, ignore_errors=True)
-    s, e = report["static"]["total"], report["elastic"]["total"]
-    report["ttft_p99_ratio"] = s["ttft_p99_s"] / e["ttft_p99_s"] if e["ttft_p99_s"] else float("nan")
-    report["throughput_ratio"] = (e["throughput_tok_s"] / s["throughput_tok_s"] if s["throughput_tok_s"]
-                                  else float("nan"))
     report["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     report["seconds"] = round(time.monotonic() - started, 1)
-    report["kv_samples"] = {k: v["samples"] for k, v in runs.items()}
+    report["rows"] = [{k: v for k, v in row.items() if k != "runs"}
+                      | {"kv_samples": {c: run["samples"] for c, run in row["runs"].items()}} for row in rows]
     text = markdown(report)
     print(text)
-    unanswered = sum(r["requests"] - r["answered"] for c in ("static", "elastic") for m, r in report[c].items()
-                     if m == "total")
+    unanswered = sum(row[c]["total"]["requests"] - row[c]["total"]["answered"] for row in rows
+                     for c in ("static", "elastic"))
     if not args.no_write:
         stem = RESULTS / f"multimodel-{'quick' if args.quick else 'full'}"
-        png = plot(runs, stem.with_suffix(".png"))
+        png = plot(rows, stem.with_suffix(".png"))
         report["picture"] = png.name if png else None
         stem.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str) + "\n")
         stem.with_suffix(".md").write_text(text + (f"\n![TTFT and KV bytes]({png.name})\n" if png else ""))

@@ -14,21 +14,30 @@ from benchmarks import multimodel
 
 
 def test_every_request_of_a_short_trace_is_answered_both_ways_and_no_port_stays_bound(tmp_path: Path) -> None:
-    trace = multimodel.make_trace(seed=1, models=2, duration_s=6.0, peak_rate=2.0, prompt_tokens=(200, 400),
-                                  output_tokens=(4, 8))
+    """The report's first row, prefix caching on (vLLM's default) in both configurations."""
+    trace = multimodel.make_trace(seed=1, models=2, duration_s=6.0, peak_rate=2.0, prompt_tokens=(300, 500),
+                                  output_tokens=(4, 8), system_tokens=256)
     assert len(trace) >= 2
-    runs = multimodel.run_both(trace, 2, tmp_path)
+    row = multimodel.run_row(trace, 2, tmp_path / "prefix-on", True)
+    assert row["prefix_caching"] is True and "ttft_p99_ratio" in row and "throughput_ratio" in row
+    runs = row["runs"]
     assert sorted(runs) == ["elastic", "static"]
     for config, run in runs.items():
         total = run["summary"]["total"]
         assert total["requests"] == len(trace), config
         assert total["answered"] == len(trace), (config, [r for r in run["requests"] if r["error"] or r["ttft"] is None])
         assert all(r["tokens"] >= 4 for r in run["requests"]), config
+        # Prefix caching is on in both configurations: the models' system prompts were found cached.
+        assert total["prefix_hit_tokens"] > 0, (config, total)
         # KV bytes were sampled from the engines (static: vLLM's metrics; elastic: the live segments).
         assert run["samples"] and all(s["held"][m] for s in run["samples"] for m in ("m0", "m1")), config
         for port in run["ports"]:
             with socket.socket() as sock:
                 assert sock.connect_ex(("127.0.0.1", port)) != 0, f"{config}: port {port} still answers"
+    # The elastic samples carry each segment's reclaim figures, and its summary their totals.
+    elastic = runs["elastic"]
+    assert all(set(s["pressure"][m]) == set(multimodel.PRESSURE_KEYS) for s in elastic["samples"] for m in ("m0", "m1"))
+    assert set(elastic["summary"]["total"]["reclaim"]) == set(multimodel.PRESSURE_KEYS[:-1])
     # The elastic engines hold what they map, never more than the shared budget.
     capacity = multimodel.capacity_bytes(2)
-    assert all(sum(s["held"].values()) <= capacity for s in runs["elastic"]["samples"])
+    assert all(sum(s["held"].values()) <= capacity for s in elastic["samples"])

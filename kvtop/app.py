@@ -32,7 +32,7 @@ from kvcached_core import AckTimeout, ControlError, ModelNotFound, __version__, 
 from kvcached_core.segment.snapshot import ModelSnapshot
 from kvtop.cli.common import Number, Whole
 from kvtop.commands import KvtopCommands
-from kvtop.events import ERROR, GOOD, INFO, WARN, Event, diff
+from kvtop.events import ERROR, GOOD, INFO, WARN, Event, diff, policy_text
 from kvtop.history import History
 from kvtop.source import Frame, LiveSource, Source
 from kvtop.textfmt import REFILL_NOTE
@@ -49,6 +49,8 @@ from kvtop.widgets import (
     LimitScreen,
     ModelTable,
     PageMapView,
+    PolicyRequest,
+    PolicyScreen,
     StatusLine,
 )
 
@@ -110,6 +112,7 @@ class KvtopApp(App[int]):
         Binding("c", "compact", "Compact", show=False),
         Binding("w", "sleep_wake", "Sleep/wake", show=False),
         Binding("l", "limit", "Limit"),
+        Binding("p", "policy", "Policy (min, priority)", show=False),
         Binding("s", "cycle_sort", "Sort"),
         Binding("f", "filter", "Filter"),
         Binding("space", "pause", "Pause"),  # one of these two is shown: the one space does now
@@ -337,8 +340,9 @@ class KvtopApp(App[int]):
         return frame.model(self.selected)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """While a dialog is open, the dashboard's keys do nothing (quit still works); space says what it does now."""
-        if action in ("quit", "command_palette"):
+        """While a dialog is open, the dashboard's keys do nothing (quit, and tab between a dialog's fields, still
+        work); space says what it does now."""
+        if action in ("quit", "command_palette", "focus_next", "focus_previous"):
             return True
         if isinstance(self.screen, ModalScreen):
             return False
@@ -567,12 +571,27 @@ class KvtopApp(App[int]):
 
         self.push_screen(LimitScreen(m), chosen)
 
-    def _control(self, kind: str, models: list[ModelSnapshot], value: int | None) -> None:
+    def action_policy(self) -> None:
+        """Set the selected model's memory policy: its min and its priority."""
+        from kvcached_core.control.policy import KEEP, policy_problem
+
+        m = self._control_target("policy", "policy", lambda m: policy_problem(m, KEEP, 0))
+        if m is None:
+            return
+
+        def chosen(request: PolicyRequest | None) -> None:
+            if request is not None:
+                self._add_events([Event(time.time(), "action", m.name, f"policy {request.describe()} requested", INFO)])
+                self._control("policy", [m], request)
+
+        self.push_screen(PolicyScreen(m), chosen)
+
+    def _control(self, kind: str, models: list[ModelSnapshot], value: int | PolicyRequest | None) -> None:
         self._awaiting.update((kind, m.name) for m in models)
         self.run_worker(partial(self._control_thread, kind, models, value), thread=True, group="control",
                         exit_on_error=False, description=f"{kind} {', '.join(m.name for m in models)}")
 
-    def _control_thread(self, kind: str, models: list[ModelSnapshot], value: int | None) -> None:
+    def _control_thread(self, kind: str, models: list[ModelSnapshot], value: int | PolicyRequest | None) -> None:
         """Runs in a worker thread: ask each model and wait for its acknowledgement."""
         events: list[Event] = []
         try:
@@ -586,8 +605,10 @@ class KvtopApp(App[int]):
         finally:  # even on an error no except names, so the refresh diff reports these models again
             self.post_message(ControlDone(events, tuple((kind, m.name) for m in models)))
 
-    def _ask(self, kind: str, m: ModelSnapshot, value: int | None) -> list[Event]:
+    def _ask(self, kind: str, m: ModelSnapshot, value: int | PolicyRequest | None) -> list[Event]:
         """In the control worker: one request to one model, and the events its answer makes."""
+        if isinstance(value, PolicyRequest):
+            return [self._ask_policy(m, value)]
         if kind == "compact":
             ack = self.source.compact(m, CONTROL_WAIT_S)
             return [Event(time.time(), "compacted", m.name,
@@ -623,6 +644,15 @@ class KvtopApp(App[int]):
         if ack.status == "deferred":
             text += f" (asked {format_bytes(value)}: waits for pages to empty)"
         return [Event(time.time(), "limit", m.name, text, level, ("limit", m.name, ack.revision))]
+
+    def _ask_policy(self, m: ModelSnapshot, request: PolicyRequest) -> Event:
+        ack = self.source.policy(m, request.min_bytes, request.priority, CONTROL_WAIT_S)
+        if ack.status == "superseded":
+            text = f"policy r{ack.revision} superseded by r{ack.superseded_by} from another controller"
+            return Event(time.time(), "policy", m.name, text, WARN, ("policy", m.name, ack.revision))
+        now = policy_text(self.source.reread(m))
+        return Event(time.time(), "policy", m.name, f"policy r{ack.revision} acknowledged: {ack.status}, {now} "
+                     f"in {ack.latency_s * 1000:.0f} ms", GOOD, ("policy", m.name, ack.revision))
 
     def _asleep_event(self, m: ModelSnapshot) -> Event | None:
         """In the control worker: a model that acknowledged a sleep while draining, once it is asleep (None
@@ -723,13 +753,14 @@ def run(*, demo: bool, demo_models: int, once: bool, interval: float, gpus: list
               help="Seconds between refreshes.")
 @click.option("--gpu", "gpu", metavar="LIST", help="Only these GPU indices, e.g. 0 or 0,2 (panels and models).")
 @click.option("--model", metavar="NAME", help="Select this model (exact name or unique prefix).")
-@click.option("--readonly", is_flag=True, help="Disable every action that changes something (trim, compact, sleep/wake, limit).")
+@click.option("--readonly", is_flag=True,
+              help="Disable every action that changes something (trim, compact, sleep/wake, limit, policy).")
 @click.version_option(__version__, prog_name="kvtop")
 def cli(demo: bool, demo_models: int, once: bool, interval: float, gpu: str | None, model: str | None,
         readonly: bool) -> int:
     """Live dashboard of kvcached models: devices, models, page maps, fragmentation; trim and set limits.
 
-    Keys: q quit · ? help · ↑/↓ j/k select · ←/→ pgup/pgdn page map · enter details · t trim · T trim all · l limit · s sort ·
+    Keys: q quit · ? help · ↑/↓ j/k select · ←/→ pgup/pgdn page map · enter details · t trim · T trim all · l limit · p policy · s sort ·
     f filter · space pause · +/- interval · z/Z zoom · ctrl+p command palette.
     """
     return run(demo=demo, demo_models=demo_models, once=once, interval=interval, gpus=parse_gpus(gpu),

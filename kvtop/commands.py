@@ -14,6 +14,7 @@ COMMANDS = (
      "compact"),
     ("Sleep / wake selected model", "give back its whole KV cache, or wake it when it sleeps (w)", "sleep_wake"),
     ("Set limit of selected model", "cap mapped bytes: 4G, 512MiB, 30%, none (l)", "limit"),
+    ("Set policy of selected model", "its min (never reclaimed) and priority (lower gives first) (p)", "policy"),
     ("Model details", "everything about the selected model (enter)", "details"),
     ("Cycle sort", "sort by name, mapped, waste, alloc/s, held (s)", "cycle_sort"),
     ("Filter models", "show only models matching a substring (f)", "filter"),

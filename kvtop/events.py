@@ -2,7 +2,9 @@
 
 :func:`diff` compares consecutive scans: models appearing, going stale, coming back or
 disappearing; limit revisions acknowledged (applied / deferred / conflict) and deferred limits
-that became applied; trims acknowledged with the bytes they returned; new problem files.
+that became applied; trims acknowledged with the bytes they returned; policy revisions (min, priority)
+taken; memory one model gave another
+under pressure (a donor's ``pressure.gave_count`` grew); new problem files.
 Each event carries a ``key`` so that an acknowledgement kvtop already reported for its own
 request is not logged twice.
 """
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcached_core import format_bytes
+from kvcached_core.segment.layout import model_id
 from kvcached_core.segment.snapshot import ModelSnapshot, Problem
 
 INFO, GOOD, WARN, ERROR = "info", "good", "warn", "error"
@@ -22,7 +25,8 @@ INFO, GOOD, WARN, ERROR = "info", "good", "warn", "error"
 @dataclass(frozen=True)
 class Event:
     at: float  # wall-clock seconds
-    kind: str  # watching, appeared, stale, live, disappeared, limit, trimmed, compacted, problem, action, error
+    kind: str  # watching, appeared, stale, live, disappeared, limit, trimmed, compacted, gave, policy, problem,
+    # action, error
     model: str
     text: str
     level: str = INFO
@@ -54,6 +58,46 @@ def _limit_event(prev: ModelSnapshot, cur: ModelSnapshot, at: float) -> Event | 
     return None
 
 
+def asker_name(given_to: int, models: Sequence[ModelSnapshot]) -> str:
+    """The model a donor gave to (its ``pressure.given_to`` is the asker's ``layout.model_id``); one no longer
+    listed is named by its pid."""
+    for m in models:
+        if model_id(m.pid, m.name) == given_to:
+            return m.name
+    return f"a model no longer listed (pid {given_to >> 32})"
+
+
+def policy_text(m: ModelSnapshot) -> str:
+    p = m.pressure
+    return "-" if p is None else f"min {format_bytes(p.min_bytes) if p.min_bytes else 'none'}, priority {p.priority}"
+
+
+def _policy_event(prev: ModelSnapshot, cur: ModelSnapshot, at: float) -> Event | None:
+    """A policy revision the model took (kvctl policy, another kvtop): what it holds now."""
+    old, new = prev.pressure, cur.pressure
+    if old is None or new is None or new.policy_revision <= old.policy_revision:
+        return None
+    return Event(at, "policy", cur.name, f"policy r{new.policy_revision} applied: {policy_text(cur)}", GOOD,
+                 ("policy", cur.name, new.policy_revision))
+
+
+def _gave_event(prev: ModelSnapshot, cur: ModelSnapshot, models: Sequence[ModelSnapshot], at: float) -> Event | None:
+    """A donor answered reclaims since the last refresh: the last one's figures, and the count when several."""
+    old, new = prev.pressure, cur.pressure
+    if old is None or new is None or new.gave_count <= old.gave_count:
+        return None
+    asker, took = asker_name(new.given_to, models), f"in {new.given_took_s * 1000:.0f} ms"
+    if new.given_bytes:
+        text = (f"gave {format_bytes(new.given_bytes)} to {asker} (cached {format_bytes(new.given_cached)}, "
+                f"reserved {format_bytes(new.given_reserved)}) {took}")
+    else:
+        text = f"gave nothing to {asker} (no reserved or cached page above its min) {took}"
+    count = new.gave_count - old.gave_count
+    if count > 1:
+        text += f"; {count} reclaims since the last refresh, {format_bytes(new.gave_total - old.gave_total)} in all"
+    return Event(at, "gave", cur.name, text, INFO, ("gave", cur.name, new.gave_count))
+
+
 def diff(prev: Sequence[ModelSnapshot] | None, cur: Sequence[ModelSnapshot], at: float,
          prev_problems: Sequence[Problem] = (), problems: Sequence[Problem] = ()) -> list[Event]:
     """Events between two scans; ``prev=None`` (the first refresh) gives one summary line."""
@@ -82,6 +126,12 @@ def diff(prev: Sequence[ModelSnapshot] | None, cur: Sequence[ModelSnapshot], at:
             limit = _limit_event(old, m, at)
             if limit is not None:
                 events.append(limit)
+            policy = _policy_event(old, m, at)
+            if policy is not None:
+                events.append(policy)
+            gave = _gave_event(old, m, cur, at)
+            if gave is not None:
+                events.append(gave)
             if m.trim_ack_seq > old.trim_ack_seq:
                 events.append(Event(at, "trimmed", name, f"trimmed: {format_bytes(m.trim_bytes)} returned", GOOD,
                                     ("trim", name, m.trim_ack_seq)))

@@ -21,9 +21,10 @@ from kvcached_core import config
 from kvcached_core.backends import nvml
 from kvcached_core.backends.nvml import GpuInfo
 from kvcached_core.interop.legacy import limit_status as legacy_limit_status
+from kvcached_core.segment.layout import model_id
 from kvcached_core.segment.pagemap import count_pages, page_entry
 from kvcached_core.segment.reader import read_segment
-from kvcached_core.segment.snapshot import ModelSnapshot, Problem
+from kvcached_core.segment.snapshot import ModelSnapshot, PressureInfo, Problem
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class Source(Protocol):
     def sleep(self, model: ModelSnapshot, action: str, wait: float) -> kc.Ack: ...
 
     def limit(self, model: ModelSnapshot, limit_bytes: int | None, wait: float) -> kc.Ack: ...
+
+    def policy(self, model: ModelSnapshot, min_bytes: int | None | object, priority: int | object,
+               wait: float) -> kc.Ack: ...
 
     def close(self) -> None: ...
 
@@ -138,6 +142,13 @@ class LiveSource:
     def limit(self, model: ModelSnapshot, limit_bytes: int | None, wait: float) -> kc.Ack:
         return kc.request_limit(model, limit_bytes, wait=wait)
 
+    def policy(self, model: ModelSnapshot, min_bytes: int | None | object, priority: int | object,
+               wait: float) -> kc.Ack:
+        """``min_bytes`` and ``priority`` as ``request_policy`` takes them (``KEEP``: as it is)."""
+        from kvcached_core.control.policy import request_policy
+
+        return request_policy(model, min_bytes=min_bytes, priority=priority, wait=wait)
+
     def close(self) -> None:
         pass
 
@@ -171,7 +182,7 @@ def fake_model(name: str, *, pages: array | None = None, pages_total: int = 512,
                limit_bytes: int | None = None, limit_status: str | None = None,
                requested_limit: int | None = None, revision: int = 0, alloc_blocks: int = 0,
                device_capacity: int = 0, read_ns: int = 0, legacy: tuple[int, int, int] | None = None,
-               trim_ack_seq: int = 0, trim_bytes: int = 0) -> ModelSnapshot:
+               trim_ack_seq: int = 0, trim_bytes: int = 0, pressure: PressureInfo | None = None) -> ModelSnapshot:
     """A ModelSnapshot whose counters agree with its page map (``legacy``: total, used, prealloc)."""
     if legacy is not None:
         total, used, prealloc = legacy
@@ -199,7 +210,15 @@ def fake_model(name: str, *, pages: array | None = None, pages_total: int = 512,
         limit_revision=revision, applied_revision=revision, alloc_count=alloc_blocks // 4,
         alloc_blocks=alloc_blocks, read_ns=read_ns, heartbeat_ns=read_ns, updated_ns=read_ns,
         device_capacity=device_capacity, pages=pages, trim_seq=trim_ack_seq, trim_ack_seq=trim_ack_seq,
-        trim_bytes=trim_bytes)
+        trim_bytes=trim_bytes, pressure=pressure if pressure is not None else fake_pressure())
+
+
+def fake_pressure(**figures: int | float) -> PressureInfo:
+    """A model's policy and reclaim figures: none given, none taken, priority 0, unless ``figures`` say so."""
+    values: dict = dict.fromkeys(PressureInfo.__dataclass_fields__, 0)
+    values.update(can_give_cached=True, given_took_s=0.0, latency_s=0.0)
+    values.update(figures)
+    return PressureInfo(**values)
 
 
 @dataclass
@@ -269,6 +288,11 @@ class FakeSource:
         return kc.Ack(model.name, action, "asleep" if action == "sleep" else "awake", len(self.requests),
                       model.limit_bytes, bytes_returned=model.mapped_bytes if action == "sleep" else 0)
 
+    def policy(self, model: ModelSnapshot, min_bytes: int | None | object, priority: int | object,
+               wait: float) -> kc.Ack:
+        self.requests.append(("policy", model.name, None))
+        return kc.Ack(model.name, "policy", "applied", len(self.requests), model.limit_bytes)
+
     def limit(self, model: ModelSnapshot, limit_bytes: int | None, wait: float) -> kc.Ack:
         self.requests.append(("limit", model.name, limit_bytes))
         status = "none" if limit_bytes is None else "deferred" if limit_bytes < model.pinned_bytes else "applied"
@@ -284,6 +308,8 @@ def sample_fleet(*, gpus: bool = False, big_pages: int = 100_000, steps: int = 6
     ``steps`` refreshes, one second apart: llama grows, qwen sheds pages under a deferred limit,
     mistral goes stale at step 3, qwen's second limit revision is acknowledged at step 4 and
     deepseek is trimmed at step 5, so the sparklines and the event log have something to say.
+    Under the shared budget llama (min 8 GiB, priority 10) waits for memory from step 3; at step 4
+    deepseek (priority -5) gives it 48 MiB of cached and reserved pages, and llama still waits.
     """
     bpp = 8
     mistral_pages = fake_pages(384, inuse=90, reserved=0, bpp=bpp, seed=3)
@@ -295,10 +321,12 @@ def sample_fleet(*, gpus: bool = False, big_pages: int = 100_000, steps: int = 6
     bundle = 2 * MiB * 32 * 2  # page bundle of a 32-layer K/V model
     qwen_limit = 100 * bundle
 
+    reclaim = step_pressure(steps)
+
     def fleet(step: int) -> tuple[ModelSnapshot, ...]:
         return (
             fake_model("llama-3-8b", pages=llama[step], engine="vllm", pid=1201, backend=backend,
-                       device_capacity=capacity, alloc_blocks=9000 + 1500 * step),
+                       device_capacity=capacity, alloc_blocks=9000 + 1500 * step, pressure=reclaim[step][0]),
             fake_model("qwen2-7b", pages=qwen[step], engine="sglang", pid=1202, backend=backend,
                        device=1 if gpus else 0, device_capacity=capacity,
                        limit_bytes=qwen_limit, limit_status="deferred", revision=1 + (step >= 4),
@@ -309,7 +337,7 @@ def sample_fleet(*, gpus: bool = False, big_pages: int = 100_000, steps: int = 6
             fake_model("deepseek-v3-100k", pages=big, engine="custom", pid=1204, backend=backend,
                        page_size=256 * KiB, block_bytes=32 * KiB, num_layers=2, device_capacity=capacity,
                        alloc_blocks=150_000 + 8000 * step, trim_ack_seq=int(step >= 5),
-                       trim_bytes=12 * MiB if step >= 5 else 0),
+                       trim_bytes=12 * MiB if step >= 5 else 0, pressure=reclaim[step][1]),
             fake_model("kvcached_vllm_3311", legacy=(24 * GiB, 10 * GiB, 2 * GiB), engine="vllm", pid=3311),
         )
 
@@ -320,3 +348,20 @@ def sample_fleet(*, gpus: bool = False, big_pages: int = 100_000, steps: int = 6
             GpuInfo(1, "NVIDIA H200", "GPU-1", 140 * GiB, 30 * GiB, 110 * GiB, {1202: 16 * GiB}),
         )
     return FakeSource([fleet(i) for i in range(steps)], gpus=gpu_infos, host_capacity=capacity)
+
+
+def step_pressure(steps: int) -> list[tuple[PressureInfo, PressureInfo]]:
+    """The sample fleet's reclaim story, per step: (llama, the asker; deepseek, the donor)."""
+    out = []
+    for step in range(steps):
+        wanted = 0 if step < 3 else 112 * MiB if step < 4 else 64 * MiB
+        took = step >= 4
+        asker = fake_pressure(min_bytes=8 * GiB, priority=10, policy_revision=1, wanted_bytes=wanted,
+                              asked_count=int(step >= 3), took_total=48 * MiB if took else 0, took_count=int(took),
+                              latency_s=0.012 if took else 0.0)
+        donor = fake_pressure(priority=-5, policy_revision=1, reclaim_acked_seq=int(took), gave_count=int(took),
+                              gave_total=48 * MiB if took else 0, given_bytes=48 * MiB if took else 0,
+                              given_cached=40 * MiB if took else 0, given_reserved=8 * MiB if took else 0,
+                              given_took_s=0.012 if took else 0.0, given_to=model_id(1201, "llama-3-8b") if took else 0)
+        out.append((asker, donor))
+    return out

@@ -40,7 +40,7 @@ COLUMNS = (
     ("spark", "mapped history", 16, False), ("toks", "tok/s", 7, True), ("reqs", "req/s", 6, True),
     ("waiting", "wait", 5, True), ("preempt", "preempt", 7, True), ("idle", "idle", 6, True),
     ("tokspark", "tok/s history", 16, False), ("engine", "engine", 7, False), ("pid", "pid", 7, True),
-    ("device", "dev", 3, True),
+    ("device", "dev", 3, True), ("min", "min", 8, True), ("prio", "prio", 4, True),
 )
 RATE_COLUMNS = ("rate", "spark", "toks", "reqs", "tokspark")  # need two reads: not in a one-shot table
 SPARK_WIDTH = 16
@@ -107,6 +107,31 @@ def limit_cell(m: ModelSnapshot) -> Text:
     return Text(format_bytes(m.limit_bytes), style=style)
 
 
+PRESSURE_MARK = "↑"  # after the status: the model waits for memory (a refused growth asked the others)
+
+
+def under_pressure(m: ModelSnapshot) -> bool:
+    """The model waits for memory: the budget refused its growth and it asked the other models."""
+    return m.pressure is not None and m.pressure.wanted_bytes > 0 and m.status == "live"
+
+
+def status_cell(m: ModelSnapshot) -> Text:
+    status = m.display_status
+    text = Text(status, style=STATUS_STYLES.get(status, ""))
+    if under_pressure(m):
+        text.append(f" {PRESSURE_MARK}", style="bold yellow")
+    return text
+
+
+def policy_cells(m: ModelSnapshot) -> dict[str, Text]:
+    """The min and priority columns; '-' where the model publishes no policy (upstream, older allocators)."""
+    p = m.pressure
+    if p is None:
+        return {"min": Text("-", style="grey50"), "prio": Text("-", style="grey50")}
+    return {"min": Text(format_bytes(p.min_bytes)) if p.min_bytes else Text("-", style="grey50"),
+            "prio": Text(str(p.priority), style="" if p.priority else "grey50")}
+
+
 def mapped_cell(m: ModelSnapshot) -> Text:
     use = percent(m.mapped_bytes, m.limit_bytes)  # of the limit; None without one
     style = "" if use is None else "bold red" if use >= 95 else "yellow" if use >= 80 else ""
@@ -121,9 +146,10 @@ def model_cells(m: ModelSnapshot, history: History | None = None, names: Sequenc
     return {
         "name": Text.assemble(("■ ", model_colour(m.name, names) if names else "grey50"),
                               (m.name, "bold" if status == "live" else "")),
-        "status": Text(status, style=STATUS_STYLES.get(status, "")),
+        "status": status_cell(m),
         "mapped": mapped_cell(m),
         "limit": limit_cell(m),
+        **policy_cells(m),
         "held": Text(format_bytes(m.held_bytes)),
         "reserved": Text(format_bytes(m.reserved_bytes)),
         "cached": Text(format_bytes(m.cached_bytes), style="magenta" if m.blocks_cached else ""),
@@ -346,7 +372,24 @@ def frag_table(m: ModelSnapshot | None) -> Table | Text:
         grid.add_row("limit is", Text(m.limit_status, style="bold yellow"))
     else:
         grid.add_row("limit", size(m.limit_bytes))
+    _pressure_rows(grid, m)
     over = "-" if f.pinned_over_floor is None else f"{f.pinned_over_floor:.2f}×"
     grid.add_row("pinned÷floor", over)
     grid.add_row("page bundle", format_bytes(m.bundle_bytes))
     return grid
+
+
+def _pressure_rows(grid: Table, m: ModelSnapshot) -> None:
+    """The memory policy (min, priority) and, once there were any, the reclaim figures."""
+    p = m.pressure
+    if p is None:
+        return
+    grid.add_row("min", format_bytes(p.min_bytes) if p.min_bytes else "none")
+    grid.add_row("priority", str(p.priority))
+    if p.wanted_bytes and m.status == "live":
+        grid.add_row(f"wants {PRESSURE_MARK}", Text(format_bytes(p.wanted_bytes), style="bold yellow"))
+    if p.gave_count:
+        grid.add_row("gave", f"{format_bytes(p.gave_total)} ({p.gave_count}×)")
+    if p.took_count:
+        grid.add_row("took", f"{format_bytes(p.took_total)} ({p.took_count}×)")
+        grid.add_row("last reclaim", f"{p.latency_s * 1000:.0f} ms")

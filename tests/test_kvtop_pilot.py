@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable
 
 import pytest
 from conftest import send
+from rich.console import Console
 from textual.command import CommandPalette
 from textual.pilot import Pilot
 from textual.widgets import OptionList
 
 import kvcached_core as kc
+from kvcached_core.control.policy import request_policy
 from kvcached_core.segment.reader import snapshot as read_model
 from kvtop.app import KEY_NAMES, KvtopApp
 from kvtop.source import Frame, LiveSource, sample_fleet
-from kvtop.widgets import ConfirmScreen, DetailsScreen, FilterScreen, HelpScreen, LimitScreen
+from kvtop.widgets import ConfirmScreen, DetailsScreen, FilterScreen, HelpScreen, LimitScreen, PolicyScreen
 
 MiB = 1024 * 1024
 BUNDLE = 256 * 1024 * 2 * 2  # spawn_allocator's page bundle: 256 KiB pages x 2 layers x K/V = 1 MiB
@@ -172,24 +176,171 @@ def test_invalid_limit_keeps_the_dialog_open_and_writes_nothing(spawn_allocator)
     assert snap.limit_revision == 0 and snap.limit_bytes is None
 
 
-def test_readonly_refuses_trim_and_limit_and_says_so(spawn_allocator) -> None:
+def test_readonly_refuses_trim_limit_and_policy_and_says_so(spawn_allocator) -> None:
     proc = spawn_allocator("m1", script="ids = m.alloc(8)\n")
     send(proc, "m.try_to_reserve(40)")
     app = KvtopApp(LiveSource(), interval=0.2, readonly=True)
 
     async def script(pilot: Pilot) -> None:
         await until(pilot, lambda: seen(app, "m1"), "m1 on screen")
-        for key in ("t", "T", "l"):
+        for key in ("t", "T", "l", "p"):
             await pilot.press(key)
             await pilot.pause(0.1)
-            assert not isinstance(app.screen, ConfirmScreen | LimitScreen)
-        await until(pilot, lambda: sum("read-only" in line for line in app.event_log.lines_text) == 3,
-                    "three read-only refusals in the log")
+            assert not isinstance(app.screen, ConfirmScreen | LimitScreen | PolicyScreen)
+        await until(pilot, lambda: sum("read-only" in line for line in app.event_log.lines_text) == 4,
+                    "four read-only refusals in the log")
+        assert log_has(app, "read-only: policy is disabled")
         assert "read-only" in app.status_line.render().plain  # type: ignore[union-attr]
 
     drive(app, script)
     snap = read_model("m1")
     assert snap.trim_seq == 0 and snap.limit_revision == 0 and snap.pages_reserved > 0
+    assert snap.pressure is not None and snap.pressure.policy_revision == 0
+
+
+def panel_text(app: KvtopApp) -> str:
+    """The selected model's panel (fragmentation, policy, reclaim) as plain text."""
+    console = Console(width=60, file=io.StringIO(), record=True)
+    console.print(app.frag.render())
+    return console.export_text()
+
+
+async def open_policy(pilot: Pilot, app: KvtopApp) -> None:
+    await pilot.press("p")
+    await until(pilot, lambda: isinstance(app.screen, PolicyScreen), "the policy dialog")
+
+
+def test_p_sets_min_and_priority_and_bad_input_keeps_the_dialog_open(spawn_allocator) -> None:
+    spawn_allocator("m1", script="ids = m.alloc(8)\n")
+    assert kc.request_limit("m1", 32 * MiB).status == "applied"
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    def error(app: KvtopApp) -> str:
+        return str(app.screen.query_one("#error").render())
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1") and app.selected == "m1", "m1 on screen")
+        await open_policy(pilot, app)
+        await pilot.press(*"64MiB", "enter")  # above its limit: refused in the dialog, nothing written
+        await until(pilot, lambda: "above m1's limit" in error(app), "the reason in the dialog")
+        assert isinstance(app.screen, PolicyScreen) and app.screen.has_class("-invalid")
+        for _ in range(len("64MiB")):
+            await pilot.press("backspace")
+        await pilot.press(*"4MiB", "tab", *"5000", "enter")
+        await until(pilot, lambda: "from -1000 to 1000, not 5000" in error(app),
+                    f"the priority refused (the dialog says {error(app)!r})")
+        for _ in range(len("5000")):
+            await pilot.press("backspace")
+        await pilot.press(*"7", "enter")
+        await until(pilot, lambda: not isinstance(app.screen, PolicyScreen), "the dialog to close")
+        await until(pilot, lambda: log_has(app, "m1 policy r1 acknowledged: applied, min 4.0 MiB, priority 7 in "),
+                    "the acknowledgement in the event log")
+        await until(pilot, lambda: re.search(r"min +4\.0 MiB\n *priority +7\n", panel_text(app)),
+                    "the policy in the selected model's panel")
+        await open_policy(pilot, app)  # an empty min stays as it is
+        await pilot.press("tab", *"-3", "enter")
+        await until(pilot, lambda: log_has(app, "policy r2 acknowledged: applied, min 4.0 MiB, priority -3"),
+                    "the second acknowledgement")
+        await pilot.pause(0.5)  # refreshes after the answer log nothing more about it
+
+    drive(app, script)
+    snap = read_model("m1")
+    assert snap.pressure is not None and snap.pressure.policy_dict() == {"min_bytes": 4 * MiB, "priority": -3}
+    assert snap.pressure.policy_revision == 2
+    assert sum("policy r" in line for line in app.event_log.lines_text) == 2  # each logged once
+
+
+def test_a_policy_set_by_kvctl_is_logged(spawn_allocator) -> None:
+    spawn_allocator("m1")
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1"), "m1 on screen")
+        request_policy("m1", min_bytes=2 * MiB, priority=4)
+        await until(pilot, lambda: log_has(app, "m1 policy r1 applied: min 2.0 MiB, priority 4"), "the policy in the log")
+
+    drive(app, script)
+
+
+# Models of 1 MiB page bundles under one 26 MiB host budget (as tests/test_core_pressure.py).
+GEOMETRY = dict(num_blocks=256, block_bytes=64 * 1024, num_layers=2, page_size=256 * 1024)
+DONOR = """
+active = m.alloc(8)
+cached = m.alloc(80)
+m.mark_cached(cached)
+m.set_evict_handler(lambda: m.evict_for_limit())
+"""
+ASKER = """
+import threading, time
+got = []
+def grab(blocks):
+    deadline = time.monotonic() + 60
+    while len(got) < blocks and time.monotonic() < deadline:
+        ids = m.alloc(4)
+        if ids is None:
+            time.sleep(0.01)
+        else:
+            got.extend(ids)
+"""
+
+
+@pytest.fixture
+def budget(monkeypatch):
+    monkeypatch.setenv("KVCACHED_HOST_CAPACITY", "26MiB")
+    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")  # the donor's warm pool stays: it gives it first
+
+
+def test_memory_one_model_gives_another_is_an_event(budget, spawn_allocator) -> None:
+    spawn_allocator("idle", script=DONOR, **GEOMETRY)
+    app = KvtopApp(LiveSource(), interval=0.2)
+    gave = re.compile(r"idle gave (\d+\.\d) MiB to busy \(cached (\d+\.\d) MiB, reserved (\d+(?:\.\d)?) (MiB|B)\) "
+                      r"in \d+ ms")
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "idle", lambda m: m.mapped_bytes >= 22 * MiB), "the donor's pages")
+        busy = spawn_allocator("busy", script=ASKER, **GEOMETRY)
+        await until(pilot, lambda: seen(app, "busy"), "the asker on screen")
+        send(busy, "threading.Thread(target=grab, args=(40,), daemon=True).start()")  # more than the budget leaves
+        await until(pilot, lambda: any(gave.search(line) for line in app.event_log.lines_text), "the reclaim event")
+        await until(pilot, lambda: read_model("busy").blocks_used == 40, "the asker's blocks")
+
+    drive(app, script)
+    lines = [line for line in app.event_log.lines_text if " gave " in line]
+    donor, asker = read_model("idle").pressure, read_model("busy").pressure
+    assert donor is not None and asker is not None and donor.gave_count >= 1
+    given = 0.0
+    for line in lines:
+        match = gave.search(line)
+        assert match, lines
+        size, cached = float(match[1]), float(match[2])
+        reserved = float(match[3]) if match[4] == "MiB" else 0.0
+        assert size == cached + reserved and cached > 0, line  # the donor's engine evicted whole cached pages
+        given += size
+    assert given * MiB <= donor.gave_total == asker.took_total  # a line per refresh, each the last reclaim's figures
+
+
+def test_a_model_waiting_for_memory_is_marked(budget, spawn_allocator) -> None:
+    spawn_allocator("idle", script=DONOR, min_bytes=24 * MiB, **GEOMETRY)  # it gives nothing: at its min
+    app = KvtopApp(LiveSource(), interval=0.2, model="busy")
+
+    def row(name: str) -> str:
+        return app.table.render_line(1 + app.table.order.index(name)).text
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "idle", lambda m: m.mapped_bytes >= 22 * MiB), "the donor's pages")
+        busy = spawn_allocator("busy", script=ASKER, **GEOMETRY)
+        await until(pilot, lambda: seen(app, "busy"), "the asker on screen")
+        send(busy, "threading.Thread(target=grab, args=(40,), daemon=True).start()")
+        await until(pilot, lambda: seen(app, "busy", lambda m: m.pressure is not None and m.pressure.wanted_bytes > 0),
+                    "the asker waiting for memory")
+        await until(pilot, lambda: "live ↑" in row("busy"), "the marker on the asker's row")
+        frame = app.frame
+        assert frame is not None
+        for m in frame.models:  # a row is marked exactly when its model waits (its own warm pool counts too)
+            assert ("↑" in row(m.name)) == (m.pressure is not None and m.pressure.wanted_bytes > 0), m
+        await until(pilot, lambda: "wants ↑" in panel_text(app), "what it waits for in the panel")
+
+    drive(app, script)
 
 
 def test_trim_all_from_the_command_palette(spawn_allocator) -> None:
@@ -499,6 +650,7 @@ KEY_EFFECTS: dict[str, tuple[Callable[[KvtopApp], None], Callable[[KvtopApp], bo
     "sleep_wake": (lambda app: at(app, 2), lambda app: said(app, "llama-3-8b is an upstream kvcached segment: "
                                                              "it cannot sleep")),
     "limit": (lambda app: at(app, 2), dialog(LimitScreen)),
+    "policy": (lambda app: at(app, 2), dialog(PolicyScreen)),
     "cycle_sort": (lambda app: None, lambda app: app.sort_key == "mapped"),
     "filter": (lambda app: None, dialog(FilterScreen)),
     "pause": (lambda app: None, lambda app: app.paused and "PAUSED" in app.status_line.render().plain),

@@ -121,3 +121,8 @@ async def first_frame(pilot: Pilot) -> None:
 
 def test_no_models_at_all(snap_compare) -> None:
     assert snap_compare(make_app(source=FakeSource([()])), terminal_size=SMALL, run_before=first_frame)
+
+
+def test_policy_dialog(snap_compare) -> None:
+    """The memory policy dialog: the model's policy now, its limit, and a min typed in (previewed)."""
+    assert snap_compare(make_app(model="llama"), press=["p", *"8G"], terminal_size=SMALL, run_before=settled)

@@ -557,7 +557,7 @@ def test_kvtop_into_a_file_is_not_cut_at_80_columns(spawn_allocator, tmp_path) -
     assert done.returncode == 0, done.stderr
     lines = (tmp_path / "out.txt").read_text().splitlines()
     header = next(line for line in lines if line.startswith("model "))
-    assert header.split()[-3:] == ["engine", "pid", "dev"], header  # every column
+    assert header.split()[-5:] == ["engine", "pid", "dev", "min", "prio"], header  # every column
     assert len(header) > 80
 
 

@@ -21,7 +21,7 @@ class FragSummary(Widget):
     def show(self, m: ModelSnapshot | None) -> None:
         key = None if m is None else (m.name, m.status, m.blocks_used, m.pages_inuse, m.pages_reserved,
                                       m.blocks_cached, m.limit_bytes, m.limit_status, m.requested_limit,
-                                      m.compaction,
+                                      m.compaction, m.pressure,
                                       m.pages is not None and m.pages.tobytes())
         if key == self._key and key is not None:
             return

@@ -1,4 +1,4 @@
-"""Modal screens: confirm a destructive action, enter a limit, filter, details, help."""
+"""Modal screens: confirm a destructive action, enter a limit or a memory policy, filter, details, help."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ from textual.validation import ValidationResult, Validator
 from textual.widgets import Button, Input, Label, Static
 
 from kvcached_core import SizeError, format_bytes, parse_size
+from kvcached_core.control.policy import KEEP, policy_problem
 from kvcached_core.control.requests import limit_percent_base
 from kvcached_core.interop.legacy import NoDeviceTotal, limit_refusal
 from kvcached_core.segment.frag import fragmentation
+from kvcached_core.segment.layout import PRIORITY_MAX, PRIORITY_MIN
 from kvcached_core.segment.snapshot import ModelSnapshot
 from kvtop.pagemap import GLYPHS, LEGEND
 from kvtop.textfmt import fmt_device
@@ -181,6 +183,108 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
         self.dismiss(None)
 
 
+@dataclass(frozen=True)
+class PolicyRequest:
+    """What the policy dialog returns: each figure, or ``KEEP`` to leave it as it is (``min_bytes`` None: none)."""
+
+    min_bytes: int | None | object = KEEP
+    priority: int | object = KEEP
+
+    def describe(self) -> str:
+        parts = []
+        if self.min_bytes is not KEEP:
+            parts.append(f"min {format_bytes(self.min_bytes) if self.min_bytes else 'none'}")  # type: ignore[arg-type]
+        if self.priority is not KEEP:
+            parts.append(f"priority {self.priority}")
+        return ", ".join(parts)
+
+
+class PolicyScreen(ModalScreen[PolicyRequest | None]):
+    """Enter a model's min (a size, a percentage or none) and priority; an empty field stays as it is.
+    Invalid input shows why inline and keeps the dialog open."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, model: ModelSnapshot) -> None:
+        super().__init__(classes="dialog")
+        self.model = model
+        self.percent_of: int | None = None
+        self.percent_problem = ""
+        try:
+            self.percent_of, _note = limit_percent_base(model)
+        except NoDeviceTotal as exc:
+            self.percent_problem = str(exc)
+
+    def compose(self) -> ComposeResult:
+        m = self.model
+        with Vertical(id="dialog"):
+            yield Label(Text(f"Set the memory policy of {m.name}"), id="question")
+            yield Static(self._summary(), id="detail")
+            yield Label("min (never reclaimed from it): 4G, 512MiB, 30%, none")
+            yield Input(placeholder="empty: as it is", id="min-input")
+            yield Label(f"priority (lower gives first): {PRIORITY_MIN} to {PRIORITY_MAX}")
+            yield Input(placeholder="empty: as it is", id="priority-input")
+            yield Static("", id="preview")
+            yield Static("", id="error")
+            yield Static("Enter applies · Tab moves · Escape cancels", id="hint")
+
+    def _summary(self) -> Text:
+        m = self.model
+        p = m.pressure
+        now = "-" if p is None else f"min {format_bytes(p.min_bytes) if p.min_bytes else 'none'}, priority {p.priority}"
+        limit = "none" if m.limit_bytes is None else format_bytes(m.limit_bytes)
+        return Text(f"now {now} · limit {limit} · mapped {format_bytes(m.mapped_bytes)}\n"
+                    "When the device's budget refuses another model's growth, the lowest priority gives first: "
+                    "reserved pages, then whole pages of cached blocks, never below its min.")
+
+    def on_mount(self) -> None:
+        self.query_one("#min-input", Input).focus()
+
+    def _request(self) -> PolicyRequest:
+        """The two fields as a request; raises ValueError with the reason when one is wrong."""
+        min_text = self.query_one("#min-input", Input).value.strip()
+        priority_text = self.query_one("#priority-input", Input).value.strip()
+        min_bytes: int | None | object = KEEP
+        priority: int | object = KEEP
+        if min_text:
+            if self.percent_problem and min_text.endswith("%"):
+                raise SizeError(self.percent_problem)
+            min_bytes = parse_size(min_text, percent_of=self.percent_of, allow_none=True)
+        if priority_text:
+            try:
+                priority = int(priority_text)
+            except ValueError:
+                raise ValueError(f"a priority is a whole number from {PRIORITY_MIN} to {PRIORITY_MAX}, "
+                                 f"not {priority_text!r}") from None
+        problem = policy_problem(self.model, min_bytes, priority)
+        if problem is not None:
+            raise ValueError(problem)
+        return PolicyRequest(min_bytes, priority)
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        self.query_one("#error", Static).update("")
+        self.remove_class("-invalid")
+        try:
+            request = self._request()
+        except ValueError:
+            self.query_one("#preview", Static).update("")
+            return
+        self.query_one("#preview", Static).update(Text(f"= {request.describe()}"))
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        try:
+            request = self._request()
+        except ValueError as exc:
+            self.query_one("#error", Static).update(Text(f"✗ {exc}", style="bold red"))
+            self.add_class("-invalid")
+            return
+        self.dismiss(request)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
 class FilterScreen(ModalScreen[str | None]):
     """Filter the model table by a substring of name, model, engine or status; empty clears it."""
 
@@ -223,6 +327,8 @@ TERMS = (
     ("shrinking", "a lowered limit waits for in-use pages to empty (deferred)"),
     ("stale", "the process is gone or its heartbeat is older than 3 s"),
     ("legacy", "an upstream kvcached segment: counters only, limit via its total field"),
+    ("↑", "after the status: waits for memory; the budget refused its growth and it asked the other models"),
+    ("min, prio", "its memory policy: bytes never reclaimed from it; who gives first (lowest)"),
 )
 
 
@@ -255,7 +361,7 @@ class HelpScreen(_InfoScreen):
         for term, meaning in TERMS:
             terms.add_row(term, meaning)
         with VerticalScroll(id="dialog"):
-            yield Label("kvtop — keys" + ("  (read-only: trim, compact, sleep/wake and limit are disabled)" if self.readonly else ""),
+            yield Label("kvtop — keys" + ("  (read-only: trim, compact, sleep/wake, limit and policy are disabled)" if self.readonly else ""),
                         id="question")
             yield Static(keys)
             yield Label("page map", classes="section")
@@ -299,6 +405,7 @@ class DetailsScreen(_InfoScreen):
                 ("traffic", f"{m.alloc_count:,} allocs ({m.alloc_blocks:,} blocks) · {m.free_count:,} frees · "
                             f"{m.evicted_blocks:,} evicted"),
                 ("device capacity", format_bytes(m.device_capacity) if m.device_capacity else "N/A"),
+                *pressure_rows(m),
             ]
             for r in m.ranks:
                 rows.append((f"rank {r.rank}", f"device {r.device}, pid {r.pid}, {format_bytes(r.mapped_bytes)}"
@@ -316,3 +423,18 @@ class DetailsScreen(_InfoScreen):
                     yield Label("emptiest in-use pages (what pins memory)", classes="section")
                     yield Static(Text("  ".join(f"#{p.page} {p.used}/{p.capacity}" for p in worst)))
             yield Static("Escape or Enter closes", id="hint")
+
+
+def pressure_rows(m: ModelSnapshot) -> list[tuple[str, str]]:
+    """The details screen's policy and reclaim rows (none when the model publishes no policy)."""
+    p = m.pressure
+    if p is None:
+        return []
+    rows = [("policy", f"min {format_bytes(p.min_bytes) if p.min_bytes else 'none'}, priority {p.priority}, "
+                       f"revision {p.policy_revision}"
+                       + ("" if p.can_give_cached else "; its engine cannot give cached pages"))]
+    rows.append(("reclaim", f"gave {format_bytes(p.gave_total)} in {p.gave_count} · took {format_bytes(p.took_total)} "
+                            f"in {p.took_count} · asked {p.asked_count}"
+                            + (f" · waits for {format_bytes(p.wanted_bytes)}" if p.wanted_bytes else "")
+                            + (f" · last {p.latency_s * 1000:.0f} ms" if p.took_count else "")))
+    return rows

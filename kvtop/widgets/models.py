@@ -25,7 +25,7 @@ from kvtop.view import COLUMNS, model_cells
 GAP = 2
 # Which columns a narrow terminal keeps, first to last; they are drawn in COLUMNS order.
 PRIORITY = ("name", "status", "mapped", "limit", "waste", "held", "reserved", "cached", "rate", "spark",
-            "pid", "engine", "device", "toks", "waiting", "reqs", "preempt", "idle", "tokspark")
+            "pid", "engine", "device", "toks", "waiting", "reqs", "preempt", "idle", "tokspark", "prio", "min")
 
 
 def choose_columns(widths: dict[str, int], width: int) -> tuple[tuple[str, str, int, bool], ...]:

@@ -6,6 +6,11 @@ on each scrape, or, with ``interval``, a background thread refreshes a cached co
 comes). Models that vanish simply stop being emitted. Per-model series carry the labels
 ``model`` (the segment name, unique on a host), ``engine``, ``device``, ``pid`` and ``host``.
 
+Memory pressure between the models of one budget (issue 30) is exported per model: its policy
+(``min``, ``priority``), the bytes it gave and took and the reclaims it answered and asked
+(counters), the bytes it waits for and its last reclaim's latency; a model whose pressure block
+is unknown (upstream segments, words that cannot be true) has none of these samples.
+
 Allocation and free rates are computed from the segment's ``alloc_count``/``free_count``
 between two observations of the same process; a model seen once has no rate yet. The raw
 counts are exported too, as counters, so ``rate()`` in PromQL works as usual.
@@ -16,7 +21,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -128,6 +133,7 @@ class KVCachedCollector(Collector):
                             ("state",))
         after_idle = gauge("sleep_after_idle_seconds", "The after-idle sleep policy; absent when there is none.")
         slept = gauge("slept_bytes", "Bytes the model's last sleep released.")
+        pressure = PressureFamilies(gauge)
         traffic_counters = [
             (field, CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=MODEL_LABELS))
             for field, name, doc in (
@@ -185,6 +191,7 @@ class KVCachedCollector(Collector):
                     after_idle.add_metric(labels, m.sleep.after_idle_s)
                 if m.sleep.state != "unknown":  # words that cannot be true: no figure, no state is 1
                     slept.add_metric(labels, m.sleep.slept_bytes)
+            pressure.add(labels, m)
             for r in m.ranks:
                 rank_row = [m.name, str(r.rank), str(r.device), str(r.pid), self.host]
                 rank_mapped.add_metric(rank_row, r.mapped_bytes)
@@ -192,7 +199,7 @@ class KVCachedCollector(Collector):
         self._forget_vanished(models)
         return [info, mapped, held, pinned, reserved, cached, capacity, limit, requested, status, waste,
                 pages, alloc_rate, free_rate, allocs, frees, age, stale, rank_mapped, rank_up, running, waiting, idle,
-                *(family for _, family in traffic_counters), sleep_state, after_idle, slept]
+                *(family for _, family in traffic_counters), sleep_state, after_idle, slept, *pressure.families()]
 
     # -- the scan itself and the devices -----------------------------------------------------
     def _scan_families(self, scan: kvcached_core.Scan, seconds: float) -> list[Metric]:
@@ -229,6 +236,39 @@ class KVCachedCollector(Collector):
                 if nbytes is not None:
                     procs.add_metric([str(gpu.index), str(pid), self.host], nbytes)
         return [up, total, used, free, procs]
+
+
+class PressureFamilies:
+    """The per-model pressure metrics: policy, reclaim counters, bytes wanted, last latency."""
+
+    def __init__(self, gauge: Callable[[str, str], GaugeMetricFamily]) -> None:
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=MODEL_LABELS)
+
+        self.min = gauge("min_bytes", "Bytes never reclaimed from the model by another one's pressure (0: none).")
+        self.priority = gauge("priority", "Who gives first when the device's budget is short: the lowest.")
+        self.given = counter("reclaim_given_bytes", "Bytes the model gave to other models' reclaims.")
+        self.taken = counter("reclaim_taken_bytes", "Bytes other models gave the model in its reclaims.")
+        self.answered = counter("reclaims_answered", "Reclaim requests of other models the model answered.")
+        self.asked = counter("reclaims_asked", "Reclaim requests the model wrote to other models.")
+        self.wanted = gauge("wanted_bytes", "Bytes a refused growth of the model waits for now (0: none).")
+        self.latency = gauge("reclaim_latency_seconds", "The model's last reclaim, from the refused growth to the "
+                             "bytes given; absent until one gave it memory.")
+
+    def add(self, labels: list[str], m: ModelSnapshot) -> None:
+        p = m.pressure
+        if p is None:  # unknown: no sample, never a zero that reads as a figure
+            return
+        for family, figure in ((self.min, p.min_bytes), (self.priority, p.priority), (self.given, p.gave_total),
+                               (self.taken, p.took_total), (self.answered, p.gave_count),
+                               (self.asked, p.asked_count), (self.wanted, p.wanted_bytes)):
+            family.add_metric(labels, figure)
+        if p.took_count:
+            self.latency.add_metric(labels, p.latency_s)
+
+    def families(self) -> list[Metric]:
+        return [self.min, self.priority, self.given, self.taken, self.answered, self.asked, self.wanted,
+                self.latency]
 
 
 class RefreshingCollector(Collector):

@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvcached_core as kc
 from kvcached_core.backends import nvml
+from kvcached_core.control.policy import request_policy
+from kvcached_core.segment import layout as L
 from kvtop.exporter import Exporter
 
 Samples = dict[tuple[str, frozenset], float]
@@ -212,3 +214,58 @@ def test_nvml_memory_and_a_cuda_allocator_on_the_gpu(spawn_allocator, exporter):
                if n == "kvcached_gpu_process_memory_bytes" and ("pid", str(proc.pid)) in lab]
     if process:  # NVML lists processes only where the driver sees the container's pids
         assert process[0] >= mapped
+
+
+# Models of 1 MiB page bundles under one 26 MiB host budget (as tests/test_core_pressure.py): a donor with
+# 80 cached blocks, an asker that wants 40 blocks more than the budget leaves.
+PRESSURE_GEOMETRY = dict(num_blocks=256, block_bytes=64 * 1024, num_layers=2, page_size=256 * 1024)
+DONOR = """
+active = m.alloc(8)
+cached = m.alloc(80)
+m.mark_cached(cached)
+m.set_evict_handler(lambda: m.evict_for_limit())
+"""
+ASKER = """
+import time
+got = []
+while len(got) < 40:
+    ids = m.alloc(4)
+    if ids is None:
+        time.sleep(0.01)
+    else:
+        got.extend(ids)
+"""
+PRESSURE_METRICS = ("kvcached_min_bytes", "kvcached_priority", "kvcached_reclaim_given_bytes_total",
+                    "kvcached_reclaim_taken_bytes_total", "kvcached_reclaims_answered_total",
+                    "kvcached_reclaims_asked_total", "kvcached_wanted_bytes", "kvcached_reclaim_latency_seconds")
+
+
+def test_reclaim_between_two_models_is_exported(spawn_allocator, exporter, shm_dir, monkeypatch):
+    monkeypatch.setenv("KVCACHED_HOST_CAPACITY", "26MiB")
+    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
+    donor = spawn_allocator("idle", script=DONOR, priority=-3, **PRESSURE_GEOMETRY)
+    wait_for(lambda: kc.snapshot("idle").mapped_bytes >= 22 << 20, what="the donor's pages")
+    request_policy("idle", min_bytes=4 << 20, wait=5)
+    asker = spawn_allocator("busy", script=ASKER, **PRESSURE_GEOMETRY)  # READY once it holds its 40 blocks
+    wait_for(lambda: kc.snapshot("busy").pressure.wanted_bytes == 0, what="the asker to be served")  # type: ignore[union-attr]
+    (shm_dir / "kvcached_vllm_1234").write_bytes(L.LEGACY.pack(64 << 20, 0, 0))  # upstream: pressure unknown
+    os.chmod(shm_dir / "kvcached_vllm_1234", 0o600)
+
+    samples = scrape(exporter.url)
+    idle, busy = kc.snapshot("idle").pressure, kc.snapshot("busy").pressure
+    assert idle is not None and busy is not None and idle.gave_total > 0 and busy.took_total > 0
+    of_idle, of_busy = {"model": "idle", "pid": str(donor.pid)}, {"model": "busy", "pid": str(asker.pid)}
+    assert value(samples, "kvcached_min_bytes", **of_idle) == 4 << 20
+    assert value(samples, "kvcached_priority", **of_idle) == -3
+    assert value(samples, "kvcached_reclaim_given_bytes_total", **of_idle) == idle.gave_total
+    assert value(samples, "kvcached_reclaims_answered_total", **of_idle) == idle.gave_count >= 1
+    assert value(samples, "kvcached_reclaim_taken_bytes_total", **of_busy) == busy.took_total == idle.gave_total
+    assert value(samples, "kvcached_reclaims_asked_total", **of_busy) == busy.asked_count >= 1
+    assert value(samples, "kvcached_wanted_bytes", **of_busy) == 0
+    assert value(samples, "kvcached_reclaim_latency_seconds", **of_busy) == pytest.approx(busy.latency_s)
+    assert busy.latency_s > 0
+    assert value(samples, "kvcached_min_bytes", **of_busy) == 0 and value(samples, "kvcached_priority", **of_busy) == 0
+    latency = [k for k in samples if k[0] == "kvcached_reclaim_latency_seconds" and ("model", "idle") in k[1]]
+    assert bool(latency) == (idle.took_count > 0)  # absent until a reclaim gave it memory, never a 0
+    assert models_in(samples) == {"idle", "busy", "kvcached_vllm_1234"}
+    assert not [k for k in samples if k[0] in PRESSURE_METRICS and ("model", "kvcached_vllm_1234") in k[1]]

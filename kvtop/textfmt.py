@@ -137,8 +137,32 @@ def list_row(m: ModelSnapshot) -> list[str]:
 
 # -- show and frag ---------------------------------------------------------------------
 
-def show_lines(m: ModelSnapshot, frag: Fragmentation) -> list[str]:
-    """The text of ``kvctl show`` above the page map."""
+def pressure_fields(m: ModelSnapshot, models: Sequence[ModelSnapshot] = ()) -> list[tuple[str, str]]:
+    """``kvctl show``'s policy and reclaim lines (``models``: the others, to name the one a donor gave to)."""
+    from kvtop.events import asker_name
+
+    p = m.pressure
+    if m.legacy:
+        return []
+    if p is None:
+        return [("policy", "unknown (its pressure words cannot be true)")]
+    rows = [("policy", f"min {fmt_bytes(p.min_bytes) if p.min_bytes else 'none'}, priority {p.priority}"
+                       + (f" (revision {p.policy_revision})" if p.policy_revision else ""))]
+    if p.wanted_bytes and m.status == "live":
+        rows.append(("pressure", f"waiting for {fmt_bytes(p.wanted_bytes)}: the budget refused its growth, "
+                                 "it asks the other models"))
+    gave = f"{fmt_bytes(p.gave_total)} in {p.gave_count} reclaims"
+    if p.gave_count:
+        gave += (f"; last {fmt_bytes(p.given_bytes)} to {asker_name(p.given_to, models)} (cached "
+                 f"{fmt_bytes(p.given_cached)}, reserved {fmt_bytes(p.given_reserved)}) in {p.given_took_s * 1000:.0f} ms")
+    took = f"{fmt_bytes(p.took_total)} in {p.took_count} reclaims, {p.asked_count} requests asked"
+    if p.took_count:
+        took += f"; last {p.latency_s * 1000:.0f} ms from the refused growth to the bytes given"
+    return [*rows, ("gave", gave), ("took", took)]
+
+
+def show_lines(m: ModelSnapshot, frag: Fragmentation, models: Sequence[ModelSnapshot] = ()) -> list[str]:
+    """The text of ``kvctl show`` above the page map (``models``: every model read, to name reclaim partners)."""
     lines = [f"{m.name}  (model {m.model}, engine {m.engine}, backend {m.backend}, pid {m.pid or '-'}, device {fmt_device(m)})"]
 
     def field(label: str, text: str) -> None:
@@ -165,6 +189,8 @@ def show_lines(m: ModelSnapshot, frag: Fragmentation) -> list[str]:
     field("limit", limit)
     if m.device_capacity:
         field("capacity", f"{fmt_bytes(m.device_capacity)} on the device" + ("s" if len(m.devices) > 1 else ""))
+    for label, text in pressure_fields(m, models):
+        field(label, text)
     if not m.legacy:
         field("waste", f"{fmt_ratio(frag.waste_ratio)} pinned/held; packed floor {frag.packed_floor_pages} pages "
                        f"({fmt_bytes(frag.packed_floor_bytes)}), pinned {fmt_ratio(frag.pinned_over_floor)} of it")

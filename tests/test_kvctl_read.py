@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import ROOT, child_env, kvctl, send
+from conftest import ROOT, child_env, kvctl, send, wait_for
 
 from kvtop.cli import COMMANDS, main
 
@@ -102,6 +102,53 @@ def test_show_json_and_page_map(spawn_allocator):
     assert grid[0].split()[1][:2] == "█░"  # page 0 full (4/4), page 1 1/4 used
     assert "· free (unmapped)" in out and "○ reserved" in out
     assert "status       live" in out
+
+
+PRESSURE_GEOMETRY = dict(num_blocks=256, block_bytes=64 * 1024, num_layers=2, page_size=256 * 1024)  # 1 MiB bundles
+DONOR = "active = m.alloc(8)\ncached = m.alloc(80)\nm.mark_cached(cached)\nm.set_evict_handler(lambda: m.evict_for_limit())\n"
+ASKER = "import time\ngot = []\nwhile len(got) < 40:\n    ids = m.alloc(4)\n    got += ids or []\n    time.sleep(0 if ids else 0.01)\n"
+
+
+def test_show_says_the_policy_and_the_reclaims_between_two_models(spawn_allocator, monkeypatch):
+    monkeypatch.setenv("KVCACHED_HOST_CAPACITY", "26MiB")  # one budget: the asker's 40 blocks need the donor's
+    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
+    spawn_allocator("idle", script=DONOR, priority=-2, min_bytes=4 * MiB, **PRESSURE_GEOMETRY)
+    spawn_allocator("busy", script=ASKER, **PRESSURE_GEOMETRY)  # READY once it holds its 40 blocks
+
+    def lines(name: str) -> dict[str, str]:
+        out = kvctl("show", name)
+        assert out.exit_code == 0, out.stderr
+        return {m[1]: m[2] for m in re.finditer(r"^  (\w+) +(.*)$", out.stdout, re.M)}
+
+    def pressure() -> dict:
+        return {m["name"]: m["pressure"] for m in json.loads(kvctl("list", "--json").stdout)}
+
+    def steady() -> tuple[dict, dict, dict] | None:
+        """The show lines of both, between two equal JSON reads (a warm pool refilling may still ask for pages)."""
+        before, idle, busy = pressure(), lines("idle"), lines("busy")
+        return (before, idle, busy) if pressure() == before else None
+
+    data, idle, busy = wait_for(steady, timeout=20, what="two equal reads")
+    gave, took = data["idle"], data["busy"]
+    assert idle["policy"] == "min 4.0 MiB, priority -2"
+    assert busy["policy"] == "min none, priority 0"
+    last = gave["last_given"]
+    assert gave["gave_count"] >= 1 and took["took_bytes"] > 0
+    assert re.fullmatch(rf"[\d.]+ \w+ in {gave['gave_count']} reclaims; last [\d.]+ \w+ to busy "
+                        r"\(cached [\d.]+ \w+, reserved [\d.]+ \w?B\) in \d+ ms", idle["gave"]), idle["gave"]
+    assert idle["gave"].startswith(f"{kc_bytes(gave['gave_bytes'])} in ")
+    assert f"last {kc_bytes(last['bytes'])} to busy (cached {kc_bytes(last['cached_bytes'])}, " in idle["gave"]
+    assert busy["took"].startswith(f"{kc_bytes(took['took_bytes'])} in {took['took_count']} reclaims, "
+                                   f"{took['asked_count']} requests asked; last ")
+    for name, shown in (("idle", idle), ("busy", busy)):  # the line is there exactly while it waits
+        wanted = data[name]["wanted_bytes"]
+        assert shown.get("pressure", "").startswith(f"waiting for {kc_bytes(wanted)}") if wanted else "pressure" not in shown
+
+
+def kc_bytes(n: int) -> str:
+    from kvcached_core import format_bytes
+
+    return format_bytes(n)
 
 
 def test_show_folds_a_large_map_and_resolves_prefixes(spawn_allocator):

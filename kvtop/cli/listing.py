@@ -65,7 +65,8 @@ def show_cmd(model: str, as_json: bool, width: int, rows: int) -> None:
       kvctl show llama --width 100 --rows 8
       kvctl show llama --json | jq '.fragmentation.waste_ratio'
     """
-    snap = pick(model, read(with_pages=True))
+    found = read(with_pages=True)
+    snap = pick(model, found)
     frag = fragmentation(snap)
     if as_json:
         out = snap.to_dict()
@@ -75,7 +76,7 @@ def show_cmd(model: str, as_json: bool, width: int, rows: int) -> None:
         return
     from kvtop import textfmt as T
 
-    click.echo("\n".join([*T.show_lines(snap, frag), "", *T.page_map_lines(snap, width, rows)]))
+    click.echo("\n".join([*T.show_lines(snap, frag, found.models), "", *T.page_map_lines(snap, width, rows)]))
 
 
 @click.command("frag")

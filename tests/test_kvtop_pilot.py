@@ -262,6 +262,19 @@ def test_a_policy_set_by_kvctl_is_logged(spawn_allocator) -> None:
     drive(app, script)
 
 
+def test_p_on_an_upstream_segment_says_why_not() -> None:
+    app = KvtopApp(sample_fleet(), interval=0.2, model="kvcached_vllm_3311")
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: app.selected == "kvcached_vllm_3311", "the upstream row selected")
+        await pilot.press("p")
+        await until(pilot, lambda: said(app, "kvcached_vllm_3311 is an upstream kvcached segment: it has no memory "
+                                             "policy"), "the notice")
+        assert not isinstance(app.screen, PolicyScreen)
+
+    drive(app, script)
+
+
 # Models of 1 MiB page bundles under one 26 MiB host budget (as tests/test_core_pressure.py).
 GEOMETRY = dict(num_blocks=256, block_bytes=64 * 1024, num_layers=2, page_size=256 * 1024)
 DONOR = """

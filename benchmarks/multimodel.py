@@ -733,6 +733,23 @@ def run_row(trace: list[dict], models: int, workdir: Path, prefix_caching: bool)
 PREFIX = {"on": (True,), "off": (False,), "both": (True, False)}
 
 
+def replot(path: Path) -> Path | None:
+    """The picture of a report this benchmark wrote (its rows' samples and requests), next to it; the
+    report and its markdown then name it (a run on a machine without matplotlib drew none)."""
+    report = json.loads(path.read_text())
+    capacity = capacity_bytes(len(report["rows"][0]["static"]) - 1)
+    rows = [dict(row, runs={c: {"samples": row["kv_samples"][c], "requests": row["requests"][c],
+                                "summary": row[c], "capacity_bytes": capacity} for c in ("static", "elastic")})
+            for row in report["rows"]]
+    png = plot(rows, path.with_suffix(".png"))
+    if png is not None and report.get("picture") != png.name:  # the report and its markdown name the picture
+        path.write_text(json.dumps(dict(report, picture=png.name), indent=1, default=str) + "\n")
+        md = path.with_suffix(".md")
+        if md.is_file() and png.name not in md.read_text():
+            md.write_text(md.read_text() + f"\n![TTFT and KV bytes]({png.name})\n")
+    return png
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks multimodel", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two models, a third of the time (under 3 minutes)")
@@ -743,7 +760,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-logs", action="store_true", help="keep the engines' logs (their folder is printed)")
     parser.add_argument("--trace", type=Path, help="replay this trace instead (the smoke test's short one)")
     parser.add_argument("--make-trace", action="store_true", help="write the recorded trace again (fixed seed)")
+    parser.add_argument("--plot", type=Path, metavar="JSON", help="draw the picture of a written report again")
     args = parser.parse_args(argv)
+    if args.plot:
+        return 0 if replot(args.plot) else 1
     if args.make_trace:
         TRACE.parent.mkdir(exist_ok=True)
         TRACE.write_text(json.dumps({"seed": 24, "models": 3, "duration_s": 150.0,
@@ -783,7 +803,8 @@ def main(argv: list[str] | None = None) -> int:
     report["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     report["seconds"] = round(time.monotonic() - started, 1)
     report["rows"] = [{k: v for k, v in row.items() if k != "runs"}
-                      | {"kv_samples": {c: run["samples"] for c, run in row["runs"].items()}} for row in rows]
+                      | {"kv_samples": {c: run["samples"] for c, run in row["runs"].items()},
+                         "requests": {c: run["requests"] for c, run in row["runs"].items()}} for row in rows]
     text = markdown(report)
     print(text)
     unanswered = sum(row[c]["total"]["requests"] - row[c]["total"]["answered"] for row in rows

@@ -235,12 +235,18 @@ def test_bad_size_text(text, message):
 # -- the document --------------------------------------------------------------------------
 
 def doc_rows() -> list[tuple[str, str, str]]:
-    """(case, behaviour, test node id) of every table row in docs/bad-input.md."""
+    """(case, behaviour, test node id) of every test each table row of docs/bad-input.md names."""
     rows = []
     for line in DOC.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[2].startswith("`tests/"):
-            rows.append((cells[0], cells[1], cells[2].strip("`")))
+            # One or more node ids; a bare `[case]` is another case of the test named before it.
+            function = ""
+            for node in re.findall(r"`([^`]+)`", cells[2]):
+                if node.startswith("["):
+                    node = function + node
+                function = node.split("[")[0]
+                rows.append((cells[0], cells[1], node))
     return rows
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from conftest import ROOT, child_env, kvctl, send
 
 from kvcached_core import list_models
-from kvtop.cli.watch import CSV_FIELDS, SLEEP_FIELDS, TRAFFIC_FIELDS
+from kvtop.cli.watch import CSV_FIELDS, POLICY_FIELDS, PRESSURE_FIELDS, SLEEP_FIELDS, TRAFFIC_FIELDS
 
 
 def kvctl_command() -> list[str]:
@@ -45,16 +45,21 @@ def test_csv_header_once_then_rows(spawn_allocator):
     done = kvctl("watch", "--format", "csv", "--count", "2", "--interval", "0.05")
     assert done.exit_code == 0, done.stderr
     rows = list(csv.reader(io.StringIO(done.stdout)))
-    assert rows[0] == ["time", "tick", *CSV_FIELDS, *TRAFFIC_FIELDS, *(f"sleep_{k}" for k in SLEEP_FIELDS)]
+    assert rows[0] == ["time", "tick", *CSV_FIELDS, *TRAFFIC_FIELDS, *(f"sleep_{k}" for k in SLEEP_FIELDS),
+                       *POLICY_FIELDS, *PRESSURE_FIELDS]
     assert [(r[1], r[2]) for r in rows[1:]] == [("0", "a"), ("0", "b"), ("1", "a"), ("1", "b")]
     record = dict(zip(rows[0], rows[1], strict=True))
     assert record["status"] == "live" and record["limit_bytes"] == "" and int(record["pages_total"]) == 128
+    assert record["min_bytes"] == "0" and record["priority"] == "0" and record["wanted_bytes"] == "0"
 
 
 def test_csv_columns_are_the_scalar_list_keys(spawn_allocator):
     spawn_allocator("m1")
-    keys = [k for k, v in list_models()[0].to_dict().items() if not isinstance(v, list) and k not in ("traffic", "sleep", "compaction")]
+    keys = [k for k, v in list_models()[0].to_dict().items() if not isinstance(v, list) and k not in ("traffic", "sleep", "compaction", "policy", "pressure")]
     assert list(CSV_FIELDS) == keys
+    row = list_models()[0].to_dict()
+    assert list(POLICY_FIELDS) == list(row["policy"])
+    assert set(PRESSURE_FIELDS) == {k for k, v in row["pressure"].items() if isinstance(v, int)}
 
 
 def test_table_ticks(spawn_allocator):

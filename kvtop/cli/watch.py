@@ -27,6 +27,9 @@ CSV_FIELDS = (
 TRAFFIC_FIELDS = ("running", "waiting", "finished", "prompt_tokens", "generated_tokens", "preemptions", "idle_s")
 # Then the sleep state and policy (the "sleep" object), prefixed; empty where unknown.
 SLEEP_FIELDS = ("state", "after_idle_s", "slept_bytes")
+# Then the memory policy (the "policy" object) and the reclaim figures (the "pressure" object's scalars).
+POLICY_FIELDS = ("min_bytes", "priority")
+PRESSURE_FIELDS = ("wanted_bytes", "gave_bytes", "gave_count", "took_bytes", "took_count", "asked_count")
 CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -39,7 +42,8 @@ class Printer:
         self.tty = T.want_rich(self.out)
         self.csv = csv.writer(self.out, lineterminator="\n") if fmt == "csv" else None
         if self.csv is not None:
-            self.csv.writerow(("time", "tick", *CSV_FIELDS, *TRAFFIC_FIELDS, *(f"sleep_{k}" for k in SLEEP_FIELDS)))
+            self.csv.writerow(("time", "tick", *CSV_FIELDS, *TRAFFIC_FIELDS, *(f"sleep_{k}" for k in SLEEP_FIELDS),
+                               *POLICY_FIELDS, *PRESSURE_FIELDS))
 
     def tick(self, tick: int, now: float, models: list[ModelSnapshot]) -> None:
         if self.fmt == "json":
@@ -52,9 +56,13 @@ class Printer:
                 row = m.to_dict()
                 traffic = row["traffic"] or {}
                 asleep = row["sleep"] or {}
+                policy = row["policy"] or {}
+                pressure = row["pressure"] or {}
                 self.csv.writerow((f"{now:.3f}", tick, *("" if row[k] is None else row[k] for k in CSV_FIELDS),
                                    *("" if traffic.get(k) is None else traffic[k] for k in TRAFFIC_FIELDS),
-                                   *("" if asleep.get(k) is None else asleep[k] for k in SLEEP_FIELDS)))
+                                   *("" if asleep.get(k) is None else asleep[k] for k in SLEEP_FIELDS),
+                                   *("" if policy.get(k) is None else policy[k] for k in POLICY_FIELDS),
+                                   *("" if pressure.get(k) is None else pressure[k] for k in PRESSURE_FIELDS)))
         else:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
             title = f"kvctl watch  every {self.interval:g} s  {stamp}  tick {tick}"

@@ -81,6 +81,39 @@ def test_an_idle_models_cached_pages_go_to_a_busy_one(budget, spawn_allocator) -
     send(donor, "assert all(m.pages.is_used(b) for b in active)")
 
 
+def test_a_large_growth_is_one_reclaim_and_every_page_the_donor_unmaps_is_given(
+        budget, spawn_allocator, monkeypatch) -> None:
+    # One alloc of 10 pages asks for all it lacks at once (not one reclaim per page). The donor's warm pool
+    # holds at most one page: the pages its engine's eviction empties mostly overflow it and are unmapped as
+    # they empty, not from the pool; they are given all the same.
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "1")
+    spawn_allocator("idle", script=DONOR, **GEOMETRY)
+    wait_for(lambda: snap("idle").mapped_bytes == 22 * MiB, what="the donor to map its blocks")
+    with asker() as m:
+        assert m.alloc(40) is None  # 10 pages at once: 6 more than the budget has left, asked in one reclaim
+        wait_for(lambda: m.alloc(40) is not None, what="the donor to give")
+        time.sleep(0.3)  # any reclaim still under way is answered
+        idle = snap("idle")
+        assert idle.pressure.gave_total == 22 * MiB - idle.mapped_bytes  # the bytes it gave are the bytes it unmapped
+        assert idle.pressure.gave_count == 1 and snap("busy").pressure.took_count == 1
+        assert idle.pressure.given_cached > 0 and idle.pressure.given_bytes == (
+            idle.pressure.given_reserved + idle.pressure.given_cached)
+
+
+def test_a_warm_pool_alone_never_takes_memory_from_another_model(budget, spawn_allocator) -> None:
+    # the donor keeps no warm pool: 4 pages of the budget stay free
+    spawn_allocator("idle", script=DONOR + "m.min_reserved = 0\nm.trim()\n", **GEOMETRY)
+    wait_for(lambda: snap("idle").mapped_bytes == 22 * MiB, what="the donor to map its blocks")
+    with asker() as m:
+        assert m.alloc(16) is not None  # the 4 pages the budget has left; the warm pool's refill is then refused
+        wait_for(lambda: m.pages.mapped_pages == 4 and not m.pages.inflight, what="the refill to be refused")
+        time.sleep(1.0)  # what a refused refill would have asked for, it would have asked by now
+        busy = snap("busy")
+        assert busy.pressure.wanted_bytes == 0 and busy.pressure.asked_count == 0  # nothing waits: no marker
+        assert snap("idle").pressure.gave_total == 0
+
+
 def test_a_model_at_its_min_gives_nothing(budget, spawn_allocator) -> None:
     spawn_allocator("idle", script=DONOR, min_bytes=24 * MiB, **GEOMETRY)
     wait_for(lambda: snap("idle").mapped_bytes >= 22 * MiB, what="the donor to map its blocks")
@@ -142,7 +175,10 @@ def test_a_donor_stopped_then_killed_mid_reclaim_leaves_the_asker_going(budget, 
         donor.wait()
         got = take(m, 40, timeout=20)  # the dead donor's claim no longer counts
         assert len(got) == 40
-        assert m.backend.ledger.claimed == m.pages.mapped_pages * m.bundle_bytes  # type: ignore[attr-defined]
+        ledger = m.backend.ledger  # type: ignore[attr-defined]
+        # nothing leaked: once no refill is in flight, the ledger holds exactly what is mapped
+        wait_for(lambda: not m.pages.inflight and ledger.claimed == m.pages.mapped_pages * m.bundle_bytes,
+                 what="the ledger to hold what the asker mapped")
 
 
 def test_kvctl_policy_sets_min_and_priority_live(spawn_allocator) -> None:

@@ -902,7 +902,7 @@ static PyObject *FastPath_manager_alloc(FastPath *f, PyObject *const *args, Py_s
     if (!ids) return unlock(f, NULL);
     if (ids == Py_None) {
         Py_DECREF(ids);
-        return unlock(f, PyObject_CallNoArgs(f->alloc_missed));
+        return unlock(f, PyObject_CallOneArg(f->alloc_missed, args[0]));
     }
     if (request_refill(f) < 0) {
         Py_DECREF(ids);

@@ -173,6 +173,7 @@ class KVCacheManager:
         self._refill_requested = False  # set by traffic; a trim or an idle model stays trimmed
         self._refill_polling = False  # the refill thread looks by itself: no need to wake it
         self._budget_short = False  # schedulable_blocks found the shared budget, not the limit, holding it back
+        self._schedulable = 0  # schedulable_blocks' last answer
         self.sleep = SleepControl(self)  # sleep and wake (kvcached_core.allocator.sleep)
         self._compact_handler: CompactHandler | None = None  # the engine's copy (see compact)
         self._evict_handler: EvictHandler | None = None  # see set_evict_handler
@@ -240,7 +241,7 @@ class KVCacheManager:
                     self.alloc_blocks += n
                     self._publish()
             if ids is None:
-                self._alloc_missed()
+                self._alloc_missed(n)
                 return None
             if len(self.pages.reserved) + self.pages.inflight < self.min_reserved:
                 self._refill_requested = True
@@ -248,8 +249,18 @@ class KVCacheManager:
                     self._refill_wanted.notify()
             return ids
 
-    def _alloc_missed(self) -> None:
-        """alloc found no pages: report a map failure if there was one, else publish; the miss is None."""
+    def _shortfall_bytes(self, blocks: int) -> int:
+        """Bytes to map before ``blocks`` more blocks fit (lock held): whole page bundles, at least one."""
+        lacking = max(1, blocks - self.pages.free_in_mapped())
+        return -(-lacking // self.blocks_per_page) * self.bundle_bytes
+
+    def _alloc_missed(self, n: int) -> None:
+        """alloc(n) found no pages: report a map failure if there was one, else publish; the miss is None.
+
+        When the shared budget refused a page of it, the model asks the others for all that ``n`` lacks, not for
+        that one page (a reclaim each page would make a large request wait for many rounds)."""
+        if self.pressure.wanted:
+            self._refused(self._shortfall_bytes(n))
         self._raise_map_error()  # publishes first when it raises
         self._publish()  # the roll-back may have mapped or unmapped pages
         return None
@@ -346,6 +357,7 @@ class KVCacheManager:
                         + min(budget // self.bundle_bytes, self._headroom()) * self.blocks_per_page)
                 if room < free:
                     free, self._budget_short = room, True
+            self._schedulable = free
             return free
 
     def trim(self) -> int:
@@ -436,21 +448,28 @@ class KVCacheManager:
         return self.segment.current_seq()
 
     def publish_traffic(self, running: int, waiting: int, finished: int, prompt_tokens: int,
-                        generated_tokens: int, preemptions: int, last_request_ns: int) -> None:
+                        generated_tokens: int, preemptions: int, last_request_ns: int,
+                        waiting_blocks: int = 0) -> None:
         """The engine's request figures, for kvtop and kvctl: gauges (running, waiting) and monotonic
         counters, written into the segment as plain words (no lock, no system call: once a step is cheap).
         Each call is activity for the idle clocks (after-idle sleep, idle return): a model whose requests
-        decode without taking a new block is not idle."""
+        decode without taking a new block is not idle.
+
+        ``waiting_blocks``: the blocks the waiting requests need (0: unknown, taken as one page's worth). While
+        the shared budget holds them back, the model asks the other models for what they lack."""
         self.traffic_published += 1
         if not self._closed:
             self.segment.publish_traffic(running, waiting, finished, prompt_tokens, generated_tokens, preemptions,
                                          last_request_ns)
-            if waiting and self._budget_short and not self.pressure.wanted:
+            if waiting and self._budget_short:
                 # Requests wait while the shared budget, not the model's limit, holds the engine back: that is a
                 # refused growth too, although no alloc was tried (the engine schedules by schedulable_blocks).
-                with self._lock:
-                    if not self._closed:
-                        self._refused(self.bundle_bytes)
+                lacking = max(1, waiting_blocks - self._schedulable)
+                need = -(-lacking // self.blocks_per_page) * self.bundle_bytes
+                if need > self.pressure.wanted:
+                    with self._lock:
+                        if not self._closed:
+                            self._refused(need)
 
     # -- prefix cache ------------------------------------------------------------------------
     def mark_cached(self, ids: Iterable[int]) -> list[int]:
@@ -700,7 +719,8 @@ class KVCacheManager:
             self._map_error = exc
         self.pages.finish_mapping(asked, mapped)
         self._dirty.update(mapped)
-        if len(mapped) < len(asked) and self._map_error is None:
+        if len(mapped) < len(asked) and self._map_error is None and not self.pages.inflight:
+            # refused by the budget, not by this model's own refill in flight (its pages land soon)
             self._refused((len(asked) - len(mapped)) * self.bundle_bytes)
         elif mapped:
             self.pressure.satisfied()
@@ -952,8 +972,10 @@ class KVCacheManager:
             if mapped and len(mapped) == len(asked):
                 self.pressure.satisfied()
             if len(mapped) < len(asked):
-                # The device said no: ask the other models for memory (next step), and wait for the next alloc.
-                self.pressure.note_refused((len(asked) - len(mapped)) * self.bundle_bytes)
+                # The device said no. While a refused growth waits, ask the other models again (next step); a warm
+                # pool alone never takes memory from another model. Then wait for the next alloc.
+                if self.pressure.wanted:
+                    self.pressure.note_refused((len(asked) - len(mapped)) * self.bundle_bytes)
                 linger_until = 0.0
                 self._refill_polling = False
                 self._refill_wanted.wait(timeout=0.05)

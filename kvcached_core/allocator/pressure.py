@@ -113,7 +113,8 @@ class PressureControl:
         self.gave_total = self.gave_count = 0
         self.hold_until = 0.0
         self.give_target: int | None = None  # pages the engine's evict handler works down to (a reclaim waits)
-        self._giving: tuple[int, int, int, int, float] | None = None  # seq, want, asker, reserved given, started
+        # a reclaim under way: seq, want, asker, reserved bytes given, pages mapped once those went, started
+        self._giving: tuple[int, int, int, int, int, float] | None = None
         # asker
         self.took_total = self.took_count = self.asked_count = 0
         self.wanted = 0  # bytes a refused growth waits for (0: none)
@@ -191,31 +192,36 @@ class PressureControl:
         m.backend.trim_pool(0)  # a pool of device handles counts against the budget too
         missing = pages - reserved // bundle
         handler = m._evict_handler
+        giving = (seq, want, asker, reserved, m.pages.mapped_pages, started)
         if missing > 0 and handler is not None and m.cache.blocks:
             self.give_target = max(self.min_pages, m.pages.pages_inuse - missing)
-            self._giving = (seq, want, asker, reserved, started)
+            self._giving = giving
             try:
                 handler()
             except Exception:  # noqa: BLE001 - the engine could not evict: it gives what it gave
                 log.exception("%s: the engine's evict handler failed during a reclaim", m.name)
             self._finish_give(force=False)
             return
-        self._giving = (seq, want, asker, reserved, started)
+        self._giving = giving
         self._finish_give(force=True)
 
     def _finish_give(self, *, force: bool) -> None:
         """Answer the reclaim under way once the engine evicted down to the target (or it waited long enough)."""
         assert self._giving is not None
         m = self._m
-        seq, want, asker, reserved, started = self._giving
+        seq, want, asker, reserved, mapped_before, started = self._giving
         target = self.give_target
         done = target is None or m.pages.pages_inuse <= target
         if not (done or force or time.monotonic() - started >= GIVE_WAIT_S):
             return
-        # the pages the eviction emptied joined the warm pool: they go too, as far as the request asked
-        pages = max(0, math.ceil(want / m.bundle_bytes) - reserved // m.bundle_bytes)
+        # The pages the eviction emptied joined the warm pool (they go now, as far as the request asked) or,
+        # past the pool's maximum, were unmapped as they emptied: both are cached pages given.
+        bundle = m.bundle_bytes
+        already = max(0, mapped_before - m.pages.mapped_pages)
+        pages = max(0, math.ceil(want / bundle) - reserved // bundle - already)
         pages = min(pages, max(0, m.pages.mapped_pages - self.min_pages))
-        cached = m._unmap_reserved(min(pages, len(m.pages.reserved)))
+        m._unmap_reserved(min(pages, len(m.pages.reserved)))
+        cached = max(0, mapped_before - m.pages.mapped_pages) * bundle
         m.backend.trim_pool(0)
         flush = getattr(m.backend, "flush", None)
         if flush is not None:

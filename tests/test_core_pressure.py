@@ -279,3 +279,19 @@ def test_an_engine_schedules_against_the_shared_budget_and_waiting_requests_ask_
             return False
 
         wait_for(grown, timeout=20, what="the budget to leave room for the queued requests")
+
+
+def test_waiting_requests_ask_for_all_the_blocks_they_need_in_one_reclaim(budget, spawn_allocator) -> None:
+    spawn_allocator("idle", script=DONOR, **GEOMETRY)
+    wait_for(lambda: snap("idle").mapped_bytes >= 22 * MiB, what="the donor to map its blocks")
+    with asker() as m:
+        time.sleep(0.05)  # the budget figure is at most 10 ms old
+        free = m.schedulable_blocks()
+        assert free <= 4 * 4
+        # the engine's queue needs 64 blocks (16 pages): one reclaim asks for all the budget lacks
+        m.publish_traffic(0, 5, 0, 0, 0, 0, time.time_ns(), waiting_blocks=64)
+        assert m.pressure.wanted >= (64 - free) // 4 * MiB
+        wait_for(lambda: snap("busy").pressure.took_count >= 1, what="the donor to give")
+        time.sleep(0.05)
+        assert m.schedulable_blocks() >= 64
+        assert snap("busy").pressure.took_count == 1 and snap("idle").pressure.gave_count == 1

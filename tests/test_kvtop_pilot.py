@@ -642,6 +642,11 @@ def zoomed(app: KvtopApp, scroll: int = 0) -> None:
     app.pagemap.call_after_refresh(app.pagemap.scroll_to, y=scroll, animate=False, immediate=True)
 
 
+def scrolled_to(scroll: int) -> Callable[[KvtopApp], bool]:
+    """The zoomed map laid out (rows beyond the screen) and at `scroll`: a loaded host may take a while."""
+    return lambda app: app.pagemap.max_scroll_y > 30 and app.pagemap.scroll_y == scroll
+
+
 # action -> (set up before the key, the effect the key must have). The setups put the app where the
 # key has something to do: a selection to move, a page map longer than the screen.
 KEY_EFFECTS: dict[str, tuple[Callable[[KvtopApp], None], Callable[[KvtopApp], bool]]] = {
@@ -675,6 +680,11 @@ KEY_EFFECTS: dict[str, tuple[Callable[[KvtopApp], None], Callable[[KvtopApp], bo
     "map_page(-1)": (lambda app: zoomed(app, 30), lambda app: app.pagemap.scroll_y < 29),
     "command_palette": (lambda app: None, lambda app: isinstance(app.screen, CommandPalette)),
 }
+# Where a setup takes effect after a refresh, the key is pressed only once it has.
+READY: dict[str, Callable[[KvtopApp], bool]] = {
+    "map_scroll(-1)": scrolled_to(5), "map_scroll(1)": scrolled_to(0),
+    "map_page(1)": scrolled_to(0), "map_page(-1)": scrolled_to(30),
+}
 HELP_KEYS = [(key, action) for keys, action, _ in KvtopApp.help_keys() for key in keys]
 
 
@@ -693,6 +703,7 @@ def test_every_key_the_help_lists_does_what_it_says(key: str, action: str) -> No
         await until(pilot, lambda: app.frames_seen >= 2 and len(names(app)) == 5, "the sample fleet on screen")
         setup(app)
         await pilot.pause(0.2)
+        await until(pilot, lambda: READY.get(action, lambda _app: True)(app), f"the setup for {action}")
         assert not effect(app), f"{key}: the effect holds before the key is pressed"
         await pilot.press(key)
         await until(pilot, lambda: effect(app), f"{key} to {action}", timeout=10.0)

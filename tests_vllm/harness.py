@@ -69,13 +69,17 @@ class Server:
 
     def complete(self, prompt: list[int], max_tokens: int, timeout: float = 300.0) -> list[int]:
         """Greedy completion of a token-id prompt; the generated token ids."""
+        return list(self.choice(prompt, max_tokens, timeout)["token_ids"])
+
+    def choice(self, prompt: list[int], max_tokens: int, timeout: float = 300.0) -> dict:
+        """Greedy completion of a token-id prompt: the answer's choice (``token_ids``, ``finish_reason``, ...)."""
         body = {"model": self.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "return_token_ids": True, "ignore_eos": True}
         req = urllib.request.Request(self.url("/v1/completions"), data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             answer = json.load(resp)
-        return list(answer["choices"][0]["token_ids"])
+        return dict(answer["choices"][0])
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url("/metrics"), timeout=30) as resp:
@@ -160,3 +164,14 @@ def settled(name: str, directory: Path, *, quiet_s: float = 1.0, timeout: float 
         elif time.monotonic() - since >= quiet_s:
             return now
     raise AssertionError(f"{name}'s mapped pages kept changing for {timeout} s")
+
+
+def wait_for(predicate, timeout: float = 120.0, every: float = 0.02):  # noqa: ANN001, ANN201
+    """``predicate()``'s first true value, looked at every ``every`` seconds; AssertionError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout} s")

@@ -21,19 +21,9 @@ from kvcached_core.segment.snapshot import ModelSnapshot
 from kvcached_vllm.tiny import prompts
 
 from .conftest import BASELINE_TOKENS, LONG, NAME, REPEATED, SHORT
-from .harness import Server, base_env, kvctl, run_offline, settled
+from .harness import Server, base_env, kvctl, run_offline, settled, wait_for
 
 MiB = 1024 * 1024
-
-
-def wait_for(predicate, timeout: float = 60.0, every: float = 0.05):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def complete_all(server: Server, batch: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -21,22 +21,12 @@ from kvcached_core.segment.reader import snapshot
 from kvcached_core.segment.snapshot import ModelSnapshot
 
 from .conftest import BASELINE_TOKENS, LONG, NAME, SHORT
-from .harness import Server, kvctl, settled
+from .harness import Server, kvctl, settled, wait_for
 
 MiB = 1024 * 1024
 LONG_BASE = len(SHORT)  # LONG's tokens start here in the baseline
 # Long enough (900-token prompts, ~950 more) to still run while kvctl starts and asks (about a second).
 RUNNING_TOKENS = BASELINE_TOKENS + 900
-
-
-def wait_for(predicate, timeout: float = 120.0, every: float = 0.02):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 @pytest.fixture

@@ -333,7 +333,15 @@ class KVCacheManager:
                 blocks -= self.blocks_per_page - pages.cap[last]
             return in_mapped + blocks
 
-    def schedulable_blocks(self) -> int:
+    def max_blocks(self) -> int:
+        """The most blocks this model could ever hold: under its limit and within the device's budget, were every
+        other model gone. An engine ends a request that needs more (it would wait, or be preempted, forever)."""
+        pages = self.backend.capacity_bytes() // self.bundle_bytes
+        if self.limit_pages is not None:
+            pages = min(pages, self.limit_pages)
+        return min(self.num_blocks, pages * self.blocks_per_page)
+
+    def schedulable_blocks(self, reserve: int = 0) -> int:
         """Blocks an engine may plan to take now: what ``alloc`` can give (the device left out, as in
         ``available_size(device=False)``) plus the cached blocks it may evict for them.
 
@@ -344,6 +352,9 @@ class KVCacheManager:
         Under a budget shared with other models (``Backend.budget_free_bytes``), never more than that budget
         leaves beside what is mapped: the engine queues instead of admitting work it cannot map, and a model
         whose engine then waits with requests queued asks the others for memory (:meth:`publish_traffic`).
+        ``reserve``: blocks of that budget kept back for the growth of the requests already running, when an
+        engine admits a new one (vLLM's watermark, applied to the shared budget rather than to the model's
+        virtual capacity), so that admitting it does not preempt them a few tokens later.
         """
         with self._lock:
             free = self.available_size(device=False) + len(self.cache)
@@ -353,8 +364,8 @@ class KVCacheManager:
             budget = self.backend.budget_free_bytes()
             self._budget_short = False
             if budget is not None:
-                room = (self.pages.free_in_mapped() + len(self.cache)
-                        + min(budget // self.bundle_bytes, self._headroom()) * self.blocks_per_page)
+                room = max(0, self.pages.free_in_mapped() + len(self.cache) - reserve
+                           + min(budget // self.bundle_bytes, self._headroom()) * self.blocks_per_page)
                 if room < free:
                     free, self._budget_short = room, True
             self._schedulable = free

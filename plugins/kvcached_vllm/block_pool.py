@@ -57,10 +57,16 @@ class KvcachedBlockPool(BlockPool):
         self.free_block_queue = FreeKVCacheBlockQueue([])  # the allocator is the one free list
         self.placeholders = 1  # blocks the allocator holds for the placeholder: 0 while the model sleeps
         self._free_seq, self._free_count = -1, 0  # get_num_free_blocks' answer and the state it was for
+        # Set by the scheduler's wrappers: while it admits a waiting request, blocks of a shared budget kept back
+        # for the running requests' growth (one each: the next block any of them may need).
+        self.growth_reserve = 0
+        self.admitting = False
 
     # -- what vLLM schedules against -----------------------------------------------------------
     def get_num_free_blocks(self) -> int:
         # vLLM asks for every request of every step; the answer only moves when the allocator publishes.
+        if self.admitting and self.growth_reserve:
+            return self.manager.schedulable_blocks(self.growth_reserve)
         seq = self.manager.state_seq  # read before the count: a publish in between only forces a recount
         if seq != self._free_seq:
             self._free_count = self.manager.schedulable_blocks()

@@ -8,7 +8,10 @@ plain vLLM object where the plugin does not apply (another pool, a profiling run
 - ``Scheduler.__init__``: remembers the engine's config while the scheduler builds its
   KV cache coordinator, whose ``BlockPool`` is then a :class:`KvcachedBlockPool`.
 - ``KVCacheManager.allocate_slots``: a :class:`NoRoom` from the pool becomes ``None``, vLLM's
-  "cannot allocate" (the scheduler queues or preempts), with nothing half-allocated.
+  "cannot allocate" (the scheduler queues or preempts), with nothing half-allocated; a waiting
+  request is admitted against what a shared budget leaves beside one block per running request.
+- ``Scheduler.update_from_output``: traffic is counted (:mod:`.traffic`), and requests that can
+  never fit under the limit end with ``length`` (:mod:`.fit`).
 - ``GPUModelRunner.initialize_kv_cache_tensors`` / ``allocate_kv_cache``: the worker's KV
   tensors lie over a :class:`kvcached_core.tp.TPWorker`'s memory.
 """
@@ -89,9 +92,15 @@ def _patch_scheduler() -> None:
 
     @functools.wraps(original_allocate)
     def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        from .block_pool import NoRoom
+        from vllm.v1.request import RequestStatus
+
+        from .block_pool import KvcachedBlockPool, NoRoom
 
         held = any(self.coordinator.get_blocks(request.request_id))
+        pool = self.block_pool
+        ours = isinstance(pool, KvcachedBlockPool)
+        if ours:  # a waiting request is admitted against what the running ones leave of a shared budget
+            pool.admitting = request.status != RequestStatus.RUNNING
         try:
             return original_allocate(self, request, *args, **kwargs)
         except NoRoom as exc:
@@ -99,8 +108,23 @@ def _patch_scheduler() -> None:
             if not held:  # blocks taken for this call only (prefix hits): give them back
                 self.coordinator.free(request.request_id)
             return None
+        finally:
+            if ours:
+                pool.admitting = False
+
+    original_schedule = scheduler.Scheduler.schedule
+
+    @functools.wraps(original_schedule)
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from .block_pool import KvcachedBlockPool
+
+        pool = self.kv_cache_manager.block_pool
+        if isinstance(pool, KvcachedBlockPool):  # the watermark this step's admissions keep (block_pool.py)
+            pool.growth_reserve = len(self.running)
+        return original_schedule(self, *args, **kwargs)
 
     scheduler.Scheduler.__init__ = scheduler_init
+    scheduler.Scheduler.schedule = schedule
     _patch_traffic(scheduler.Scheduler)
     _patch_sleep(scheduler.Scheduler)
     kv_cache_coordinator.BlockPool = block_pool
@@ -108,7 +132,11 @@ def _patch_scheduler() -> None:
 
 
 def _patch_traffic(cls: Any) -> None:
-    """Count what the scheduler sees (see :mod:`.traffic`); a scheduler without kvcached is left alone."""
+    """Count what the scheduler sees (see :mod:`.traffic`) and end the requests that can never fit (see
+    :mod:`.fit`) after every step; a scheduler without kvcached is left alone."""
+    from .fit import end_unfit
+    from .traffic import waiting_blocks
+
     original_add = cls.add_request
     original_update = cls.update_from_output
     original_free = cls._free_request
@@ -119,14 +147,19 @@ def _patch_traffic(cls: Any) -> None:
         original_add(self, request)
         traffic = self.__dict__.get("_kvcached_traffic")
         if traffic is not None:
-            traffic.arrived(request.num_prompt_tokens, self.get_request_counts())
+            counts = self.get_request_counts()
+            traffic.arrived(request.num_prompt_tokens, counts, waiting_blocks(self) if counts[1] else 0)
 
     @functools.wraps(original_update)
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         outputs = original_update(self, scheduler_output, model_runner_output)
         traffic = self.__dict__.get("_kvcached_traffic")
         if traffic is not None:
-            traffic.stepped(sum(map(len, model_runner_output.sampled_token_ids)), self.get_request_counts())
+            pool = self.kv_cache_manager.block_pool
+            end_unfit(self, pool.manager, pool.placeholders, outputs)
+            counts = self.get_request_counts()
+            traffic.stepped(sum(map(len, model_runner_output.sampled_token_ids)), counts,
+                            waiting_blocks(self) if counts[1] else 0)
         return outputs
 
     @functools.wraps(original_free)

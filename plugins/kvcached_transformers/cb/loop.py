@@ -1,0 +1,184 @@
+"""Sleep, wake, limits and traffic for one continuous batching processor, served on its loop's thread.
+
+transformers' generation loop calls ``ContinuousBatchProcessor.prepare_next_batch`` before every step,
+and every 0.1 s while idle; :meth:`LoopControl.prepare_next_batch` wraps it, so everything that
+changes the cache runs there, never from kvcached's poller thread:
+
+- sleep (``kvctl sleep``, the after-idle policy): no new request is admitted, running ones finish,
+  then every sector and the two trash sectors go back and ``sleep.ready()`` unmaps every page.
+  ``sleep --now`` drains the same way (transformers has no way to preempt a request and keep its tokens).
+  A request that arrives while the model sleeps wakes it, as ``kvctl wake`` does.
+- a lowered limit, or another model's reclaim, that the cache holds up: the blocks transformers keeps
+  for prefix sharing are evicted (its own ``evict_cached_blocks``), so their sectors go back.
+- a limit or budget below what the waiting and running requests need: where transformers would stop
+  with "No requests can be scheduled and no requests can be offloaded", the step is skipped and the
+  requests wait until memory comes back (a limit raised, another model's requests ending).
+- traffic (running, waiting, finished, tokens, offloads) is published for kvtop and kvctl whenever it changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from kvcached_core.segment import layout as L
+
+from .paged import KvcachedPagedAttentionCache
+
+log = logging.getLogger("kvcached_transformers.cb")
+
+
+class _Wait(Exception):  # noqa: N818 - a signal between two wrappers, never seen outside
+    """Nothing can be scheduled and nothing offloaded: wait for memory instead of failing every request."""
+
+
+class LoopControl:
+    """Wraps one processor's ``prepare_next_batch``, ``schedule_batch``, ``finish_request`` and ``offload_requests``."""
+
+    def __init__(self, cb_manager: Any, processor: Any) -> None:
+        cache = processor.cache
+        assert isinstance(cache, KvcachedPagedAttentionCache)
+        self.cache = cache
+        self.manager = cache.kv_manager
+        self.processor = processor
+        self.scheduler = processor.scheduler
+        self._wake_loop: threading.Event = cb_manager._wake_up_loop
+        self._pending: str | None = None
+        self._lock = threading.Lock()
+        self.draining = False
+        self.asleep = False
+        self.finished = self.prompt_tokens = self.generated_tokens = self.offloads = 0
+        self.last_request_ns = 0
+        self._published: tuple[int, ...] = ()
+        self._nothing_scheduled = False
+        self._waiting_logged = False
+
+        self._prepare = processor.prepare_next_batch
+        self._schedule = self.scheduler.schedule_batch
+        self._finish_request = self.scheduler.finish_request
+        offloader = processor.offloading_manager
+        self._offload = offloader.offload_requests
+        processor.prepare_next_batch = self.prepare_next_batch
+        self.scheduler.schedule_batch = self.schedule_batch
+        self.scheduler.finish_request = self.finish_request
+        offloader.offload_requests = self.offload_requests
+        self.manager.set_sleep_handler(self.request)
+
+    def detach(self) -> None:
+        """The loop stopped: nobody serves a sleep now."""
+        if not self.manager._closed:  # noqa: SLF001 - a manager closed first needs nothing
+            self.manager.set_sleep_handler(None)
+
+    # -- kvcached's poller thread ----------------------------------------------------------------
+    def request(self, action: str) -> None:
+        """The sleep handler: record the action (the later wins) and wake the loop; the loop's thread serves it."""
+        with self._lock:
+            self._pending = action
+        self._wake_loop.set()
+
+    # -- the loop's thread -------------------------------------------------------------------------
+    def prepare_next_batch(self) -> bool:
+        self.service()
+        if self.asleep:
+            if not self._arrivals():
+                return False
+            self.manager.sleep.wake()  # publishes awake; the handler's "wake" is served just below
+            self.service()
+        if self.draining:
+            self.scheduler.block_new_requests = True
+        self._nothing_scheduled = False
+        try:
+            ready = bool(self._prepare())
+            self._waiting_logged = False
+        except _Wait:
+            ready = False
+            if not self._waiting_logged:
+                log.info("kvcached: %s waits for memory (%d requests)", self.manager.name, self._counts()[1])
+                self._waiting_logged = True
+        if self.draining:
+            self._finish_drain()
+        self._publish(stepped=ready)
+        return ready
+
+    def schedule_batch(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._schedule(*args, **kwargs)
+        self._nothing_scheduled = result[0] is None
+        return result
+
+    def offload_requests(self) -> bool:
+        done = bool(self._offload())
+        if done:
+            self.offloads += 1
+        elif self._nothing_scheduled:
+            raise _Wait
+        return done
+
+    def finish_request(self, request_id: str) -> None:
+        state = self.scheduler.active_requests.get(request_id)
+        self._finish_request(request_id)
+        if state is not None and state.status.name == "FINISHED":
+            self.finished += 1
+            self.prompt_tokens += len(state.initial_tokens)
+            self.generated_tokens += len(state.generated_tokens)
+
+    def service(self) -> None:
+        """Serve a pending action, and evict prefix blocks a lowered limit or a reclaim waits on."""
+        manager = self.manager
+        if (manager.limit_status == L.LIMIT_DEFERRED or manager.pressure.give_target is not None) \
+                and self.cache.evict_cached_blocks():
+            self.cache.pool.try_to_free_sectors()
+        if self._pending is None:
+            return
+        with self._lock:
+            action, self._pending = self._pending, None
+        if action == "wake":
+            if self.asleep:
+                self.cache.take_trash()
+            self.asleep = self.draining = False
+            self.scheduler.block_new_requests = False
+        elif action in ("sleep", "sleep_now"):
+            self.scheduler.block_new_requests = True
+            if self.asleep:  # asked again before a wake: unmap what was mapped since
+                manager.sleep.ready()
+            else:
+                self.draining = True
+                self._finish_drain()
+
+    def _finish_drain(self) -> None:
+        if self.scheduler.active_requests:
+            return  # running requests finish first; their last step calls here again
+        self.cache.release_all()
+        released = self.manager.sleep.ready()
+        self.draining, self.asleep = False, True
+        self._publish(stepped=False)
+        log.info("kvcached: %s asleep, %d MiB of KV released", self.manager.name, released >> 20)
+
+    def _arrivals(self) -> bool:
+        queue = self.processor.input_queue
+        return bool(self.scheduler.waiting_requests) or (queue is not None and not queue.empty())
+
+    def _counts(self) -> tuple[int, int]:
+        queue = self.processor.input_queue
+        queued = queue.qsize() if queue is not None else 0
+        return len(self.scheduler.active_requests), len(self.scheduler.waiting_requests) + queued
+
+    def _waiting_sectors(self) -> int:
+        per_sector = self.cache.tokens_per_sector_full
+        return sum(-(-len(s.remaining_prefill_tokens) // per_sector) for s in self.scheduler.waiting_requests.values())
+
+    def _publish(self, *, stepped: bool) -> None:
+        """Traffic into the segment when it changed (a publish counts as activity: an idle loop publishes nothing)."""
+        running, waiting = self._counts()
+        figures = (running, waiting, self.finished, self.offloads)
+        if not stepped and figures == self._published:
+            return
+        if running + waiting > sum(self._published[:2]):
+            self.last_request_ns = time.time_ns()
+        self._published = figures
+        if self.manager._closed:  # noqa: SLF001
+            return
+        self.manager.publish_traffic(running, waiting, self.finished, self.prompt_tokens, self.generated_tokens,
+                                     self.offloads, self.last_request_ns,
+                                     self._waiting_sectors() if waiting else 0)

@@ -1,0 +1,200 @@
+"""transformers' paged attention cache with its sectors in kvcached pages.
+
+transformers' continuous batching keeps its KV cache in one flat byte tensor cut into *sectors*
+(``bytes_per_sector``, the least common multiple of its allocators' block sizes); sector ``s`` is
+bytes ``[s * bytes_per_sector, (s + 1) * bytes_per_sector)``, and sectors 0 and 1 are trash that
+padding tokens read (zeros) and write. Here:
+
+- the tensor is a view over a :class:`~kvcached_core.KVCacheManager`'s range (one layer, one buffer,
+  one kvcached block per sector, pages a whole number of sectors), so sector ``s`` is kvcached block
+  ``s`` and only the pages of sectors in use are mapped;
+- a sector is taken with ``alloc`` and given back with ``free`` the moment no block of it is in use
+  (transformers keeps emptied sectors until its scheduler asks; kvcached gets them at once);
+- the free count the scheduler admits by is ``schedulable_blocks``: the limit, a shared budget
+  and other models' memory bound it;
+- the two trash sectors are any two kvcached blocks (zeroed), the allocators' trash indices point at them.
+
+The upstream ``__init__`` sizes the cache unchanged over a ``meta`` tensor (no memory); then the
+allocators are registered again over the kvcached view.
+"""
+
+from __future__ import annotations
+
+from math import lcm
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching.cache_allocators import CachePool
+from transformers.generation.continuous_batching.cache_allocators.cache_pool import RegularTrees
+
+from kvcached_core import KVCacheManager, config
+
+from ..pools import page_rows
+
+if TYPE_CHECKING:
+    from . import CBInstall
+
+
+class NoRoom(RuntimeError):
+    """kvcached could not give the sectors asked for (limit, shared budget or device)."""
+
+
+class KvcachedCachePool(CachePool):
+    """transformers' sector pool whose free sectors are kvcached's: sector ids are kvcached block ids."""
+
+    def __init__(self, manager: KVCacheManager, num_sectors: int, num_allocators: int, device: torch.device) -> None:
+        self.manager = manager
+        self.sync = device.type == "cuda"  # a freed sector's page may be unmapped: no kernel may still touch it
+        self.held: set[int] = set()  # sectors taken from kvcached and handed to an allocator
+        self._free_seq, self._free_count = -1, 0
+        super().__init__(num_sectors, num_allocators)
+
+    def reset(self) -> None:
+        """Every sector back to kvcached (the trash stays: the cache owns it)."""
+        if getattr(self, "held", None):
+            self.release(list(self.held))
+        self.free_sectors: list[int] = []  # unused: kvcached is the free list
+        self._free_blocks = [RegularTrees(bps) for bps in self.blocks_per_sector]
+
+    @property
+    def num_free_sectors(self) -> int:
+        manager = self.manager
+        seq = manager.state_seq  # the answer only moves when the allocator publishes
+        if seq != self._free_seq:
+            self._free_count = manager.schedulable_blocks()
+            self._free_seq = seq if not seq & 1 else -1
+        return self._free_count
+
+    def take(self, index: int, n: int) -> bool:
+        """``n`` sectors for allocator ``index`` in one alloc; False (nothing taken) when kvcached says no."""
+        ids = self.manager.alloc(n)
+        if ids is None:
+            return False
+        self.give(index, ids)
+        return True
+
+    def give(self, index: int, sectors: list[int]) -> None:
+        """Sectors just taken from kvcached become allocator ``index``'s free blocks."""
+        for sector in sectors:
+            self._free_blocks[index].add_tree(sector)
+        self.held.update(sectors)
+
+    def allocate_sector(self, index: int) -> None:
+        if not self.take(index, 1):
+            raise NoRoom(f"{self.manager.name!r} has no room for one more sector")
+
+    def free_blocks(self, index: int, block_ids: list[int]) -> None:
+        super().free_blocks(index, block_ids)
+        if block_ids:
+            self.release(self._free_blocks[index].delete_full_trees())
+
+    def try_to_free_sectors(self) -> None:
+        for trees in self._free_blocks:
+            self.release(trees.delete_full_trees())
+
+    def release(self, sectors: list[int]) -> None:
+        if not sectors:
+            return
+        if self.sync:
+            torch.cuda.synchronize()
+        self.held.difference_update(sectors)
+        self.manager.free(sectors)
+
+
+class KvcachedPagedAttentionCache(PagedAttentionCache):
+    """A :class:`PagedAttentionCache` whose tensor lies over kvcached pages (see the module docstring)."""
+
+    def __init__(self, install: CBInstall, **kwargs: Any) -> None:
+        device = torch.device(kwargs.pop("device"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        helper = kwargs["distributed_helper"]
+        if getattr(helper, "tp_size", 1) > 1:
+            raise NotImplementedError("kvcached's continuous batching serves one process, not tensor parallelism")
+        super().__init__(device="meta", **kwargs)  # upstream sizing and allocators, no memory
+        self.device = device
+        self.install = install
+        total_sectors = self.num_sectors + 2
+        self.kv_manager = manager = install.manager_for(self, total_sectors, device)
+        rows = page_rows(manager, 0, 0, device)
+        if not rows.is_contiguous():
+            raise ValueError(f"the {manager.backend.name} backend's range is not one contiguous run of bytes")
+        self.cache_tensor = rows.reshape(-1)[:total_sectors * self.bytes_per_sector]
+        self.pool = KvcachedCachePool(manager, self.num_sectors, len(self.cache_allocators), device)
+        non_trash = self.num_sectors * self.bytes_per_sector
+        for allocator in self.cache_allocators.values():
+            allocator.register_cache_tensor(self.bytes_per_sector, non_trash, self.cache_tensor, self.pool)
+        self.trash: list[int] = []
+        self.take_trash()
+
+    @staticmethod
+    def page_size_for(bytes_per_sector: int) -> int:
+        """kvcached's page: the configured one if it holds whole sectors, else the least multiple of both."""
+        page = config.page_size_bytes()
+        return page if page % bytes_per_sector == 0 else lcm(page, bytes_per_sector)
+
+    @property
+    def tokens_per_sector_full(self) -> int:
+        """Tokens one sector holds for one request (its largest allocator's share): the segment's block_tokens."""
+        return max(ca.tokens_per_page * ca.blocks_per_sector for ca in self.cache_allocators.values())
+
+    # -- trash ---------------------------------------------------------------------------------
+    def take_trash(self) -> None:
+        """Two sectors for padding: the first zeroed (read), the second written; the allocators point at them."""
+        if self.trash:
+            return
+        ids = self.kv_manager.alloc(2)
+        if ids is None:
+            raise NoRoom(f"{self.kv_manager.name!r} has no room for its two padding sectors")
+        read, write = ids
+        size = self.bytes_per_sector
+        self.cache_tensor[read * size:(read + 1) * size].zero_()
+        for allocator in self.cache_allocators.values():
+            stride = allocator.block_physical_stride * allocator.blocks_per_sector  # rows per sector
+            allocator.read_trash_index = read * stride
+            allocator.sentinel_index = read * stride + 1
+            allocator.write_trash_index = write * stride
+        self.trash = ids
+
+    def release_trash(self) -> None:
+        if self.trash:
+            pool = self.pool
+            assert isinstance(pool, KvcachedCachePool)
+            pool.release(self.trash)
+            self.trash = []
+
+    # -- what the scheduler calls ------------------------------------------------------------------
+    def can_store_request_tokens(self, state: Any, request_len: int, dry_run: bool = False) -> bool:
+        """As upstream, with the sectors taken from kvcached in one alloc: all or none."""
+        needed = {name: allocator.needs_new_sectors(state.request_id, state.current_len(), request_len)
+                  for name, allocator in self.cache_allocators.items()}
+        total = sum(n for n in needed.values() if n > 0)
+        if dry_run:
+            return self.pool.num_free_sectors >= total
+        pool = self.pool
+        assert isinstance(pool, KvcachedCachePool)
+        if total:
+            ids = self.kv_manager.alloc(total) if pool.num_free_sectors >= total else None
+            if ids is None:
+                return False
+            at = 0
+            for name, n in needed.items():
+                if n > 0:
+                    pool.give(self.cache_allocators[name].index, ids[at:at + n])
+                    at += n
+        for allocator in self.cache_allocators.values():
+            allocator.allocate_cache_to_request(state.request_id, state.current_len(), request_len)
+        return True
+
+    def compute_free_capacity(self, relative: bool = True) -> int | float:
+        free = self.pool.num_free_sectors * self.bytes_per_sector
+        for allocator in self.cache_allocators.values():
+            free += self.pool.count_free_blocks(allocator.index) * allocator.bytes_per_block
+        return free / (self.num_sectors * self.bytes_per_sector) if relative else free
+
+    def release_all(self) -> None:
+        """Forget every request and cached block; every sector, the trash included, back to kvcached."""
+        self.free_all_requests(clear_ledgers=True)
+        self.pool.reset()
+        self.release_trash()

@@ -11,8 +11,6 @@ from .settings import MiB as MiB
 from .settings import ReserveBounds as ReserveBounds
 from .settings import settings
 
-HOST_CAPACITY_FRACTION = 0.5
-
 
 def shm_dir() -> Path:
     """Where segments live: ``KVCACHED_SHM_DIR`` or /dev/shm."""
@@ -66,25 +64,6 @@ def max_cached_blocks(block_tokens: int) -> int | None:
 def host_capacity_bytes() -> int:
     """Host backend capacity shared by every model: ``KVCACHED_HOST_CAPACITY`` or half of RAM."""
     return settings().host_capacity_bytes
-
-
-def _meminfo(field: str) -> int:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def total_ram_bytes() -> int:
-    return _meminfo("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def available_ram_bytes() -> int:
-    return _meminfo("MemAvailable")
 
 
 def tristate_env(name: str) -> str:

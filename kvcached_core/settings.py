@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .hostmem import total_ram_bytes
+
 MiB = 1024 * 1024
 
 
@@ -45,6 +47,7 @@ class Var:
 POLICIES = ("first-fit", "best-fit", "affinity")  # placement.POLICIES, in its order
 CUDA_LAYOUTS = ("layer", "page")
 TP_STRATEGIES = ("sequential", "concurrent")
+HOST_CAPACITY_FRACTION = 0.5  # of RAM, the host backend's budget unless KVCACHED_HOST_CAPACITY says
 _TRISTATE = {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on",
              "0": "off", "off": "off", "false": "off", "no": "off"}
 _TRUE = ("1", "true", "yes", "on")
@@ -284,7 +287,6 @@ def _cached_blocks(raw: Raw, done: dict[str, Any]) -> int | None:
 
 
 def _host_capacity(raw: Raw, done: dict[str, Any]) -> int:
-    from .config import HOST_CAPACITY_FRACTION, total_ram_bytes
     from .sizes import SizeError, parse_size
 
     value = raw["KVCACHED_HOST_CAPACITY"]

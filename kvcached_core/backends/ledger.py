@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..config import available_ram_bytes, shm_dir
+from ..config import shm_dir
+from ..hostmem import available_ram_bytes
 from ..segment import layout as L
 from ..segment.liveness import writer_alive
 from ..segment.names import SEGMENT_PREFIX

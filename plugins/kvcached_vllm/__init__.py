@@ -11,11 +11,11 @@ from __future__ import annotations
 from kvcached_core.engines import EngineInfo
 from kvcached_core.settings import ConfigError
 
-from .settings import SUPPORTED_VLLM, UnsupportedVLLM, enabled
+from .settings import UnsupportedVLLM, enabled
 
 ENGINE = EngineInfo(
     name="vllm",
-    summary=f"vLLM {SUPPORTED_VLLM} (general plugin): block pool, KV tensors and limits through kvcached",
+    summary="vLLM (general plugin): block pool, KV tensors and limits through kvcached",
     modules=("vllm",),
     example="ENABLE_KVCACHED=true python examples/vllm_offline.py",
     extras=("vllm",),
@@ -25,9 +25,10 @@ ENGINE = EngineInfo(
 def register() -> None:
     """vLLM's plugin hook: install the integration in this process when ``ENABLE_KVCACHED`` is on.
 
-    Another vLLM version, or an ``ENABLE_KVCACHED`` that is not a boolean, stops the process at
-    start with one line on stderr (exit status 1): vLLM loads plugins in its main process while it
-    reads its arguments, before any engine starts, and its own traceback would bury the reason.
+    A vLLM that lacks or changed a seam the plugin uses (:mod:`.seams`), or an ``ENABLE_KVCACHED``
+    that is not a boolean, stops the process at start with one line on stderr (exit status 1): vLLM
+    loads plugins in its main process while it reads its arguments, before any engine starts, and
+    its own traceback would bury the reason.
     """
     try:
         if not enabled():
@@ -39,4 +40,4 @@ def register() -> None:
         raise SystemExit(str(exc)) from None
 
 
-__all__ = ["ENGINE", "SUPPORTED_VLLM", "enabled", "register"]
+__all__ = ["ENGINE", "enabled", "register"]

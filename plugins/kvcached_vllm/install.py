@@ -25,7 +25,7 @@ import os
 import threading
 from typing import Any
 
-from .settings import check_version
+from .seams import check_vllm
 
 log = logging.getLogger("kvcached_vllm")
 
@@ -35,13 +35,13 @@ _MANAGERS: list[Any] = []
 
 
 def install() -> None:
-    """Patch vLLM in this process; raises a clear error for an unsupported vLLM version."""
+    """Patch vLLM in this process; raises a one-line error if a seam it patches is missing or changed (:mod:`.seams`)."""
     global _installed
     if _installed:
         return
     import vllm
 
-    check_version(vllm.__version__)
+    check_vllm(vllm.__version__)
     _patch_scheduler()
     _patch_engine_shutdown()
     _patch_worker()

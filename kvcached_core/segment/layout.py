@@ -3,7 +3,8 @@
 One file per model, ``<KVCACHED_SHM_DIR>/kvc.<name>``, mode 0600, little-endian::
 
     offset  size  region      written by     contents
-    0       512   HEADER      allocator      magic, layout version, sizes, identity (once)
+    0       512   HEADER      allocator      magic, layout version, sizes, identity (once); ENDPOINT in its spare tail
+    384     128   ENDPOINT    engine         sealed: the URL the engine serves its model on (an OpenAI-compatible server)
     512     96    CONTROL     controllers    limit bytes + revision + check, trim request seq, sleep request, compact request seq
     608     32    LIVENESS    allocator      heartbeat (ns), claimed bytes (capacity ledger): single 8-byte stores
     640     8     SEQ         allocator      seqlock sequence (odd while a publish is under way)
@@ -21,7 +22,7 @@ Readers never lock. A publish bumps SEQ to odd, writes the dirty page entries an
 counters, stores ``checksum = crc32(counters) ^ (seq & 0xffffffff)`` and bumps SEQ to even.
 A reader accepts a copy only when SEQ was even and unchanged around the copy, the checksum
 matches and the page-map sum matches, so a torn copy is caught on weakly ordered CPUs too.
-The COMPACT, TRAFFIC, SLEEP and PRESSURE regions are *sealed* blocks, each its own small seqlock:
+The ENDPOINT, COMPACT, TRAFFIC, SLEEP and PRESSURE regions are *sealed* blocks, each its own small seqlock:
 ``seq | payload | check`` with ``check = crc32(payload) ^ (seq & 0xffffffff)`` (:func:`seal_check`);
 a writer (one lock per segment writer) stores seq odd, the payload, the check, then seq even,
 the two words with single 8-byte stores. A reader takes a block only when its seq is even and
@@ -158,6 +159,16 @@ SEALED = {"compact": (COMPACT_OFF, COMPACT_PAYLOAD.size), "traffic": (TRAFFIC_OF
           "sleep": (SLEEP_OFF, SLEEP.size), "pressure": (PRESSURE_OFF, PRESSURE.size)}  # region -> (offset, payload)
 WORDS_START, WORDS_END = COMPACT_OFF, PRESSURE_OFF + SEAL_BYTES + PRESSURE.size  # the sealed blocks, in one slice
 
+# ENDPOINT: where the engine serves its model to clients (vLLM's --host/--port, KVCACHED_ENDPOINT), sealed, in the
+# header region's last 128 bytes, which the header struct leaves spare: segments written before it read as none
+# published (the block's seq 0) and readers before it never look there, so the layout version stays. The payload
+# is the URL's length, then the URL (ASCII, ``http(s)://host:port[/path]``, at most ENDPOINT_MAX bytes), zero-padded.
+ENDPOINT_MAX = 104
+ENDPOINT = struct.Struct(f"<Q{ENDPOINT_MAX}s")
+ENDPOINT_OFF = 384
+assert HEADER.size <= ENDPOINT_OFF and ENDPOINT_OFF + SEAL_BYTES + ENDPOINT.size == HEADER_SIZE
+SEALED["endpoint"] = (ENDPOINT_OFF, ENDPOINT.size)
+
 # CONTROL2: the second controllers' block, written as CONTROL is (under the controllers' flock, one record
 # whose check ties it to its revision, the revision word last). POLICY_CTL: a controller's policy request
 # (min -1 none, -2 keep; priority POLICY_PRIORITY_KEEP keeps it). RECLAIM_CTL: another model's reclaim request
@@ -196,6 +207,30 @@ def policy_check(revision: int, min_bytes: int, priority: int) -> int:
     """Ties a policy request to its revision so a half-written one is never acted on."""
     raw = U64.pack(revision) + I64.pack(min_bytes) + I64.pack(priority)
     return (zlib.crc32(raw) | (revision << 32)) & 0xFFFFFFFFFFFFFFFF
+
+
+def endpoint_problem(url: object) -> str | None:
+    """Why ``url`` cannot be a published endpoint (see ``ENDPOINT``); None when it can."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or not url:
+        return f"an endpoint is a URL such as http://127.0.0.1:8000, not {url!r}"
+    if not url.isascii() or not url.isprintable() or " " in url:
+        return f"endpoint {printable(url)!r}: only printable ASCII, no spaces"
+    if len(url) > ENDPOINT_MAX:
+        return f"endpoint of {len(url)} characters: a segment holds at most {ENDPOINT_MAX}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"endpoint {url!r}: {exc}"
+    if parts.scheme not in ("http", "https"):
+        return f"endpoint {url!r}: the scheme must be http or https"
+    if not parts.hostname or port is None or port == 0:
+        return f"endpoint {url!r}: it must name a host and a port (http://HOST:PORT)"
+    if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
+        return f"endpoint {url!r}: no user, query or fragment"
+    return None
 
 
 def reclaim_check(seq: int, want_bytes: int, asker: int) -> int:

@@ -218,7 +218,8 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool,
         if not words.whole and attempt < READ_RETRIES - 1:
             # A sealed block mid-write (odd: wait for it, as for the counters), or one that fails its check
             # or a cross-check: read again; the same bytes failing QUIET_FAILURES times are what the file holds.
-            same = raw[L.CONTROL_OFF:L.LIVENESS_OFF] + raw[L.SEQ_OFF:L.SEQ_OFF + 8] + raw[L.WORDS_START:L.WORDS_END]
+            same = (raw[L.CONTROL_OFF:L.LIVENESS_OFF] + raw[L.SEQ_OFF:L.SEQ_OFF + 8] + raw[L.WORDS_START:L.WORDS_END]
+                    + raw[L.ENDPOINT_OFF:L.HEADER_SIZE])
             doubts, doubted = (doubts + 1 if same == doubted else 1), same
             if words.writing or doubts < QUIET_FAILURES:
                 _backoff(attempt)
@@ -379,7 +380,7 @@ def _read(file: _Open, path: str, with_pages: bool, now_ns: int | None, alive: A
         limit_revision=revision, trim_seq=control[3], heartbeat_ns=heartbeat, read_ns=now_ns,
         late=status == "live" and verdict.late, ranks=ranks, pages=pages,
         traffic=None if words.traffic is None else Traffic(*words.traffic, now_ns),
-        sleep=words.sleep, compaction=words.compaction, pressure=words.pressure,
+        sleep=words.sleep, compaction=words.compaction, pressure=words.pressure, endpoint=words.endpoint,
     )
     return model_from_fields(values)
 
@@ -408,20 +409,21 @@ class _Words:
     """What a copy's sealed blocks say: traffic (its fields, or None), sleep, compaction; ``whole``: every block
     was readable and possible (else, ``writing``: one was mid-write)."""
 
-    __slots__ = ("compaction", "pressure", "rest_possible", "sleep", "sleep_key", "traffic", "whole", "writing")
+    __slots__ = ("compaction", "endpoint", "pressure", "rest_possible", "sleep", "sleep_key", "traffic", "whole",
+                 "writing")
 
     def __init__(self, traffic: TrafficFields | None, sleep: SleepInfo, compaction: CompactInfo, whole: bool,
                  writing: bool, sleep_key: tuple = (), rest_possible: bool = True,
-                 pressure: PressureInfo | None = None) -> None:
+                 pressure: PressureInfo | None = None, endpoint: str | None = None) -> None:
         self.traffic, self.sleep, self.compaction, self.whole, self.writing = traffic, sleep, compaction, whole, writing
-        self.pressure = pressure
+        self.pressure, self.endpoint = pressure, endpoint
         self.sleep_key, self.rest_possible = sleep_key, rest_possible  # what sleep and compaction were decoded from
 
     def again(self, traffic: TrafficFields | None, payload: bytes | None, whole: bool, writing: bool) -> _Words:
         """These sleep, compaction and pressure words with other traffic words."""
         return _Words(traffic, self.sleep, self.compaction,
                       whole and self.rest_possible and _traffic_possible(payload, traffic), writing, self.sleep_key,
-                      self.rest_possible, self.pressure)
+                      self.rest_possible, self.pressure, self.endpoint)
 
 
 TrafficFields = tuple[int, int, int, int, int, int, int]  # layout.TRAFFIC_FIELDS but published
@@ -449,12 +451,12 @@ def _words(raw: bytes, header: dict, counters: dict, kept: _Open | None) -> _Wor
     """The sealed blocks of the copy ``raw``, checked and cross-checked (a forged or damaged word reads as
     unknown, never as fact); the same object again while the blocks, control block and counters are."""
     control = raw[L.CONTROL_OFF:L.LIVENESS_OFF] + raw[L.CONTROL2_OFF:L.CONTROL2_OFF + L.CONTROL2_SIZE]
-    sealed = raw[L.WORDS_START:L.WORDS_END]
+    sealed = raw[L.WORDS_START:L.WORDS_END] + raw[L.ENDPOINT_OFF:L.HEADER_SIZE]
     if kept is not None and kept.words is not None and kept.words[1] is counters and kept.words[0] == control + sealed:
         return kept.words[2]
     whole, writing = True, False
     parts = []
-    for region in ("traffic", "sleep", "compact", "pressure"):
+    for region in ("traffic", "sleep", "compact", "pressure", "endpoint"):
         payload = _unseal(raw, region)
         if payload is None or payload is _WRITING:
             whole, writing = False, writing or payload is _WRITING
@@ -463,7 +465,7 @@ def _words(raw: bytes, header: dict, counters: dict, kept: _Open | None) -> _Wor
     # The sleep and compact words change seldom (traffic every engine step): decoded again only when they,
     # or what they are checked against, changed.
     asleep_ok = not (counters["mapped_bytes"] or counters["pages_inuse"])
-    key = (parts[1], parts[2], parts[3], control, asleep_ok)
+    key = (parts[1], parts[2], parts[3], parts[4], control, asleep_ok)
     if kept is not None and kept.words is not None and kept.words[2].sleep_key == key:
         words = kept.words[2].again(traffic, parts[0], whole, writing)
     else:
@@ -472,13 +474,29 @@ def _words(raw: bytes, header: dict, counters: dict, kept: _Open | None) -> _Wor
         compaction = _compaction(parts[2], _u64(raw, L.COMPACT_REQ_OFF)[0], bundle,
                                  bundle // max(1, header["blocks_per_page"]))
         pressure = _pressure(parts[3], raw, header["pages_total"] * bundle)
+        endpoint = _endpoint(parts[4])
         rest_possible = sleep.state != "unknown" and compaction.compactions is not None \
-            and len(compaction.answers) == _answers_given(parts[2]) and (pressure is not None or parts[3] is None)
-        words = _Words(traffic, sleep, compaction, whole, writing, key, rest_possible, pressure)
+            and len(compaction.answers) == _answers_given(parts[2]) and (pressure is not None or parts[3] is None) \
+            and (endpoint is not None or not parts[4])
+        words = _Words(traffic, sleep, compaction, whole, writing, key, rest_possible, pressure, endpoint)
         words.whole = whole and rest_possible and _traffic_possible(parts[0], traffic)
     if kept is not None:
         kept.words = (control + sealed, counters, words)
     return words
+
+
+def _endpoint(payload: bytes | None) -> str | None:
+    """The URL the engine serves on (``layout.ENDPOINT``), or None: none published, or words that cannot be one."""
+    if not payload:
+        return None
+    length, raw = L.ENDPOINT.unpack(payload)
+    if not 0 < length <= L.ENDPOINT_MAX or raw[length:].strip(b"\0"):
+        return None
+    try:
+        url = raw[:length].decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return url if L.endpoint_problem(url) is None else None
 
 
 def _traffic_possible(payload: bytes | None, traffic: TrafficFields | None) -> bool:

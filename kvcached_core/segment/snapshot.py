@@ -191,6 +191,7 @@ class ModelSnapshot:
     sleep: SleepInfo | None = None  # None: unknown (upstream segments)
     compaction: CompactInfo | None = None  # None: unknown (upstream segments)
     pressure: PressureInfo | None = None  # None: unknown (upstream segments, forged or damaged words)
+    endpoint: str | None = None  # the URL its engine serves on; None: none published (or words that cannot be one)
     pages: array | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -300,6 +301,7 @@ class ModelSnapshot:
             "compaction": None if self.compaction is None else self.compaction.to_dict(),
             "policy": None if self.pressure is None else self.pressure.policy_dict(),
             "pressure": None if self.pressure is None else self.pressure.to_dict(),
+            "endpoint": self.endpoint,
         }
 
 

@@ -30,6 +30,7 @@ _pack_traffic = L.TRAFFIC.pack_into
 _pack_compact = L.COMPACT_PAYLOAD.pack_into
 _pack_sleep = L.SLEEP.pack_into
 _pack_pressure = L.PRESSURE.pack_into
+_pack_endpoint = L.ENDPOINT.pack_into
 assert sys.byteorder == "little"  # the single 8-byte stores (memoryview "Q") write the layout's byte order
 
 
@@ -290,7 +291,7 @@ class SegmentWriter:
         off = self._ranks_off + index * L.RANK.size
         L.RANK.pack_into(self._buf, off, rank, device, pid, started, mapped, acked, flags, 0, 0)
 
-    def _seal(self, region: str, pack: Callable[..., None], *values: int) -> None:
+    def _seal(self, region: str, pack: Callable[..., None], *values: int | bytes) -> None:
         """Write a sealed block (``layout.SEALED``): seq odd, the payload, its check, seq even; a reader takes
         only a copy whose seq is even and whose check matches, so it never sees a half-written payload."""
         block = self._sealed[region]
@@ -317,6 +318,15 @@ class SegmentWriter:
     def publish_pressure(self, *values: int) -> None:
         """The PRESSURE words (``layout.PRESSURE_FIELDS`` order), sealed."""
         self._seal("pressure", _pack_pressure, *values)
+
+    def publish_endpoint(self, url: str) -> None:
+        """The URL the engine serves its model on (``layout.ENDPOINT``), sealed; raises ValueError for one it
+        cannot be (``layout.endpoint_problem``)."""
+        problem = L.endpoint_problem(url)
+        if problem is not None:
+            raise ValueError(problem)
+        raw = url.encode("ascii")
+        self._seal("endpoint", _pack_endpoint, len(raw), raw)
 
     def publish_sleep_refused(self, revision: int) -> None:
         """The last sleep request its engine's handler refused (``layout.SLEEP_REFUSED_OFF``): one 8-byte store,

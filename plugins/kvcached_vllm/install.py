@@ -14,6 +14,7 @@ plain vLLM object where the plugin does not apply (another pool, a profiling run
   never fit under the limit end with ``length`` (:mod:`.fit`).
 - ``GPUModelRunner.initialize_kv_cache_tensors`` / ``allocate_kv_cache``: the worker's KV
   tensors lie over a :class:`kvcached_core.tp.TPWorker`'s memory.
+- ``setup_server`` (the API server): the address it binds is published in the model's segment (:mod:`.endpoint`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import threading
 from typing import Any
 
+from . import endpoint
 from .seams import check_vllm
 
 log = logging.getLogger("kvcached_vllm")
@@ -45,6 +47,7 @@ def install() -> None:
     _patch_scheduler()
     _patch_engine_shutdown()
     _patch_worker()
+    endpoint.install()
     atexit.register(_close_all)
     _installed = True
     log.info("kvcached: vLLM's KV cache goes through kvcached (pid %d)", os.getpid())

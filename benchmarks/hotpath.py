@@ -27,7 +27,6 @@ BLOCKS = 16
 def _manager(policy: str, fastpath: bool = True, world: int = 1):  # noqa: ANN202
     """A warm allocator; ``world`` > 1: a tensor-parallel scheduler with that many host rank workers."""
     from kvcached_core.allocator.manager import KVCacheManager
-    from kvcached_core.tp import scheduler
 
     saved = os.environ.get("KVCACHED_FASTPATH")
     os.environ["KVCACHED_FASTPATH"] = "auto" if fastpath else "0"
@@ -35,7 +34,7 @@ def _manager(policy: str, fastpath: bool = True, world: int = 1):  # noqa: ANN20
                     policy=policy)
     try:
         if world > 1:
-            m = scheduler(f"bench-hot-tp{world}-{policy}", world=world, **geometry)
+            m = KVCacheManager.tensor_parallel(f"bench-hot-tp{world}-{policy}", world=world, **geometry)  # type: ignore[arg-type]
         else:
             m = KVCacheManager(f"bench-hot-{policy}", **geometry)  # type: ignore[arg-type]
     finally:

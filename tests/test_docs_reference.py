@@ -72,7 +72,7 @@ def test_json_key_table_is_what_to_dict_produces(spawn_allocator):
     proc = spawn_allocator("traffic", engine="vllm")
     send(proc, "m.publish_traffic(2, 1, 5, 700, 300, 1, __import__('time').time_ns())")
     live = {m.name: m for m in kc.list_models()}
-    snap = dataclasses.replace(live["traffic"], tp_world=2, ranks=(  # the rank objects tp.scheduler publishes
+    snap = dataclasses.replace(live["traffic"], tp_world=2, ranks=(  # the rank objects a tensor-parallel manager publishes
         RankInfo(0, 0, 1, 4096, True), RankInfo(1, 1, 2, 4096, True)))
     produced = {**flatten(live["docs"].to_dict()), **flatten(snap.to_dict())}
 

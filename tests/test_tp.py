@@ -20,7 +20,7 @@ from kvcached_core.control.requests import AckTimeout, request_limit, request_tr
 from kvcached_core.segment import layout as L
 from kvcached_core.segment.procinfo import is_alive
 from kvcached_core.segment.reader import list_models, snapshot
-from kvcached_core.tp import RankLost, TPWorker, scheduler
+from kvcached_core.tp import RankLost, TPWorker
 from kvtop.exporter import KVCachedCollector
 
 KiB, MiB = 1024, 1024 * 1024
@@ -41,7 +41,7 @@ def managers():
     made: list[KVCacheManager] = []
 
     def make(name: str, world: int, **kwargs) -> KVCacheManager:
-        m = scheduler(name, world=world, name=name, **{**GEOM, **kwargs})
+        m = KVCacheManager.tensor_parallel(name, world=world, name=name, **{**GEOM, **kwargs})
         made.append(m)
         return m
 

@@ -16,6 +16,8 @@ from ..backends import Backend, BackendError, Geometry, make_backend
 from ..segment import layout as L
 from ..segment.names import sanitize, segment_path, validate
 from ..segment.writer import Identity, SegmentError, SegmentWriter, owned_stale
+from ..tp.broadcast import BroadcastBackend
+from ..tp.launch import adopt, spawn_workers
 from . import fastpath, poller
 from .compact import CompactHandler, CompactResult, CompactStats, Move, plan
 from .pages import PageTable
@@ -99,7 +101,7 @@ class KVCacheManager:
             tp_world = len(tp_workers)
         if tp_world < 1 or (tp_world > 1 or tp_workers is not None) and len(tp_workers or ()) != tp_world:
             raise ValueError(f"tp_world={tp_world} needs one worker socket per rank in tp_workers "
-                             f"(got {len(tp_workers or ())}); see kvcached_core.tp.scheduler()")
+                             f"(got {len(tp_workers or ())}); see KVCacheManager.tensor_parallel()")
         bpp = page_size // block_bytes  # blocks never straddle pages; a page's tail may go unused
         if bpp > L.MAX_BLOCKS_PER_PAGE:
             raise ValueError(f"{bpp} blocks per page exceeds {L.MAX_BLOCKS_PER_PAGE}: use larger blocks or smaller pages")
@@ -137,8 +139,6 @@ class KVCacheManager:
         self.policy = make_policy(policy)
         self.cache = PrefixCache(bpp, config.max_cached_blocks(block_tokens))
         if tp_workers is not None:
-            from ..tp.broadcast import BroadcastBackend
-
             self.backend: Backend = BroadcastBackend(self.geometry, backend, tp_workers, strategy=tp_strategy,
                                                      timeout=tp_timeout)
         else:
@@ -209,6 +209,27 @@ class KVCacheManager:
             thread.start()
         # Controls, idle return and the heartbeat: the process's one poller thread (see kvcached_core.allocator.poller).
         self._watch = poller.register(self, self.segment.wake_token, _watch_tick, _WatchState())
+
+    @classmethod
+    def tensor_parallel(cls, model: str, *, world: int, backend: str = "host", devices: Sequence[int] | None = None,
+                        strategy: str | None = None, timeout: float | None = None,
+                        worker_capacity: int | Sequence[int | None] | None = None,
+                        **kwargs: Any) -> KVCacheManager:
+        """A tensor-parallel manager with ``world`` freshly started rank workers (``kvcached_core.tp``).
+
+        The manager owns the workers: ``close()`` tells them to release their memory and waits for them.
+        ``kwargs`` are the usual geometry and naming arguments (``num_blocks``, ``block_bytes`` per rank,
+        ``num_layers``, ...). An engine that starts its own workers passes ``tp_workers=[socket paths]``.
+        """
+        group = spawn_workers(world, backend=backend, devices=devices, capacity=worker_capacity, label=model)
+        try:
+            manager = cls(model, backend=backend, tp_world=world, tp_workers=group.paths,
+                          tp_strategy=strategy, tp_timeout=timeout, **kwargs)
+        except BaseException:
+            group.kill()
+            raise
+        adopt(manager.backend, group)  # type: ignore[arg-type]
+        return manager
 
     @staticmethod
     def _choose_name(name: str | None, model: str) -> str:

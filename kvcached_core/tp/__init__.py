@@ -1,8 +1,8 @@
 """Tensor parallelism: one scheduler decides pages, one worker per rank holds the rank's KV shard.
 
-- :func:`scheduler` starts ``world`` rank workers and returns the model's :class:`KVCacheManager`
-  (its backend is a :class:`BroadcastBackend`); or pass ``tp_workers=[socket paths]`` to
-  ``KVCacheManager`` to attach workers an engine started itself.
+- ``KVCacheManager.tensor_parallel(model, world=N, ...)`` starts ``world`` rank workers and returns
+  the model's manager (its backend is a :class:`BroadcastBackend`); or pass ``tp_workers=[socket
+  paths]`` to ``KVCacheManager`` to attach workers an engine started itself.
 - :class:`TPWorker` is what an engine's per-GPU worker embeds (``.start()``, ``.buffer(layer, kv)``);
   ``python -m kvcached_core.tp.worker`` runs one on its own.
 
@@ -13,7 +13,7 @@ limit count all ranks together, and limit and trim are acknowledged once every r
 from __future__ import annotations
 
 from .broadcast import STRATEGIES, BroadcastBackend, RankLost, RankState
-from .launch import WorkerGroup, attach, scheduler, spawn_workers
+from .launch import WorkerGroup, attach, spawn_workers
 
 
 def __getattr__(name: str):  # noqa: ANN202 - the worker module loads lazily (it also runs as ``-m``)
@@ -24,4 +24,4 @@ def __getattr__(name: str):  # noqa: ANN202 - the worker module loads lazily (it
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["STRATEGIES", "BroadcastBackend", "RankLost", "RankState", "TPWorker", "WorkerError", "WorkerGroup",
-           "attach", "scheduler", "serve", "spawn_workers"]
+           "attach", "serve", "spawn_workers"]

@@ -103,28 +103,6 @@ def _wait_ready(proc: subprocess.Popen, rank: int, deadline: float) -> None:
     proc.stdout.close()
 
 
-def scheduler(model: str, *, world: int, backend: str = "host", devices: Sequence[int] | None = None,
-              strategy: str | None = None, timeout: float | None = None,
-              worker_capacity: int | Sequence[int | None] | None = None, **manager_kwargs):  # noqa: ANN201
-    """A tensor-parallel :class:`KVCacheManager` with ``world`` freshly started rank workers.
-
-    The manager owns the workers: ``close()`` tells them to release their memory and waits for
-    them. ``manager_kwargs`` are the usual geometry and naming arguments (``num_blocks``,
-    ``block_bytes`` per rank, ``num_layers``, ...).
-    """
-    from ..allocator.manager import KVCacheManager
-
-    group = spawn_workers(world, backend=backend, devices=devices, capacity=worker_capacity, label=model)
-    try:
-        manager = KVCacheManager(model, backend=backend, tp_world=world, tp_workers=group.paths,
-                                 tp_strategy=strategy, tp_timeout=timeout, **manager_kwargs)
-    except BaseException:
-        group.kill()
-        raise
-    adopt(manager.backend, group)  # type: ignore[arg-type]
-    return manager
-
-
 def attach(geometry, backend: str, group: WorkerGroup, **kwargs) -> BroadcastBackend:  # noqa: ANN001
     """A bare :class:`BroadcastBackend` over ``group`` (no manager, no segment): for benchmarks and tools."""
     try:

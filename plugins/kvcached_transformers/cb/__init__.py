@@ -28,7 +28,7 @@ from .seams import SUPPORTED, UnsupportedTransformers, check, supported_text
 if TYPE_CHECKING:
     import torch
 
-    from .loop import LoopControl
+    from .loop import LoopControl, Traffic
     from .paged import KvcachedPagedAttentionCache
 
 _ATTR = "_kvcached_cb"  # the model attribute that holds its CBInstall
@@ -52,6 +52,7 @@ class CBInstall:
         self.manager: KVCacheManager | None = None
         self.loops: list[LoopControl] = []
         self.caches: list[KvcachedPagedAttentionCache] = []
+        self._traffic: tuple[KVCacheManager, Traffic] | None = None  # the counters of the open allocator
 
     def manager_for(self, cache: KvcachedPagedAttentionCache, num_sectors: int, device: torch.device) -> KVCacheManager:
         """The allocator for a cache of ``num_sectors`` sectors on ``device``; the one already open when it fits."""
@@ -75,7 +76,7 @@ class CBInstall:
         return self.manager
 
     def attach(self, cb_manager: Any, processor: Any) -> None:
-        from .loop import LoopControl
+        from .loop import LoopControl, Traffic
         from .paged import KvcachedPagedAttentionCache
 
         cache = processor.cache
@@ -87,7 +88,9 @@ class CBInstall:
                 return
         if cache not in self.caches:
             self.caches.append(cache)
-        self.loops.append(LoopControl(cb_manager, processor))
+        if self._traffic is None or self._traffic[0] is not cache.kv_manager:
+            self._traffic = (cache.kv_manager, Traffic())
+        self.loops.append(LoopControl(cb_manager, processor, self._traffic[1]))
 
     def loop_ended(self, processor: Any) -> None:
         for lc in self.loops:

@@ -34,10 +34,18 @@ class _Wait(Exception):  # noqa: N818 - a signal between two wrappers, never see
     """Nothing can be scheduled and nothing offloaded: wait for memory instead of failing every request."""
 
 
+class Traffic:
+    """A model's request counters, kept across the processors it builds (the segment's counters only grow)."""
+
+    def __init__(self) -> None:
+        self.finished = self.prompt_tokens = self.generated_tokens = self.offloads = 0
+        self.last_request_ns = 0
+
+
 class LoopControl:
     """Wraps one processor's ``prepare_next_batch``, ``schedule_batch``, ``finish_request`` and ``offload_requests``."""
 
-    def __init__(self, cb_manager: Any, processor: Any) -> None:
+    def __init__(self, cb_manager: Any, processor: Any, traffic: Traffic) -> None:
         cache = processor.cache
         assert isinstance(cache, KvcachedPagedAttentionCache)
         self.cache = cache
@@ -49,8 +57,7 @@ class LoopControl:
         self._lock = threading.Lock()
         self.draining = False
         self.asleep = False
-        self.finished = self.prompt_tokens = self.generated_tokens = self.offloads = 0
-        self.last_request_ns = 0
+        self.traffic = traffic
         self._published: tuple[int, ...] = ()
         self._nothing_scheduled = False
         self._waiting_logged = False
@@ -110,7 +117,7 @@ class LoopControl:
     def offload_requests(self) -> bool:
         done = bool(self._offload())
         if done:
-            self.offloads += 1
+            self.traffic.offloads += 1
         elif self._nothing_scheduled:
             raise _Wait
         return done
@@ -119,9 +126,10 @@ class LoopControl:
         state = self.scheduler.active_requests.get(request_id)
         self._finish_request(request_id)
         if state is not None and state.status.name == "FINISHED":
-            self.finished += 1
-            self.prompt_tokens += len(state.initial_tokens)
-            self.generated_tokens += len(state.generated_tokens)
+            traffic = self.traffic
+            traffic.finished += 1
+            traffic.prompt_tokens += len(state.initial_tokens)
+            traffic.generated_tokens += len(state.generated_tokens)
 
     def service(self) -> None:
         """Serve a pending action, and evict prefix blocks a lowered limit or a reclaim waits on."""
@@ -171,14 +179,14 @@ class LoopControl:
     def _publish(self, *, stepped: bool) -> None:
         """Traffic into the segment when it changed (a publish counts as activity: an idle loop publishes nothing)."""
         running, waiting = self._counts()
-        figures = (running, waiting, self.finished, self.offloads)
+        t = self.traffic
+        figures = (running, waiting, t.finished, t.offloads)
         if not stepped and figures == self._published:
             return
         if running + waiting > sum(self._published[:2]):
-            self.last_request_ns = time.time_ns()
+            t.last_request_ns = time.time_ns()
         self._published = figures
         if self.manager._closed:  # noqa: SLF001
             return
-        self.manager.publish_traffic(running, waiting, self.finished, self.prompt_tokens, self.generated_tokens,
-                                     self.offloads, self.last_request_ns,
-                                     self._waiting_sectors() if waiting else 0)
+        self.manager.publish_traffic(running, waiting, t.finished, t.prompt_tokens, t.generated_tokens, t.offloads,
+                                     t.last_request_ns, self._waiting_sectors() if waiting else 0)

@@ -1,0 +1,231 @@
+"""transformers' own continuous batching on kvcached (kvcached_transformers.cb): a tiny random Llama on CPU.
+
+Every test compares greedy tokens with plain transformers (continuous batching without kvcached, and
+``generate``) and drives the allocator the way a user does: ``kvctl`` as a subprocess or through its CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from conftest import ROOT, kvctl, wait_for  # noqa: E402
+
+import kvcached_core as kc  # noqa: E402
+from kvcached_transformers import cb  # noqa: E402
+from kvcached_transformers.cb.seams import UnsupportedTransformers, check_version  # noqa: E402
+from kvcached_transformers.tiny import random_prompts, tiny_llama  # noqa: E402
+
+try:
+    check_version(transformers.__version__)
+    SUPPORTED_HERE = True
+except UnsupportedTransformers:
+    SUPPORTED_HERE = False
+needs_cb = pytest.mark.skipif(not SUPPORTED_HERE, reason=f"transformers {transformers.__version__} is outside "
+                              f"the continuous batching range")
+
+PAGE_TOKENS = 256  # one transformers block: 2 layers x K,V x 4 heads x 32 x fp32 x 256 = 512 KiB, 4 per 2 MiB page
+NUM_BLOCKS = 16
+NEW_TOKENS = 10
+KVCTL = str(ROOT / ".venv" / "bin" / "kvctl")
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    torch.set_num_threads(1)
+    return tiny_llama(seed=3, layers=2, hidden_size=256, heads=8, kv_heads=4, intermediate_size=512)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(8, seed=5, min_len=6, max_len=48)
+
+
+def gen_config() -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def cb_config(**overrides: Any) -> Any:
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    kwargs = {"page_size": PAGE_TOKENS, "num_blocks": NUM_BLOCKS, "max_batch_tokens": 256,
+              "max_requests_per_batch": 8, **overrides}
+    return ContinuousBatchingConfig(**kwargs)
+
+
+def run(model: Any, prompts: list[list[int]]) -> list[list[int]]:
+    out = model.generate_batch(prompts, generation_config=gen_config(), continuous_batching_config=cb_config())
+    assert len(out) == len(prompts) and all(r.error is None for r in out.values())
+    return [list(r.generated_tokens) for r in out.values()]
+
+
+@pytest.fixture(scope="module")
+def plain(model: Any, prompts: list[list[int]]) -> list[list[int]]:
+    """Plain transformers continuous batching, no kvcached."""
+    assert cb.installed(model) is None
+    return run(model, prompts)
+
+
+@contextmanager
+def installed(model: Any, name: str) -> Iterator[cb.CBInstall]:
+    handle = cb.install(model, name=name)
+    try:
+        yield handle
+    finally:
+        handle.close()
+    assert cb.installed(model) is None
+
+
+@contextmanager
+def sampled(read: Callable[[], int]) -> Iterator[list[int]]:
+    """The highest value ``read()`` gave while the block ran, sampled every millisecond."""
+    peak = [0]
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], read())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        done.set()
+        thread.join()
+
+
+def test_version_outside_the_range_is_refused_in_one_line() -> None:
+    for found in ("5.17.0", "5.26.0", "6.0.0"):
+        with pytest.raises(UnsupportedTransformers) as info:
+            check_version(found)
+        assert "\n" not in str(info.value) and found in str(info.value) and ">=5.19,<5.26" in str(info.value)
+    check_version("5.19.0")
+    check_version("5.25.0.dev0")
+
+
+def test_install_refuses_this_transformers_when_outside_the_range(model: Any) -> None:
+    if SUPPORTED_HERE:
+        pytest.skip("this transformers is supported")
+    with pytest.raises(UnsupportedTransformers):
+        cb.install(model, name="refused")
+    assert cb.installed(model) is None
+
+
+@needs_cb
+def test_tokens_equal_plain_continuous_batching_and_generate(model: Any, prompts: list[list[int]],
+                                                             plain: list[list[int]]) -> None:
+    with installed(model, "cb-tokens") as handle:
+        with sampled(lambda: handle.manager.used_blocks if handle.manager else 0) as peak:
+            ours = run(model, prompts)
+        manager = handle.manager
+        assert manager is not None and manager.engine == "transformers"
+        # One kvcached block per transformers sector (one block of 256 tokens here), two padding sectors more.
+        assert manager.num_blocks == NUM_BLOCKS + 2 and manager.block_bytes == 512 * 1024
+        assert manager.alloc_blocks >= len(prompts) + 2 and peak[0] >= 4
+        assert manager.used_blocks == 0  # the stop gave every sector back, the padding ones too
+    assert ours == plain
+    for prompt, tokens in zip(prompts[:3], ours, strict=False):
+        ref = model.generate(torch.tensor([prompt]), generation_config=gen_config())
+        assert ref[0, len(prompt):].tolist() == tokens
+
+
+@needs_cb
+def test_kvctl_lists_the_model(model: Any, prompts: list[list[int]]) -> None:
+    with installed(model, "cb-listed") as handle:
+        run(model, prompts[:2])
+        env = dict(os.environ)  # KVCACHED_SHM_DIR: this test's directory (conftest)
+        out = subprocess.run([KVCTL, "list", "--json"], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        rows = {row["name"]: row for row in json.loads(out.stdout)}
+        row = rows["cb-listed"]
+        assert row["engine"] == "transformers" and row["model"] == "tiny-llama"
+        assert row["blocks_per_page"] == 4 and row["page_size"] == 2 << 20 and row["pages_total"] == 5
+        assert row["traffic"]["finished"] == 2
+        assert handle.segment == "cb-listed"
+    out = subprocess.run([KVCTL, "list", "--json"], env=dict(os.environ), capture_output=True, text=True, timeout=60)
+    assert "cb-listed" not in {row["name"] for row in json.loads(out.stdout)}  # close removed the segment
+
+
+@needs_cb
+def test_a_limit_below_use_queues_requests_and_tokens_stay(model: Any, prompts: list[list[int]],
+                                                           plain: list[list[int]]) -> None:
+    with installed(model, "cb-limit") as handle:
+        with sampled(lambda: handle.manager.used_blocks if handle.manager else 0) as free_peak:
+            assert run(model, prompts) == plain
+        manager = handle.manager
+        assert manager is not None and free_peak[0] >= 6  # 8 requests of one block each, 2 padding blocks
+        result = kvctl("limit", "cb-limit", "2MiB")  # one page: 2 padding blocks and 2 requests
+        assert result.exit_code == 0, result.output
+        with sampled(manager.backend_mapped_bytes) as mapped, sampled(lambda: manager.used_blocks) as used:
+            assert run(model, prompts) == plain
+        assert mapped[0] <= 2 << 20 and used[0] <= 4 < free_peak[0], (mapped[0], used[0])
+        assert kc.snapshot("cb-limit").traffic.finished == 2 * len(prompts)  # counted across both batches
+
+
+@needs_cb
+def test_trim_returns_the_reserved_pages(model: Any, prompts: list[list[int]]) -> None:
+    with installed(model, "cb-trim") as handle:
+        run(model, prompts)
+        manager = handle.manager
+        assert manager is not None and manager.used_blocks == 0
+        before = manager.backend_mapped_bytes()
+        assert before > 0  # emptied pages stay mapped as the reserve pool
+        result = kvctl("trim", "cb-trim")
+        assert result.exit_code == 0, result.output
+        assert manager.backend_mapped_bytes() == 0 < before
+        assert kc.snapshot("cb-trim").mapped_bytes == 0
+
+
+@needs_cb
+def test_sleep_and_wake_keep_the_tokens(model: Any, prompts: list[list[int]], plain: list[list[int]]) -> None:
+    with installed(model, "cb-sleep") as handle:
+        manager_cb = model.init_continuous_batching(generation_config=gen_config(),
+                                                    continuous_batching_config=cb_config())
+        manager_cb.start()
+        try:
+            def serve(batch: list[list[int]]) -> list[list[int]]:
+                ids = manager_cb.add_requests(batch, max_new_tokens=NEW_TOKENS)
+                results: dict[str, list[int]] = {}
+                deadline = time.monotonic() + 60
+                while len(results) < len(ids):
+                    assert time.monotonic() < deadline, "requests did not finish"
+                    got = manager_cb.get_result(timeout=1)
+                    if got is not None and got.is_finished():
+                        assert got.error is None, got.error
+                        results[got.request_id] = list(got.generated_tokens)
+                return [results[i] for i in ids]
+
+            assert serve(prompts) == plain
+            assert kc.snapshot("cb-sleep").sleep.capable
+            result = kvctl("sleep", "cb-sleep", "--wait", "--timeout", "30")
+            assert result.exit_code == 0, result.output
+            m = kc.snapshot("cb-sleep")
+            assert m.sleep.state == "asleep" and m.mapped_bytes == 0 and m.sleep.slept_bytes > 0
+            assert handle.manager is not None and handle.manager.used_blocks == 0
+            result = kvctl("wake", "cb-sleep")
+            assert result.exit_code == 0, result.output
+            wait_for(lambda: kc.snapshot("cb-sleep").sleep.state == "awake", what="awake")
+            assert serve(prompts) == plain
+            # Asleep again; the next requests wake it by themselves.
+            assert kvctl("sleep", "cb-sleep", "--wait", "--timeout", "30").exit_code == 0
+            assert kc.snapshot("cb-sleep").sleep.state == "asleep"
+            assert serve(prompts[:4]) == plain[:4]
+            assert kc.snapshot("cb-sleep").sleep.state == "awake"
+        finally:
+            manager_cb.stop(block=True, timeout=30)
+        assert not kc.snapshot("cb-sleep").sleep.capable  # the loop stopped: nobody serves a sleep

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 # The reader's names load at once; the allocator's and controller's on first use, so ``kvctl list``
 # never pays for them.
-from .segment.reader import ModelNotFound, list_models, resolve, scan, snapshot
+from .fleet import ModelNotFound, list_models, resolve, scan, snapshot
 from .segment.snapshot import ModelSnapshot, Problem, Scan
 from .sizes import SizeError, format_bytes, parse_size
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..segment.reader import ModelNotFound, snapshot
+from ..fleet import ModelNotFound, snapshot
 from ..segment.snapshot import ModelSnapshot
 from .requests import Ack, ControlError
 

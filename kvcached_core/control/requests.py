@@ -16,11 +16,12 @@ from pathlib import Path
 
 from ..allocator.poller import poke
 from ..config import ConfigError, host_capacity_bytes
+from ..fleet import ModelNotFound, resolve, scan
 from ..interop.legacy import flock_within, limit_refusal, percent_base, write_legacy_limit
 from ..segment import layout as L
 from ..segment.control_io import ControlWriteError, open_for_control, wake_token
 from ..segment.names import SEGMENT_PREFIX
-from ..segment.reader import ModelNotFound, read_segment, resolve, scan
+from ..segment.reader import read_segment
 from ..segment.snapshot import ModelSnapshot
 
 POLL_S = 0.002

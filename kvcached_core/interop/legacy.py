@@ -16,13 +16,14 @@ import re
 import stat
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from ..config import ipc_name_override
 from ..segment import layout as L
 from ..segment.names import LEGACY_PREFIX
 from ..segment.pgroups import GroupJudge
-from ..segment.snapshot import ModelSnapshot
+from ..segment.snapshot import ModelSnapshot, Problem
 from ..sizes import format_bytes
 
 READ_LOCK_TIMEOUT_S = 0.1  # upstream holds its flock for microseconds; longer means a hung holder
@@ -220,3 +221,37 @@ def dead_segment(path: Path) -> tuple[os.stat_result, Callable[[int], bool]] | N
         return None
     finally:
         os.close(fd)
+
+
+def upstream_row(filename: str, path: str, judge: GroupJudge) -> ModelSnapshot | Problem | None:
+    """A file of the segment directory that is not one of ours, read as an upstream segment where it is a
+    candidate (an upstream name, or exactly the struct's size): its row, a Problem, or None (no candidate,
+    or removed while listed). The reader's ``foreign`` hook (``kvcached_core.fleet``)."""
+    named = is_legacy_name(filename)
+    if not (named or _struct_sized(path)):
+        return None
+    try:
+        return _printable(read_legacy(Path(path), named=named, judge=judge))
+    except FileNotFoundError:
+        return None
+    except BlockingIOError as exc:
+        return Problem(path, "busy", str(exc))
+    except NotLegacy as exc:
+        return Problem(path, "foreign", str(exc))
+    except (OSError, ValueError) as exc:
+        return Problem(path, "unreadable" if isinstance(exc, OSError) else "foreign", str(exc))
+
+
+def _struct_sized(path: str) -> bool:
+    """A regular file of exactly upstream's struct size: a candidate whatever its name (upstream's test)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == L.LEGACY_SIZE
+
+
+def _printable(m: ModelSnapshot) -> ModelSnapshot:
+    """Upstream rows are named after their file: a file name's control characters never reach a terminal."""
+    shown = (L.printable(m.name), L.printable(m.model), L.printable(m.engine))
+    return m if shown == (m.name, m.model, m.engine) else replace(m, name=shown[0], model=shown[1], engine=shown[2])

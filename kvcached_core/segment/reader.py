@@ -16,12 +16,12 @@ import stat
 import threading
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from zlib import crc32
 
 from ..config import shm_dir
-from ..interop.legacy import NotLegacy, is_legacy_name, read_legacy
 from . import layout as L
 from . import liveness
 from .liveness import AliveCheck, AliveMemo, judge, writer_alive
@@ -633,8 +633,15 @@ _KEPT = _KeptFiles()
 os.register_at_fork(after_in_child=_KEPT._after_fork)
 
 
-def scan(*, with_pages: bool = False, directory: Path | None = None) -> Scan:
-    """Every segment in the directory, plus a Problem for each file we could not use."""
+# Reads a file of the directory that is not one of our segments: its row, a Problem, or None (not such a file).
+Foreign = Callable[[str, str, GroupJudge], "ModelSnapshot | Problem | None"]
+
+
+def scan(*, with_pages: bool = False, directory: Path | None = None, foreign: Foreign | None = None) -> Scan:
+    """Every segment in the directory, plus a Problem for each file we could not use.
+
+    ``foreign`` reads the other files (``kvcached_core.fleet`` passes the public kvcached's reader).
+    """
     base = directory or shm_dir()
     models: list[ModelSnapshot] = []
     problems: list[Problem] = []
@@ -677,29 +684,19 @@ def scan(*, with_pages: bool = False, directory: Path | None = None) -> Scan:
                 finally:
                     if file is not None:
                         file.close()
-            elif not filename.startswith(".") and ((named := is_legacy_name(filename)) or _legacy_sized(path)):
-                try:
-                    models.append(_printable(read_legacy(Path(path), named=named, judge=judge)))
-                except FileNotFoundError:
-                    continue
-                except BlockingIOError as exc:
-                    problems.append(Problem(path, "busy", str(exc)))
-                except NotLegacy as exc:
-                    problems.append(Problem(path, "foreign", str(exc)))
-                except (OSError, ValueError) as exc:
-                    problems.append(Problem(path, "unreadable" if isinstance(exc, OSError) else "foreign", str(exc)))
+            elif foreign is not None and not filename.startswith("."):
+                row = foreign(filename, path, judge)
+                if isinstance(row, ModelSnapshot):
+                    models.append(row)
+                elif row is not None:
+                    problems.append(row)
     finally:
         _close_all(kept)  # files the directory no longer lists
         _KEPT.give(where, keep)
     models.sort(key=lambda m: m.name)
-    # Our segments' strings are printable already (layout.decode_text; a file name that is not fails the name check)
+    # Our segments' strings are printable already (layout.decode_text; a file name that is not fails the name check);
+    # a foreign reader's rows are its own to make printable.
     return Scan(tuple(models), tuple(_printable_problem(p) for p in problems))
-
-
-def _printable(m: ModelSnapshot) -> ModelSnapshot:
-    """Upstream rows are named after their file: a file name's control characters never reach a terminal."""
-    shown = (L.printable(m.name), L.printable(m.model), L.printable(m.engine))
-    return m if shown == (m.name, m.model, m.engine) else replace(m, name=shown[0], model=shown[1], engine=shown[2])
 
 
 def _printable_problem(p: Problem) -> Problem:
@@ -707,18 +704,10 @@ def _printable_problem(p: Problem) -> Problem:
     return p if (path, reason) == (p.path, p.reason) else replace(p, path=path, reason=reason)
 
 
-def _legacy_sized(path: str) -> bool:
-    """A regular file of exactly upstream's struct size: a candidate whatever its name (upstream's test)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode) and st.st_size == L.LEGACY_SIZE
-
-
-def list_models(*, with_pages: bool = False, directory: Path | None = None) -> list[ModelSnapshot]:
+def list_models(*, with_pages: bool = False, directory: Path | None = None,
+                foreign: Foreign | None = None) -> list[ModelSnapshot]:
     """Snapshots of every model; files that are not usable segments are skipped (see :func:`scan`)."""
-    return list(scan(with_pages=with_pages, directory=directory).models)
+    return list(scan(with_pages=with_pages, directory=directory, foreign=foreign).models)
 
 
 def resolve(name: str, models: list[ModelSnapshot]) -> ModelSnapshot:
@@ -736,7 +725,8 @@ def resolve(name: str, models: list[ModelSnapshot]) -> ModelSnapshot:
     raise ModelNotFound(f"no model named {name!r} (known: {known})", names)
 
 
-def snapshot(name: str, *, with_pages: bool = True, directory: Path | None = None) -> ModelSnapshot:
+def snapshot(name: str, *, with_pages: bool = True, directory: Path | None = None,
+             foreign: Foreign | None = None) -> ModelSnapshot:
     """One model by name or unique prefix, with its page map."""
     for _ in range(BUSY_RETRIES):  # an exact name is one file: no need to read every segment to find it
         try:
@@ -746,7 +736,7 @@ def snapshot(name: str, *, with_pages: bool = True, directory: Path | None = Non
         except (InvalidName, SegmentCorrupt, OSError, ValueError):
             break  # a prefix or a damaged file: the full scan below decides and explains
     for _ in range(SWAP_RETRIES):
-        model = resolve(name, list_models(directory=directory))
+        model = resolve(name, list_models(directory=directory, foreign=foreign))
         if model.legacy or not with_pages:
             return model
         try:

@@ -35,6 +35,7 @@ COMMANDS: dict[str, str] = {
     "clean": "kvtop.cli.clean:clean_cmd",
     "demo": "kvtop.cli.demo:demo_cmd",
     "export": "kvtop.cli.export:export_cmd",
+    "route": "kvtop.cli.route:route_cmd",
 }
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}

@@ -1,0 +1,91 @@
+"""``kvctl route``: one OpenAI-compatible endpoint in front of every model on the host (:mod:`kvtop.router`)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from typing import Any
+
+import click
+
+from kvtop.cli import Failure
+from kvtop.cli.common import Number
+
+
+class ListenType(click.ParamType):
+    """``HOST:PORT`` (``[::1]:8080`` for an IPv6 address; port 0 picks a free one)."""
+
+    name = "host:port"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, int]:
+        if isinstance(value, tuple):
+            return value
+        text = str(value).strip()
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host or not port_text:
+            self.fail(f"{value!r} is not HOST:PORT (like 127.0.0.1:8080, or [::1]:8080)", param, ctx)
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+            try:
+                ipaddress.IPv6Address(host)
+            except ValueError:
+                self.fail(f"{value!r}: {host!r} in brackets is not an IPv6 address", param, ctx)
+        elif ":" in host:
+            self.fail(f"{value!r}: an IPv6 address goes in brackets ([{host}]:{port_text})", param, ctx)
+        if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+            self.fail(f"{value!r}: the port {port_text!r} is not a whole number from 0 to 65535", param, ctx)
+        return host, int(port_text)
+
+
+@click.command("route")
+@click.option("--listen", type=ListenType(), default="127.0.0.1:8080", show_default=True, metavar="HOST:PORT",
+              help="Address to serve on (0.0.0.0:PORT or [::]:PORT for other hosts; port 0 picks a free one).")
+@click.option("--rescan", type=Number(min=0.05, max=3600), default=1.0, show_default=True, metavar="SEC",
+              help="Read the segments again this often (a name no model answers to rescans at once).")
+@click.option("--wake-timeout", "wake_timeout", type=Number(min=0, min_open=True, max=86400), default=60.0,
+              show_default=True, metavar="SEC",
+              help="The longest a request waits for a sleeping model to wake before it is answered 503.")
+def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float) -> None:
+    """Serve every model on this host behind one OpenAI-compatible endpoint.
+
+    Each engine publishes the address it serves on in its segment (the vLLM plugin takes vLLM's
+    --host/--port; other servers set KVCACHED_ENDPOINT), so models are found as they start and
+    dropped as they stop, without a restart. A request goes to the engine serving its "model" (the
+    id the engine lists, or the model's kvctl name):
+
+    \b
+      GET  /v1/models               every model served now, with its state: live, asleep, draining
+      POST /v1/completions          passed to the model's engine, streamed (SSE) or not
+      POST /v1/chat/completions     likewise (and any other POST /v1/... naming a model)
+      GET  /kvcached/figures        requests, errors, in flight, TTFT and latency p50/p99 per model
+
+    A model that is asleep is woken by the request, which waits for it (--wake-timeout). An unknown
+    model is answered 404, a model whose engine is gone or unreachable 503, each with an
+    OpenAI-style error body saying why. Runs until Ctrl-C or SIGTERM.
+
+    \b
+    Examples:
+      kvctl route                               # http://127.0.0.1:8080/v1
+      kvctl route --listen 0.0.0.0:8000 --wake-timeout 120
+      curl -s localhost:8080/v1/completions -H 'Content-Type: application/json' \\
+           -d '{"model": "llama-3-8b", "prompt": "Hello", "max_tokens": 16}'
+    """
+    from kvcached_core.config import shm_dir_problem
+
+    problem = shm_dir_problem()
+    if problem:
+        raise Failure(problem)
+    try:
+        from kvtop.router import serve
+    except ImportError as exc:
+        raise Failure(f"kvctl route needs aiohttp ({exc}): pip install 'aiohttp>=3.9'") from None
+    host, port = listen
+
+    def ready(url: str) -> None:
+        click.echo(f"kvctl route: serving {url}/v1 (Ctrl-C stops)", err=True)
+
+    try:
+        serve(host, port, rescan_s=rescan, wake_timeout_s=wake_timeout, ready=ready)
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else (exc.strerror or str(exc))
+        raise Failure(f"cannot serve on {host}:{port}: {reason}") from None

@@ -1,0 +1,21 @@
+"""``kvctl route``: one OpenAI-compatible front door for every model on the host.
+
+The models are found in their segments (each engine publishes the URL it serves on: the ENDPOINT words),
+so engines come and go without a restart; a request goes to the engine serving its ``model``, a sleeping
+model is woken by it (bounded), and the router keeps per-model figures.
+
+Built on aiohttp: one well-kept library for both sides (its server and its client share one event loop,
+one connection pool and one streaming API), where starlette + uvicorn + httpx would be three libraries,
+two of them with their own event-loop and connection-pool layers, for the same job. No HTTP is parsed
+here by hand. ``kvcached_core`` never imports this package; nothing imports aiohttp but this package.
+
+- :mod:`.directory`: the models from their segments (rescanned), the names each engine answers to.
+- :mod:`.proxy`: the aiohttp application (``/v1/models``, the passed-through POSTs, errors in OpenAI's shape).
+- :mod:`.figures`: per-model requests, errors, in flight, TTFT and latency percentiles.
+"""
+
+from __future__ import annotations
+
+from .proxy import make_app, serve
+
+__all__ = ["make_app", "serve"]

@@ -1,0 +1,249 @@
+"""The router's aiohttp application: ``/v1/models``, every ``POST /v1/...`` passed to the engine serving its
+``model`` (streamed server-sent events as they come), errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from kvcached_core import ControlError
+from kvcached_core.control.requests import AckTimeout
+
+from .directory import ASLEEP, DRAINING, GONE, Directory, Engine
+from .figures import Figures
+
+DIRECTORY = web.AppKey("directory", Directory)
+FIGURES = web.AppKey("figures", Figures)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+SETTINGS = web.AppKey("settings", dict)
+WAKING = web.AppKey("waking", dict)
+
+# Headers that belong to one connection, never passed on (RFC 9110 section 7.6.1), and the framing aiohttp sets.
+HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                 "transfer-encoding", "upgrade", "host", "content-length"})
+
+
+def error(status: int, message: str, kind: str, code: str, param: str | None = None) -> web.Response:
+    """An error answer in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return web.json_response(body, status=status)
+
+
+def _passed(headers: object) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in HOP}  # type: ignore[attr-defined]
+
+
+async def models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: every model an engine serves now, with its state (live, asleep, draining)."""
+    directory = request.app[DIRECTORY]
+    with contextlib.suppress(OSError):
+        await directory.refresh()
+    data = [{"id": e.model_id, "object": "model", "created": e.seen,
+             "owned_by": "kvcached", "state": e.state, "segment": e.name, "endpoint": e.endpoint}
+            for e in directory.serving()]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def figures(request: web.Request) -> web.Response:
+    """``GET /kvcached/figures``: the router's per-model figures."""
+    return web.json_response(request.app[FIGURES].to_dict())
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def _wake(app: web.Application, engine: Engine) -> str | None:
+    """Wake ``engine``'s model and wait until it is awake (one wake per model, shared by its waiting requests);
+    None once awake, else why not."""
+    from kvcached_core.control.sleep import request_sleep
+
+    waking: dict[str, asyncio.Future] = app[WAKING]
+    future = waking.get(engine.name)
+    timeout = app[SETTINGS]["wake_timeout_s"]
+    if future is None:
+        future = asyncio.ensure_future(asyncio.to_thread(
+            request_sleep, engine.snap, "wake", wait=timeout, until_done=True))
+        waking[engine.name] = future
+        future.add_done_callback(lambda _f: waking.pop(engine.name, None))
+    try:
+        await asyncio.shield(future)
+    except AckTimeout:
+        return f"model {engine.model_id!r} did not wake within {timeout:g} s"
+    except (ControlError, OSError) as exc:
+        return f"model {engine.model_id!r} could not be woken: {exc}"
+    engine.state = "live"
+    return None
+
+
+async def forward(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/...``: the request, unchanged but for ``model`` when it named a segment, to its engine."""
+    app = request.app
+    figs = app[FIGURES]
+    raw = await request.read()
+    try:
+        payload = json.loads(raw)
+    except ValueError:
+        figs.unrouted += 1
+        return error(400, "the request body is not JSON", "invalid_request_error", "invalid_json")
+    model = payload.get("model") if isinstance(payload, dict) else None
+    if not isinstance(model, str) or not model:
+        figs.unrouted += 1
+        return error(400, "the request names no model (a string 'model' field)", "invalid_request_error",
+                     "model_required", "model")
+    directory = app[DIRECTORY]
+    try:
+        engine = await directory.find(model)
+    except OSError as exc:
+        figs.unrouted += 1
+        return error(503, f"the segment directory cannot be read: {exc}", "service_unavailable", "no_directory")
+    if engine is None:
+        figs.unrouted += 1
+        served = ", ".join(e.model_id for e in directory.serving()) or "none"
+        return error(404, f"The model `{model}` does not exist (models served here: {served})",
+                     "invalid_request_error", "model_not_found", "model")
+    fig = figs.of(engine.model_id)
+    fig.requests += 1
+    fig.in_flight += 1
+    started = time.perf_counter()
+    try:
+        response = await _answer(request, engine, model, payload, raw, started)
+    finally:
+        fig.in_flight -= 1
+    if response.status >= 400:
+        fig.errors += 1
+    return response
+
+
+async def _answer(request: web.Request, engine: Engine, model: str, payload: dict, raw: bytes,
+                  started: float) -> web.StreamResponse:
+    app = request.app
+    fig = app[FIGURES].of(engine.model_id)
+    if engine.state == GONE:
+        return _gone_error(engine)
+    if engine.state in (ASLEEP, DRAINING):
+        fig.woken += 1
+        why = await _wake(app, engine)
+        if why is not None:
+            return error(503, why, "service_unavailable", "wake_failed")
+    if engine.served and model not in engine.served:  # a segment's name: the engine knows its served id
+        payload["model"] = engine.served[0]
+        raw = json.dumps(payload).encode()
+    url = engine.endpoint.rstrip("/") + request.rel_url.path_qs
+    headers = _passed(request.headers)
+    try:
+        async with app[SESSION].post(url, data=raw, headers=headers) as upstream:
+            out_headers = _passed(upstream.headers)
+            if upstream.content_type != "text/event-stream":
+                body = await upstream.read()
+                fig.latency_s.append(time.perf_counter() - started)
+                return web.Response(body=body, status=upstream.status, headers=out_headers)
+            response = web.StreamResponse(status=upstream.status, headers=out_headers)
+            await response.prepare(request)
+            first = True
+            try:
+                async for chunk in upstream.content.iter_any():
+                    if first:
+                        fig.ttft_s.append(time.perf_counter() - started)
+                        first = False
+                    await response.write(chunk)
+            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError):
+                return response  # the engine hung up mid-stream: the client sees the stream end unfinished
+            await response.write_eof()
+            fig.latency_s.append(time.perf_counter() - started)
+            return response
+    except aiohttp.ClientConnectorError as exc:
+        gone = await _gone(app, engine)
+        if gone is not None:
+            return gone
+        errno = exc.os_error.errno
+        reason = os.strerror(errno) if errno and errno > 0 else (exc.os_error.strerror or str(exc.os_error))
+        return error(503, f"model {engine.model_id!r}: its engine at {engine.endpoint} cannot be reached "
+                          f"({reason.lower()})", "service_unavailable", "engine_unreachable")
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        gone = await _gone(app, engine)
+        if gone is not None:
+            return gone
+        return error(503, f"model {engine.model_id!r}: its engine at {engine.endpoint} hung up ({exc})",
+                     "service_unavailable", "engine_unreachable")
+
+
+def _gone_error(engine: Engine) -> web.Response:
+    return error(503, f"model {engine.model_id!r} is not served: {engine.gone_reason}", "service_unavailable",
+                 "engine_gone")
+
+
+async def _gone(app: web.Application, engine: Engine) -> web.Response | None:
+    """After a failed connection: the segment read again, the answer for an engine that is gone, else None."""
+    directory = app[DIRECTORY]
+    with contextlib.suppress(OSError):
+        await directory.refresh()
+    now = directory.engines.get(engine.name, engine)
+    return _gone_error(now) if now.state == GONE else None
+
+
+def make_app(shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout_s: float = 60.0) -> web.Application:
+    """The router: models from the segments in ``shm_dir`` (None: KVCACHED_SHM_DIR), rescanned every ``rescan_s``."""
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[SETTINGS] = {"wake_timeout_s": wake_timeout_s}
+    app[FIGURES] = Figures()
+    app[WAKING] = {}
+
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        app[SESSION] = session
+        app[DIRECTORY] = directory = Directory(shm_dir, session)
+        with contextlib.suppress(OSError):
+            await directory.refresh()
+        rescans = asyncio.get_running_loop().create_task(directory.run(rescan_s))
+        yield
+        rescans.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await rescans
+        await session.close()
+
+    app.cleanup_ctx.append(lifetime)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/kvcached/figures", figures)
+    app.router.add_post("/v1/{tail:.+}", forward)
+    return app
+
+
+def serve(host: str, port: int, shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout_s: float = 60.0,
+          ready: Callable[[str], None] | None = None) -> None:
+    """Listen on ``host:port`` until SIGINT or SIGTERM; ``ready`` gets the URL once listening (port 0: the one
+    the system chose). OSError when the address cannot be bound."""
+    asyncio.run(_serve(host, port, shm_dir, rescan_s, wake_timeout_s, ready))
+
+
+async def _serve(host: str, port: int, shm_dir: Path | None, rescan_s: float, wake_timeout_s: float,
+                 ready: Callable[[str], None] | None) -> None:
+    app = make_app(shm_dir, rescan_s=rescan_s, wake_timeout_s=wake_timeout_s)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
+        await site.start()
+        bound = runner.addresses[0]
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        if ready is not None:
+            ready(f"http://{shown}:{bound[1]}")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,140 @@
+"""kvctl route against real allocators (the answers that need no engine behind them) and its bad input.
+
+Requests that reach a real engine (tokens, streaming, waking, a killed engine, 200 at once) are in
+tests_vllm/test_vllm_route.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from conftest import child_env, wait_for
+
+from kvcached_core.segment.reader import snapshot
+
+SLEEPER = """
+import threading
+def handler(action):
+    if action.startswith("sleep"):
+        threading.Thread(target=m.sleep.ready).start()
+m.set_sleep_handler(handler)
+"""
+
+
+def kvctl(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kvtop.cli", *args], env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture
+def router(shm_dir) -> Iterator[str]:
+    """A running ``kvctl route`` on a free port, rescanning every 0.1 s: its base URL."""
+    proc = kvctl("route", "--listen", "127.0.0.1:0", "--rescan", "0.1", "--wake-timeout", "10")
+    line = proc.stderr.readline()
+    found = re.search(r"serving (http://\S+)/v1 ", line)
+    assert found, line + proc.stderr.read() if proc.poll() is not None else line
+    yield found.group(1)
+    proc.terminate()
+    assert proc.wait(timeout=10) == 0
+
+
+def call(url: str, body: dict | bytes | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # nobody listens there once the socket is closed
+
+
+def test_models_come_and_go_with_their_segments(router, spawn_allocator):
+    assert call(router + "/v1/models") == (200, {"object": "list", "data": []})
+    proc = spawn_allocator("m1", script=f"m.publish_endpoint('http://127.0.0.1:{closed_port()}')\n")
+    spawn_allocator("m2")  # publishes no endpoint: nothing to send requests to
+    status, listed = call(router + "/v1/models")
+    assert status == 200 and [(m["id"], m["state"], m["segment"]) for m in listed["data"]] == [("m1", "live", "m1")]
+    proc.kill()
+    proc.wait()
+    wait_for(lambda: call(router + "/v1/models")[1]["data"] == [], what="the killed model to leave /v1/models")
+
+
+def test_unknown_model_and_bad_bodies_get_openai_errors(router, spawn_allocator):
+    spawn_allocator("m1", script=f"m.publish_endpoint('http://127.0.0.1:{closed_port()}')\n")
+    assert call(router + "/v1/models")[1]["data"][0]["id"] == "m1"
+    status, body = call(router + "/v1/completions", {"model": "nosuch", "prompt": "hi"})
+    assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
+    assert "`nosuch` does not exist" in body["error"]["message"] and "m1" in body["error"]["message"]
+    assert call(router + "/v1/chat/completions", b"{not json")[0] == 400
+    status, body = call(router + "/v1/completions", {"prompt": "no model"})
+    assert status == 400 and body["error"]["code"] == "model_required"
+
+
+def test_an_engine_that_cannot_be_reached_or_is_gone_is_a_503_with_the_reason(router, spawn_allocator):
+    port = closed_port()
+    proc = spawn_allocator("m1", script=f"m.publish_endpoint('http://127.0.0.1:{port}')\n")
+    status, body = call(router + "/v1/completions", {"model": "m1", "prompt": "hi"})
+    assert status == 503 and body["error"]["code"] == "engine_unreachable"
+    assert f"127.0.0.1:{port} cannot be reached (connection refused)" in body["error"]["message"]
+    proc.kill()  # the segment stays behind, stale
+    proc.wait()
+    status, body = call(router + "/v1/completions", {"model": "m1", "prompt": "hi"})
+    assert status == 503 and body["error"]["code"] == "engine_gone"
+    assert f"its engine (pid {proc.pid}) has exited" in body["error"]["message"]
+    figures = call(router + "/kvcached/figures")[1]
+    assert figures["models"]["m1"]["requests"] == 2 and figures["models"]["m1"]["errors"] == 2
+
+
+def test_a_request_wakes_a_sleeping_model(router, spawn_allocator):
+    spawn_allocator("m1", script=SLEEPER + f"m.publish_endpoint('http://127.0.0.1:{closed_port()}')\n")
+    assert kvctl("sleep", "m1", "--wait").wait(timeout=30) == 0
+    assert snapshot("m1").sleep.state == "asleep"
+    wait_for(lambda: call(router + "/v1/models")[1]["data"][0]["state"] == "asleep", what="asleep in /v1/models")
+    status, body = call(router + "/v1/completions", {"model": "m1", "prompt": "hi"})
+    assert snapshot("m1").sleep.state == "awake"  # woken before the request went on (to no engine here: 503)
+    assert status == 503 and body["error"]["code"] == "engine_unreachable"
+    assert call(router + "/kvcached/figures")[1]["models"]["m1"]["woken"] == 1
+
+
+@pytest.mark.parametrize(("args", "code", "message"), [
+    (("--listen", "8080"), 2, "'8080' is not HOST:PORT"),
+    (("--listen", "127.0.0.1:65536"), 2, "is not a whole number from 0 to 65535"),
+    (("--listen", "::1:8080"), 2, "an IPv6 address goes in brackets ([::1]:8080)"),
+    (("--listen", "[localhost]:8080"), 2, "in brackets is not an IPv6 address"),
+    (("--rescan", "0"), 2, "'0' is out of range"),
+    (("--wake-timeout", "soon"), 2, "'soon' is not a number"),
+    (("--listen", "no.such.host.invalid:8080"), 1, "cannot serve on no.such.host.invalid:8080"),
+], ids=["listen-no-port", "listen-port-65536", "listen-ipv6-bare", "listen-brackets-not-ipv6", "rescan-0",
+        "wake-timeout-word", "listen-unresolvable"])
+def test_kvctl_route_bad_input(args, code, message, shm_dir):
+    proc = kvctl("route", *args)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == code, err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert out == ""
+
+
+def test_kvctl_route_on_a_busy_port_fails_in_one_line(shm_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = kvctl("route", "--listen", f"127.0.0.1:{port}")
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in err
+    assert len(err.strip().splitlines()) == 1 and out == ""

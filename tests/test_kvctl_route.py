@@ -138,3 +138,14 @@ def test_kvctl_route_on_a_busy_port_fails_in_one_line(shm_dir):
     assert proc.returncode == 1
     assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in err
     assert len(err.strip().splitlines()) == 1 and out == ""
+
+
+def test_only_segments_of_this_user_kept_private_are_routed(router, spawn_allocator, shm_dir):
+    """A segment file others could have written (not 0600, or another owner's) may name any address: no request
+    goes there, since requests carry prompts."""
+    spawn_allocator("m1", script=f"m.publish_endpoint('http://127.0.0.1:{closed_port()}')\n")
+    assert [m["id"] for m in call(router + "/v1/models")[1]["data"]] == ["m1"]
+    (shm_dir / "kvc.m1").chmod(0o622)
+    assert call(router + "/v1/models")[1]["data"] == []
+    status, body = call(router + "/v1/completions", {"model": "m1", "prompt": "hi"})
+    assert status == 503 and "no longer private to this user" in body["error"]["message"]

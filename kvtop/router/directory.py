@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,23 @@ from kvcached_core.segment.reader import scan
 
 LIVE, ASLEEP, DRAINING, GONE = "live", "asleep", "draining", "gone"
 SERVED_TIMEOUT_S = 5.0  # an engine's /v1/models, asked once per engine process
+
+
+def _scan_own(shm_dir: Path | None) -> list[tuple[ModelSnapshot, str]]:
+    """The models that publish an endpoint in segment files this user owns (0600, as allocators create them): a
+    segment another user wrote could name any address, and requests carry prompts."""
+    own = []
+    for snap in scan(directory=shm_dir).models:
+        endpoint = snap.endpoint
+        if snap.legacy or endpoint is None:
+            continue  # nothing to send requests to
+        try:
+            st = os.stat(snap.path, follow_symlinks=False)
+        except OSError:
+            continue
+        if st.st_uid == os.getuid() and not st.st_mode & 0o077:
+            own.append((snap, endpoint))
+    return own
 
 
 def state_of(snap: ModelSnapshot) -> str:
@@ -77,14 +95,12 @@ class Directory:
             if unless_since is not None and self._last_scan >= unless_since:
                 return
             self._last_scan = time.monotonic()
-            found = await asyncio.to_thread(scan, directory=self.shm_dir)
+            found = await asyncio.to_thread(_scan_own, self.shm_dir)
             self.scans += 1
             seen = set()
-            for snap in found.models:
-                if snap.legacy or snap.endpoint is None:
-                    continue  # nothing to send requests to
+            for snap, endpoint in found:
                 seen.add(snap.name)
-                engine = Engine(snap.name, snap.endpoint, snap, state_of(snap))
+                engine = Engine(snap.name, endpoint, snap, state_of(snap))
                 if engine.state == GONE:
                     engine.gone_reason = f"its engine (pid {snap.pid}) has exited"
                 engine.served = self._served.get(engine.key, ())
@@ -95,7 +111,7 @@ class Directory:
                 self.engines[snap.name] = engine
             for name, engine in self.engines.items():
                 if name not in seen and engine.state != GONE:
-                    engine.state, engine.gone_reason = GONE, "its segment was removed (the engine stopped)"
+                    engine.state, engine.gone_reason = GONE, "its segment was removed (the engine stopped) or is no longer private to this user"
             self._rename()
 
     def _rename(self) -> None:

@@ -3,6 +3,7 @@ and checked where the plugin starts. No engine starts here."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import sys
@@ -145,6 +146,38 @@ def test_the_start_check_refuses_a_changed_signature_with_one_line(monkeypatch: 
     assert line.startswith(f"kvcached cannot run on vLLM {vllm.__version__}: vllm.v1.core.sched.scheduler.Scheduler."
                            "_preempt_request lacks parameter timestamp; vllm.v1.core.block_pool.BlockPool._notify_reuse "
                            "is missing (seams checked on"), line
+
+
+def test_the_start_check_reads_what_an_init_sets_and_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A Scheduler whose __init__ keeps the signature but no longer builds a KVCacheManager or sets the attributes
+    # the plugin reads: its bytecode says so.
+    def init(self: object, vllm_config: object, kv_cache_config: object, *args: object, **kwargs: object) -> None:
+        self.block_size = 16
+
+    monkeypatch.setattr(scheduler.Scheduler, "__init__", init)
+    line = _refusal(monkeypatch)
+    assert line.startswith(f"kvcached cannot run on vLLM {vllm.__version__}: vllm.v1.core.sched.scheduler.Scheduler."
+                           "__init__ no longer calls KVCacheManager; vllm.v1.core.sched.scheduler.Scheduler has no "
+                           "kv_cache_manager, running, waiting, max_model_len, prev_step_scheduled_req_ids (seams "
+                           "checked on"), line
+
+
+def test_a_release_outside_the_list_with_every_seam_runs_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvcached_vllm"):
+        seams.check_vllm("0.33.1")
+    assert caplog.messages == ["kvcached: vLLM 0.33.1 was not checked (checked: 0.32.0, 0.33.0); every seam kvcached "
+                               "uses is present"]
+
+
+def test_a_missing_optional_seam_is_a_warning_where_its_module_is_loaded(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from vllm.entrypoints.cli import serve
+
+    monkeypatch.delattr(serve, "setup_server")
+    with caplog.at_level(logging.WARNING, logger="kvcached_vllm"):
+        seams.check_vllm(vllm.__version__)
+    assert caplog.messages == [f"kvcached: vLLM {vllm.__version__}: vllm.entrypoints.cli.serve.setup_server is missing; "
+                               "kvcached goes without the server's URL in the model's segment (kvctl route)"]
 
 
 def test_the_extra_installs_the_checked_releases_only() -> None:

@@ -15,6 +15,7 @@ Importing this module never imports vLLM.
 from __future__ import annotations
 
 import ast
+import dis
 import functools
 import importlib
 import inspect
@@ -22,11 +23,11 @@ import logging
 import re
 import sys
 import tarfile
-import textwrap
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from types import CodeType
 from typing import Any
 
 from .settings import ENABLE_ENV, UnsupportedVLLM
@@ -49,7 +50,10 @@ class Seam:
     ``self``) that must be there, in this order; with ``exact`` they must be the whole list (the
     plugin overrides or replaces the function with this signature). ``members``: attributes a class
     must have (methods, properties, fields, enum members, or ``self.x`` set in an ``__init__``);
-    ``types``: (member, annotation) pairs whose declared type must read as given. ``calls``: bare names the function must call (the plugin patches them at module level).
+    ``types``: (member, annotation) pairs whose declared type must read as given. ``calls``: bare
+    names the function must call (the plugin patches them at module level). ``optional``: what the
+    plugin goes without when the seam is missing; at start such a seam is checked only in a process
+    that imported its module, and a problem there is a warning, not a refusal.
     """
 
     module: str
@@ -60,6 +64,7 @@ class Seam:
     members: tuple[str, ...] = ()
     calls: tuple[str, ...] = ()
     types: tuple[tuple[str, str], ...] = ()
+    optional: str = ""
 
     @property
     def path(self) -> str:
@@ -73,6 +78,7 @@ _MANAGER = "vllm.v1.core.kv_cache_manager"
 _CORE = "vllm.v1.engine.core"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _KVI = "vllm.v1.kv_cache_interface"
+_URL = "the server's URL in the model's segment (kvctl route)"
 
 SEAMS: tuple[Seam, ...] = (
     # install.py, scheduler side (EngineCore)
@@ -146,6 +152,10 @@ SEAMS: tuple[Seam, ...] = (
     Seam(_RUNNER, "allocate_kv_cache", "replaces", ("kv_cache_config", "device", "layout", "kernel_block_sizes"),
          exact=True),
     Seam("vllm.distributed.parallel_state", "get_tensor_model_parallel_rank", "calls", (), exact=True),
+    # endpoint.py: the API server's address, published in the segment (held by name where it is called)
+    Seam("vllm.entrypoints.launchers.launcher", "setup_server", "wraps", ("args",), optional=_URL),
+    Seam("vllm.entrypoints.launchers.api_server.entry", "setup_server", "replaces", optional=_URL),
+    Seam("vllm.entrypoints.cli.serve", "setup_server", "replaces", optional=_URL),
 )
 
 
@@ -160,10 +170,10 @@ class Found:
     annotation: Callable[[str], str | None] | None = None  # a member's declared type as written, None: not declared
 
 
-def problems(lookup: Callable[[Seam], Found | str]) -> list[str]:
+def problems(lookup: Callable[[Seam], Found | str], seams: Iterable[Seam] = SEAMS) -> list[str]:
     """Every seam that ``lookup`` finds missing or changed, each as a short phrase naming it."""
     out: list[str] = []
-    for seam in SEAMS:
+    for seam in seams:
         found = lookup(seam)
         for problem in [found] if isinstance(found, str) else _compare(seam, found):
             if problem not in out:  # a missing module is said once
@@ -197,13 +207,10 @@ def _compare(seam: Seam, found: Found) -> list[str]:
         declared = found.annotation(member) if found.annotation is not None else None
         if declared is not None and _type_text(declared) != _type_text(expected):
             out.append(f"{seam.path}.{member} is declared {declared}, kvcached expects {expected}")
-    if seam.calls:
-        if found.calls is None:
-            out.append(f"{seam.path}'s code cannot be read (kvcached needs it to call {', '.join(seam.calls)})")
-        else:
-            missing = [c for c in seam.calls if c not in found.calls]
-            if missing:
-                out.append(f"{seam.path} no longer calls {', '.join(missing)}")
+    if seam.calls and found.calls is not None:  # None: installed without its source, nothing to read
+        missing = [c for c in seam.calls if c not in found.calls]
+        if missing:
+            out.append(f"{seam.path} no longer calls {', '.join(missing)}")
     return out
 
 
@@ -263,8 +270,8 @@ def _runtime_lookup(seam: Seam) -> Found | str:
         if callable(func) and (seam.params or seam.exact):
             found.params = _runtime_params(func, drop_self=drop)
     if seam.calls and func is not None:
-        tree = _runtime_ast(func)
-        found.calls = _bare_calls(tree) if tree is not None else None
+        code = getattr(inspect.unwrap(func), "__code__", None)
+        found.calls = set(_code_names(code)[1]) if code is not None else None
     return found
 
 
@@ -284,11 +291,22 @@ def _runtime_params(obj: Any, *, drop_self: bool) -> list[str] | None:
     return names[1:] if drop_self and names else names
 
 
-def _runtime_ast(func: Any) -> ast.AST | None:
-    try:
-        return ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(func))))
-    except (OSError, TypeError, SyntaxError):
-        return None
+@functools.cache
+def _code_names(code: CodeType) -> tuple[frozenset[str], frozenset[str]]:
+    """(attributes stored, globals loaded) by ``code`` and the functions nested in it: the bytecode's view of
+    ``self.x = ...`` and of a call by bare name, read without the source (which an install may lack)."""
+    stored: set[str] = set()
+    loaded: set[str] = set()
+    todo = [code]
+    while todo:
+        current = todo.pop()
+        for op in dis.get_instructions(current):
+            if op.opname == "STORE_ATTR":
+                stored.add(op.argval)
+            elif op.opname == "LOAD_GLOBAL":
+                loaded.add(op.argval)
+        todo.extend(const for const in current.co_consts if isinstance(const, CodeType))
+    return frozenset(stored), frozenset(loaded)
 
 
 def _class_has(cls: type, name: str) -> bool:
@@ -299,7 +317,12 @@ def _class_has(cls: type, name: str) -> bool:
                   klass.__dict__.get("__struct_fields__", ()), klass.__dict__.get("model_fields", {}))
         if any(name in f for f in fields):
             return True
-    return any(name in _init_attrs(klass) for klass in cls.__mro__)
+    for klass in cls.__mro__:  # attributes an __init__ sets
+        init = inspect.unwrap(klass.__dict__.get("__init__", object.__init__))
+        code = getattr(init, "__code__", None)
+        if code is not None and name in _code_names(code)[0]:
+            return True
+    return False
 
 
 def _runtime_annotation(cls: type, name: str) -> str | None:
@@ -310,18 +333,8 @@ def _runtime_annotation(cls: type, name: str) -> str | None:
     return None
 
 
-@functools.cache
-def _init_attrs(cls: type) -> frozenset[str]:
-    """The attributes ``cls``'s own ``__init__`` sets on ``self`` (read from its source once)."""
-    init = cls.__dict__.get("__init__")
-    if init is None or not inspect.isfunction(inspect.unwrap(init)):
-        return frozenset()
-    tree = _runtime_ast(init)
-    return frozenset(_self_attrs(tree)) if tree is not None else frozenset()
-
-
 def installed_problems() -> list[str]:
-    """The seams the installed vLLM lacks or changed (imports vLLM)."""
+    """The seams the installed vLLM lacks or changed (imports vLLM, and every module a seam lives in)."""
     return problems(_runtime_lookup)
 
 
@@ -336,9 +349,13 @@ def check_vllm(version: str) -> None:
 
     A release not in :data:`CHECKED_VLLM` whose seams are all there runs, with a warning in the log.
     """
-    found = installed_problems()
+    found = problems(_runtime_lookup, [seam for seam in SEAMS if not seam.optional])
     if found:
         raise UnsupportedVLLM(refusal(version, found))
+    for seam in SEAMS:  # optional seams, in the processes that use them: those that imported their module
+        if seam.optional and seam.module in sys.modules:
+            for problem in problems(_runtime_lookup, [seam]):
+                log.warning("kvcached: vLLM %s: %s; kvcached goes without %s", version, problem, seam.optional)
     if version.split("+", 1)[0] not in CHECKED_VLLM:
         log.warning("kvcached: vLLM %s was not checked (checked: %s); every seam kvcached uses is present",
                     version, ", ".join(CHECKED_VLLM))

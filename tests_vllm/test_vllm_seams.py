@@ -3,6 +3,7 @@ and checked where the plugin starts. No engine starts here."""
 
 from __future__ import annotations
 
+import ast
 import logging
 import shutil
 import subprocess
@@ -20,7 +21,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.sched import scheduler
 
 import kvcached_vllm
-from kvcached_vllm import seams
+from kvcached_vllm import endpoint, seams
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path(vllm.__file__).resolve().parents[1]  # the directory holding the installed vllm package
@@ -33,6 +34,20 @@ def test_every_seam_is_in_the_installed_vllm() -> None:
         target: object = __import__(seam.module, fromlist=["_"])
         for part in seam.name.split("."):
             target = getattr(target, part)
+
+
+def test_every_vllm_name_the_plugin_imports_or_wraps_is_a_seam() -> None:
+    """A vLLM name the plugin starts to use without a seam in the list fails here."""
+    modules = {seam.module for seam in seams.SEAMS}
+    named = {(seam.module, seam.name.split(".")[0]) for seam in seams.SEAMS}
+    unlisted = []
+    for file in sorted((ROOT / "plugins" / "kvcached_vllm").glob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
+                unlisted += [f"{file.name}: {node.module}.{alias.name}" for alias in node.names
+                             if (node.module, alias.name) not in named and f"{node.module}.{alias.name}" not in modules]
+    assert unlisted == []
+    assert [holder for holder in endpoint.HOLDERS if (holder, "setup_server") not in named] == []
 
 
 def test_the_installed_source_read_with_ast_has_every_seam() -> None:

@@ -136,6 +136,9 @@ SEAMS: tuple[Seam, ...] = (
         "block_id", "ref_cnt", "pool", "block_hash", "is_null", "reset_hash"),
          types=(("pool", "BlockPool | None"),)),  # free_blocks compares block.pool with the pool itself
     Seam("vllm.distributed.kv_events", "AllBlocksCleared", "calls"),
+    Seam("vllm.v1.core.kv_cache_metrics", "KVCacheMetricsCollector.on_block_allocated", "calls", ("block",)),
+    Seam("vllm.v1.core.kv_cache_metrics", "KVCacheMetricsCollector.on_block_accessed", "calls", ("block",)),
+    Seam("vllm.v1.core.kv_cache_metrics", "KVCacheMetricsCollector.reset", "calls", (), exact=True),
     # fit.py: requests that can never fit end as 'length'
     Seam("vllm.v1.engine", "EngineCoreOutput", "calls", ("request_id", "new_token_ids", "finish_reason")),
     Seam("vllm.v1.engine", "EngineCoreOutputs", "calls", ("outputs",)),
@@ -156,6 +159,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.entrypoints.launchers.launcher", "setup_server", "wraps", ("args",), optional=_URL),
     Seam("vllm.entrypoints.launchers.api_server.entry", "setup_server", "replaces", optional=_URL),
     Seam("vllm.entrypoints.cli.serve", "setup_server", "replaces", optional=_URL),
+    Seam("vllm.entrypoints.openai.api_server", "setup_server", "replaces", optional=_URL),
 )
 
 

@@ -635,7 +635,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m kvcached_vllm.seams", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcached_vllm.seams",
+        description="Check the vLLM seams kvcached uses: in the installed vLLM, or in releases' source.",
+        epilog="exit status: 0 every seam is present, 1 a seam is missing or changed, 2 a path is not a vLLM source")
     parser.add_argument("--check-source", nargs="+", metavar="PATH", type=Path,
                         help="vLLM wheels, sdists or source directories to read (not installed, not imported)")
     parser.add_argument("--source-checked", action="store_true",

@@ -1,0 +1,189 @@
+"""kvctl route in front of two real vLLM engines (``vllm serve``, the tiny model, the plugin on).
+
+The two engines start once for the module (one core each) and every test runs against them; the
+engine is killed in the last test only. Each engine's segment says where it serves (the plugin
+publishes vLLM's bound --host/--port), and the router finds both there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvcached_core.segment.reader import snapshot
+from kvcached_vllm.tiny import prompts
+
+from .harness import Server, base_env, kvctl, start_server, wait_for
+
+NAMES = ("m0", "m1")
+PROMPTS = prompts(3, length=40, seed=21)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir: Path, workdir: Path) -> Iterator[tuple[dict[str, Server], str, Path]]:
+    """Two engines (m0 on core 0, m1 on core 1) and a router in front of them: (servers, router URL, shm)."""
+    shm = workdir / "shm-route"
+    shm.mkdir()
+
+    def start(i: int) -> Server:
+        env = base_env(shm, enabled=True, VLLM_CPU_OMP_THREADS_BIND=str(i), KVCACHED_IDLE_RETURN_S="-1")
+        return start_server(model_dir, env, workdir / f"serve-route-{i}.log", name=NAMES[i],
+                            args=("--chat-template", CHAT_TEMPLATE))
+
+    with ThreadPoolExecutor(2) as pool:
+        started = list(pool.map(start, range(2)))
+    servers = dict(zip(NAMES, started, strict=True))
+    router = subprocess.Popen([sys.executable, "-m", "kvtop.cli", "route", "--listen", "127.0.0.1:0", "--rescan",
+                               "0.2", "--wake-timeout", "120"], env=base_env(shm, enabled=False),
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        line = router.stderr.readline() if router.stderr else ""
+        found = re.search(r"serving (http://\S+)/v1 ", line)
+        assert found, line
+        yield servers, found.group(1), shm
+    finally:
+        router.send_signal(signal.SIGINT)
+        router.wait(timeout=30)
+        for server in servers.values():
+            server.stop()
+
+
+def post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+def completion(model: str, prompt: list[int], max_tokens: int = 16, **extra: object) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
+            "ignore_eos": True, **extra}
+
+
+def tokens(base: str, model: str, prompt: list[int], max_tokens: int = 16) -> list[int]:
+    status, body = post(base + "/v1/completions", completion(model, prompt, max_tokens))
+    assert status == 200, body
+    return list(body["choices"][0]["token_ids"])
+
+
+def test_each_engine_publishes_where_it_serves_and_the_router_lists_both(fleet) -> None:
+    servers, router, shm = fleet
+    for name, server in servers.items():
+        assert snapshot(name, directory=shm).endpoint == f"http://127.0.0.1:{server.port}"
+    with urllib.request.urlopen(router + "/v1/models", timeout=30) as resp:
+        listed = json.load(resp)["data"]
+    assert [(m["id"], m["state"], m["endpoint"]) for m in listed] == [
+        (name, "live", f"http://127.0.0.1:{server.port}") for name, server in servers.items()]
+
+
+def test_tokens_through_the_router_equal_tokens_straight_from_the_engine(fleet) -> None:
+    servers, router, _ = fleet
+    for name, server in servers.items():
+        for prompt in PROMPTS:
+            assert tokens(router, name, prompt) == server.complete(prompt, 16)
+    chat = {"model": "m0", "messages": [{"role": "user", "content": "w10 w11 w12 w13"}], "max_tokens": 8,
+            "temperature": 0}
+    via, direct = post(router + "/v1/chat/completions", chat), post(servers["m0"].url("/v1/chat/completions"), chat)
+    assert via[0] == direct[0] == 200, (via, direct)
+    assert via[1]["choices"][0]["message"] == direct[1]["choices"][0]["message"]
+
+
+async def _stream(url: str, body: dict) -> tuple[str, list[bytes], str]:
+    """The streamed answer: its content type, the chunks as they arrived, the text the events carry."""
+    chunks, text = [], []
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for chunk in resp.content.iter_any():
+            chunks.append(chunk)
+        for event in b"".join(chunks).decode().split("\n\n"):
+            data = event.removeprefix("data: ").strip()
+            if data and data != "[DONE]":
+                text.append(json.loads(data)["choices"][0]["text"])
+        return resp.content_type, chunks, "".join(text)
+
+
+def test_streaming_passes_the_engines_events_through(fleet) -> None:
+    servers, router, _ = fleet
+    body = completion("m1", PROMPTS[0], 24, stream=True)
+    kind, chunks, text = asyncio.run(_stream(router + "/v1/completions", body))
+    _, direct_chunks, direct_text = asyncio.run(_stream(servers["m1"].url("/v1/completions"), body))
+    assert kind == "text/event-stream"
+    assert text == direct_text and text.split() and len(text.split()) == 24
+    assert len(chunks) > 2  # event by event as the engine sent them, not one body at the end
+    assert b"".join(chunks).rstrip().endswith(b"data: [DONE]")
+
+
+def test_a_sleeping_model_is_woken_by_a_request_and_answers(fleet) -> None:
+    servers, router, shm = fleet
+    env = base_env(shm, enabled=False)
+    expected = servers["m1"].complete(PROMPTS[1], 16)
+    kvctl("sleep", "m1", "--wait", env=env)
+    assert snapshot("m1", directory=shm).sleep.state == "asleep"
+    wait_for(lambda: _state(router, "m1") == "asleep", timeout=30)
+    assert tokens(router, "m1", PROMPTS[1]) == expected
+    assert snapshot("m1", directory=shm).sleep.state == "awake"
+    with urllib.request.urlopen(router + "/kvcached/figures", timeout=30) as resp:
+        assert json.load(resp)["models"]["m1"]["woken"] >= 1
+
+
+def _state(router: str, model: str) -> str | None:
+    with urllib.request.urlopen(router + "/v1/models", timeout=30) as resp:
+        return next((m["state"] for m in json.load(resp)["data"] if m["id"] == model), None)
+
+
+def test_an_unknown_model_is_a_404_in_openai_shape(fleet) -> None:
+    _, router, _ = fleet
+    status, body = post(router + "/v1/completions", completion("nosuch", PROMPTS[0]))
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert "m0, m1" in body["error"]["message"]
+
+
+async def _many(router: str, count: int) -> list[tuple[int, int]]:
+    async def one(session: aiohttp.ClientSession, i: int) -> tuple[int, int]:
+        body = completion(NAMES[i % 2], PROMPTS[i % len(PROMPTS)][: 8 + i % 16], 4)
+        async with session.post(router + "/v1/completions", json=body) as resp:
+            answer = await resp.json()
+            return resp.status, len(answer["choices"][0]["token_ids"]) if resp.status == 200 else -1
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
+        return await asyncio.gather(*(one(session, i) for i in range(count)))
+
+
+def test_two_hundred_concurrent_requests_lose_none(fleet) -> None:
+    _, router, _ = fleet
+    answers = asyncio.run(_many(router, 200))
+    assert answers == [(200, 4)] * 200
+    with urllib.request.urlopen(router + "/kvcached/figures", timeout=30) as resp:
+        figures = json.load(resp)["models"]
+    assert all(figures[name]["in_flight"] == 0 for name in NAMES)
+
+
+def test_a_killed_engine_is_a_503_while_the_other_is_still_served(fleet) -> None:
+    """Last in the module: it kills m1's engine."""
+    servers, router, _ = fleet
+    os.killpg(servers["m1"].proc.pid, signal.SIGKILL)  # the server and its EngineCore and worker, at once
+    servers["m1"].proc.wait()
+    status, body = post(router + "/v1/completions", completion("m1", PROMPTS[0]))
+    assert status == 503 and body["error"]["code"] in ("engine_gone", "engine_unreachable"), body
+    assert "m1" in body["error"]["message"]
+    wait_for(lambda: post(router + "/v1/completions", completion("m1", PROMPTS[0]))[1]["error"]["code"]
+             == "engine_gone", timeout=30)
+    assert tokens(router, "m0", PROMPTS[2]) == servers["m0"].complete(PROMPTS[2], 16)
+    assert _state(router, "m1") is None and _state(router, "m0") == "live"

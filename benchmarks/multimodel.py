@@ -761,7 +761,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", type=Path, help="replay this trace instead (the smoke test's short one)")
     parser.add_argument("--make-trace", action="store_true", help="write the recorded trace again (fixed seed)")
     parser.add_argument("--plot", type=Path, metavar="JSON", help="draw the picture of a written report again")
+    parser.add_argument("--engine", choices=("vllm", "transformers"), default="vllm",
+                        help="vllm (this module), or transformers' continuous batching (benchmarks/_multimodel_tcb.py)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="with --engine transformers")
+    parser.add_argument("--repeats", type=int, default=3, help="with --engine transformers: runs per configuration")
     args = parser.parse_args(argv)
+    if args.engine == "transformers":
+        from . import _multimodel_tcb
+
+        if args.repeats < 1:
+            parser.error("--repeats must be 1 or more")
+        return _multimodel_tcb.run(args.device, args.quick, args.repeats, not args.no_write)
     if args.plot:
         return 0 if replot(args.plot) else 1
     if args.make_trace:

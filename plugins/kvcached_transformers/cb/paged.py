@@ -175,7 +175,11 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
         pool = self.pool
         assert isinstance(pool, KvcachedCachePool)
         if total:
-            ids = self.kv_manager.alloc(total) if pool.num_free_sectors >= total else None
+            # A new request is admitted against what a shared budget leaves beside one sector per request already
+            # holding sectors (their next growth), as vLLM's watermark: admitting it must not starve them.
+            free = (self.kv_manager.schedulable_blocks(self.holders()) if state.status.name == "PENDING"
+                    else pool.num_free_sectors)
+            ids = self.kv_manager.alloc(total) if free >= total else None
             if ids is None:
                 return False
             at = 0
@@ -186,6 +190,10 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
         for allocator in self.cache_allocators.values():
             allocator.allocate_cache_to_request(state.request_id, state.current_len(), request_len)
         return True
+
+    def holders(self) -> int:
+        """Requests holding sectors (the largest block table of any allocator)."""
+        return max((len(allocator.block_table) for allocator in self.cache_allocators.values()), default=0)
 
     def compute_free_capacity(self, relative: bool = True) -> int | float:
         free = self.pool.num_free_sectors * self.bytes_per_sector

@@ -424,14 +424,16 @@ class KvtopApp(App[int]):
 
     def action_map_scroll(self, rows: int) -> None:
         """One row of the page map back (earlier pages) or on (later pages)."""
-        self.pagemap.scroll_to(y=self.pagemap.scroll_y + rows, animate=False)
-        self.call_after_refresh(self._draw_selected)
+        self._scroll_map(rows)
 
     def action_map_page(self, direction: int) -> None:
-        if direction > 0:
-            self.pagemap.scroll_page_down(animate=False)
-        else:
-            self.pagemap.scroll_page_up(animate=False)
+        """One screen of the page map back or on."""
+        self._scroll_map(direction * max(1, self.pagemap.scrollable_content_region.height))
+
+    def _scroll_map(self, rows: int) -> None:
+        """Scroll now, whatever a layout pass in progress says of the scrollbar: a key pressed while a frame
+        re-lays the map out (its page count changed) was dropped by a scroll deferred to the next refresh."""
+        self.pagemap.scroll_to(y=self.pagemap.scroll_y + rows, animate=False, immediate=True, force=True)
         self.call_after_refresh(self._draw_selected)
 
     async def action_quit(self) -> None:

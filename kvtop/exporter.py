@@ -72,6 +72,7 @@ class KVCachedCollector(Collector):
         now = time.monotonic()
         families = self._model_families(scan.models, now)
         families += self._scan_families(scan, time.monotonic() - started)
+        families += self._router_families(scan.models)
         if self.with_nvml:
             families += self._nvml_families()
         return families
@@ -215,6 +216,47 @@ class KVCachedCollector(Collector):
                                      labels=("host",))
         duration.add_metric([self.host], seconds)
         return [models, problems, duration]
+
+    def _router_families(self, models: tuple[ModelSnapshot, ...]) -> list[Metric]:
+        """What a running kvctl route counted per model (kvtop.router.published), beside the engines' own figures."""
+        from kvcached_core.config import shm_dir
+        from kvtop.router.published import read as read_routers
+
+        found = read_routers(shm_dir())
+
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(f"{PREFIX}_router_{name}", doc, labels=MODEL_LABELS)
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"{PREFIX}_router_{name}", doc, labels=(*MODEL_LABELS, *extra))
+
+        requests = counter("requests", "Requests kvctl route passed to the model since the router started.")
+        errors = counter("errors", "Of those, the ones answered with a status of 400 or more.")
+        wakes = counter("wakes", "Requests kvctl route woke the model for (it was asleep or draining).")
+        in_flight = gauge("in_flight", "Requests kvctl route passed to the model and not yet answered in full.")
+        ttft = gauge("ttft_seconds", "Time to first token of streamed requests at the router, over the last 1024.",
+                     ("quantile",))
+        latency = gauge("latency_seconds", "Request to the last byte at the router, over the last 1024.",
+                        ("quantile",))
+        untrusted = GaugeMetricFamily(f"{PREFIX}_router_untrusted_files",
+                                      "Router figure files in the segment directory that are not trusted.",
+                                      labels=("host",))
+        untrusted.add_metric([self.host], len(found.untrusted))
+        for m in models:
+            figures = found.models.get(m.name)
+            if figures is None:
+                continue
+            labels = [m.name, m.engine, str(m.device), str(m.pid), self.host]
+            requests.add_metric(labels, figures["requests"])
+            errors.add_metric(labels, figures["errors"])
+            wakes.add_metric(labels, figures["woken"])
+            in_flight.add_metric(labels, figures["in_flight"])
+            for family, key in ((ttft, "ttft"), (latency, "latency")):
+                for quantile in ("50", "99"):
+                    value = figures[f"{key}_p{quantile}_s"]
+                    if value is not None:
+                        family.add_metric([*labels, f"0.{quantile}"], value)
+        return [requests, errors, wakes, in_flight, ttft, latency, untrusted]
 
     def _nvml_families(self) -> list[Metric]:
         up = GaugeMetricFamily(f"{PREFIX}_nvml_up", "1 when NVML answered, else 0.", labels=("host",))

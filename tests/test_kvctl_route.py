@@ -7,6 +7,7 @@ tests_vllm/test_vllm_route.py.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -44,6 +45,7 @@ def router(shm_dir) -> Iterator[str]:
     yield found.group(1)
     proc.terminate()
     assert proc.wait(timeout=10) == 0
+    assert not list(shm_dir.glob(".kvroute.*"))  # its figures file goes with it
 
 
 def call(url: str, body: dict | bytes | None = None) -> tuple[int, dict]:
@@ -149,3 +151,82 @@ def test_only_segments_of_this_user_kept_private_are_routed(router, spawn_alloca
     assert call(router + "/v1/models")[1]["data"] == []
     status, body = call(router + "/v1/completions", {"model": "m1", "prompt": "hi"})
     assert status == 503 and "no longer private to this user" in body["error"]["message"]
+
+
+def router_key_table() -> dict[str, str]:
+    """docs/json.md's router keys -> their documented types."""
+    from test_docs_reference import DOCS, names, table
+
+    return {name: row[1] for row in table(DOCS / "json.md", "router key") for name in names(row[0])}
+
+
+def listed_router(name: str, *args: str) -> tuple[object, str]:
+    from conftest import kvctl as kvctl_in_process
+
+    done = kvctl_in_process("list", "--json", *args)
+    (row,) = [r for r in json.loads(done.stdout) if r["name"] == name]
+    return row["router"], done.stderr
+
+
+def test_router_figures_reach_kvctl_and_the_exporter(router, spawn_allocator, shm_dir):
+    from test_core_words import exported
+
+    spawn_allocator("m1", script=f"m.publish_endpoint('http://127.0.0.1:{closed_port()}')\n")
+    spawn_allocator("m2", script=f"m.publish_endpoint('http://127.0.0.1:{closed_port()}')\n")
+    for _ in range(3):
+        assert call(router + "/v1/completions", {"model": "m1", "prompt": "hi"})[0] == 503
+    figures = wait_for(lambda: (f := listed_router("m1")[0]) and f["requests"] == 3 and f, what="published figures")
+    assert (figures["errors"], figures["in_flight"], figures["woken"]) == (3, 0, 0)
+    assert figures["latency_p50_s"] is None and figures["ttft_p99_s"] is None  # no answer came from an engine
+    assert listed_router("m2")[0] is None  # no request yet: the router has no figures for it
+    documented = router_key_table()
+    assert {"router", *(f"router.{k}" for k in figures)} == set(documented)
+    from test_docs_reference import TYPES
+    for key, value in figures.items():
+        assert type(value) in tuple(TYPES[t.strip()] for t in documented[f"router.{key}"].split("|")), key
+    shown = json.loads(subprocess.run([sys.executable, "-m", "kvtop.cli", "show", "m1", "--json"], env=child_env(),
+                                      capture_output=True, text=True, check=True).stdout)
+    assert shown["router"]["requests"] == 3
+    samples = {(s.name, s.labels.get("model")): s.value for s in exported("m1")}
+    assert samples[("kvcached_router_requests_total", "m1")] == 3
+    assert samples[("kvcached_router_errors_total", "m1")] == 3
+    assert samples[("kvcached_router_in_flight", "m1")] == 0
+
+
+def untrusted_files() -> float:
+    from kvtop.exporter import KVCachedCollector
+
+    (value,) = [s.value for family in KVCachedCollector(with_nvml=False).collect() for s in family.samples
+                if s.name == "kvcached_router_untrusted_files"]
+    return value
+
+
+def test_forged_router_figures_are_not_trusted(shm_dir, spawn_allocator):
+    from test_core_words import exported
+
+    from kvcached_core.segment.procinfo import start_time
+
+    spawn_allocator("m1")
+    pid = os.getpid()  # a process that runs, as a forger would name
+    good = {"version": 1, "pid": pid, "start_time": start_time(pid), "listen": "http://127.0.0.1:1", "written_ns": 1,
+            "models": {"m1": {"requests": 5, "errors": 0, "in_flight": 0, "woken": 0, "ttft_p50_s": None,
+                              "ttft_p99_s": None, "latency_p50_s": 0.1, "latency_p99_s": 0.2}}}
+    path = shm_dir / f".kvroute.{pid}"
+    path.write_text(json.dumps(good))
+    path.chmod(0o600)
+    assert listed_router("m1")[0]["requests"] == 5  # the shape a router writes, from a running process
+    for forged in ({**good, "models": {"m1": {**good["models"]["m1"], "requests": -1}}},
+                   {**good, "models": {"m1": {**good["models"]["m1"], "latency_p99_s": 1e30}}},
+                   {**good, "extra": 1}, {**good, "pid": pid + 1}):
+        path.write_text(json.dumps(forged))
+        figures, err = listed_router("m1", "--all")
+        assert figures is None and "router figures not trusted" in err, forged
+        assert untrusted_files() == 1 and not [s for s in exported("m1") if "router" in s.name]
+    path.write_text(json.dumps(good))
+    path.chmod(0o644)  # others could have written it
+    figures, err = listed_router("m1", "--all")
+    assert figures is None and "not a private file of this user" in err
+    path.chmod(0o600)
+    path.write_text(json.dumps({**good, "start_time": start_time(pid) + 1}))  # its router has exited
+    figures, err = listed_router("m1", "--all")
+    assert figures is None and "router" not in err and untrusted_files() == 0

@@ -37,7 +37,9 @@ def list_cmd(as_json: bool, gpu: int | None, show_all: bool) -> None:
             if problem.writer_alive:
                 warn(problem_line(problem))
     if as_json:
-        emit_json([m.to_dict() for m in found.models])
+        rows = [m.to_dict() for m in found.models]
+        _add_router_figures(rows, warn_untrusted=show_all)
+        emit_json(rows)
         return
     if not found.models:
         click.echo("no models" + ("" if show_all else " (kvctl list --all also shows stale ones)"))
@@ -45,6 +47,19 @@ def list_cmd(as_json: bool, gpu: int | None, show_all: bool) -> None:
     from kvtop import textfmt as T  # text only: --json never pays for it
 
     T.print_table(T.LIST_COLUMNS, [T.list_row(m) for m in found.models])
+
+
+def _add_router_figures(rows: list[dict], *, warn_untrusted: bool) -> None:
+    """Each row's ``router`` key: what a running ``kvctl route`` counted for the model (docs/json.md), else null."""
+    from kvcached_core.config import shm_dir
+    from kvtop.router.published import read as read_routers
+
+    found = read_routers(shm_dir())
+    for row in rows:
+        row["router"] = found.models.get(row["name"])
+    if warn_untrusted:
+        for path, why in found.untrusted:
+            warn(f"{path}: router figures not trusted: {why}")
 
 
 @click.command("show")
@@ -72,6 +87,7 @@ def show_cmd(model: str, as_json: bool, width: int, rows: int) -> None:
         out = snap.to_dict()
         out["fragmentation"] = None if snap.legacy else frag.to_dict()  # upstream publishes no page map
         out["pages"] = [[int(mapped), used, cached] for mapped, used, cached in decoded(snap.page_entries())]
+        _add_router_figures([out], warn_untrusted=False)
         emit_json(out)
         return
     from kvtop import textfmt as T

@@ -76,7 +76,7 @@ def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float) -> No
     if problem:
         raise Failure(problem)
     try:
-        from kvtop.router import serve
+        from kvtop.router.proxy import serve
     except ImportError as exc:
         raise Failure(f"kvctl route needs aiohttp ({exc}): pip install 'aiohttp>=3.9'") from None
     host, port = listen

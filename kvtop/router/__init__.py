@@ -7,15 +7,11 @@ model is woken by it (bounded), and the router keeps per-model figures.
 Built on aiohttp: one well-kept library for both sides (its server and its client share one event loop,
 one connection pool and one streaming API), where starlette + uvicorn + httpx would be three libraries,
 two of them with their own event-loop and connection-pool layers, for the same job. No HTTP is parsed
-here by hand. ``kvcached_core`` never imports this package; nothing imports aiohttp but this package.
+here by hand. ``kvcached_core`` never imports this package; only :mod:`.proxy` and :mod:`.directory`
+import aiohttp, so readers of the published figures (kvctl list, the exporter) never load it.
 
 - :mod:`.directory`: the models from their segments (rescanned), the names each engine answers to.
 - :mod:`.proxy`: the aiohttp application (``/v1/models``, the passed-through POSTs, errors in OpenAI's shape).
 - :mod:`.figures`: per-model requests, errors, in flight, TTFT and latency percentiles.
+- :mod:`.published`: those figures in a small file per router, for kvctl list/show --json and the exporter.
 """
-
-from __future__ import annotations
-
-from .proxy import make_app, serve
-
-__all__ = ["make_app", "serve"]

@@ -40,7 +40,7 @@ def _round(value: float | None) -> float | None:
 
 @dataclass
 class Figures:
-    """Every model's figures, by the id it is served under; ``unrouted``: requests no model took (404, 400)."""
+    """Every model's figures, by its segment's name; ``unrouted``: requests no model took (404, 400)."""
 
     models: dict[str, ModelFigures] = field(default_factory=dict)
     unrouted: int = 0
@@ -51,5 +51,8 @@ class Figures:
             found = self.models[model] = ModelFigures()
         return found
 
+    def by_model(self) -> dict[str, dict]:
+        return {name: f.to_dict() for name, f in sorted(self.models.items())}
+
     def to_dict(self) -> dict:
-        return {"models": {name: f.to_dict() for name, f in sorted(self.models.items())}, "unrouted": self.unrouted}
+        return {"models": self.by_model(), "unrouted": self.unrouted}

@@ -17,7 +17,9 @@ from aiohttp import web
 
 from kvcached_core import ControlError
 from kvcached_core.control.requests import AckTimeout
+from kvcached_core.settings import settings
 
+from . import published
 from .directory import ASLEEP, DRAINING, GONE, Directory, Engine
 from .figures import Figures
 
@@ -26,6 +28,7 @@ FIGURES = web.AppKey("figures", Figures)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 SETTINGS = web.AppKey("settings", dict)
 WAKING = web.AppKey("waking", dict)
+PUBLISH_S = 1.0  # how often the figures file is written
 
 # Headers that belong to one connection, never passed on (RFC 9110 section 7.6.1), and the framing aiohttp sets.
 HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -111,7 +114,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
         served = ", ".join(e.model_id for e in directory.serving()) or "none"
         return error(404, f"The model `{model}` does not exist (models served here: {served})",
                      "invalid_request_error", "model_not_found", "model")
-    fig = figs.of(engine.model_id)
+    fig = figs.of(engine.name)
     fig.requests += 1
     fig.in_flight += 1
     started = time.perf_counter()
@@ -127,7 +130,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
 async def _answer(request: web.Request, engine: Engine, model: str, payload: dict, raw: bytes,
                   started: float) -> web.StreamResponse:
     app = request.app
-    fig = app[FIGURES].of(engine.model_id)
+    fig = app[FIGURES].of(engine.name)
     if engine.state == GONE:
         return _gone_error(engine)
     if engine.state in (ASLEEP, DRAINING):
@@ -191,10 +194,19 @@ async def _gone(app: web.Application, engine: Engine) -> web.Response | None:
     return _gone_error(now) if now.state == GONE else None
 
 
+async def _publish(app: web.Application, shm_dir: Path | None) -> None:
+    """Write the figures where kvctl and the exporter read them (:mod:`.published`) every second, until cancelled."""
+    directory = shm_dir or settings().shm_dir
+    while True:
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(published.write, directory, app[SETTINGS]["listen"], app[FIGURES].by_model())
+        await asyncio.sleep(PUBLISH_S)
+
+
 def make_app(shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout_s: float = 60.0) -> web.Application:
     """The router: models from the segments in ``shm_dir`` (None: KVCACHED_SHM_DIR), rescanned every ``rescan_s``."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    app[SETTINGS] = {"wake_timeout_s": wake_timeout_s}
+    app[SETTINGS] = {"wake_timeout_s": wake_timeout_s, "listen": ""}
     app[FIGURES] = Figures()
     app[WAKING] = {}
 
@@ -206,11 +218,14 @@ def make_app(shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout
         app[DIRECTORY] = directory = Directory(shm_dir, session)
         with contextlib.suppress(OSError):
             await directory.refresh()
-        rescans = asyncio.get_running_loop().create_task(directory.run(rescan_s))
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(directory.run(rescan_s)), loop.create_task(_publish(app, shm_dir))]
         yield
-        rescans.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await rescans
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        published.remove(shm_dir or settings().shm_dir)
         await session.close()
 
     app.cleanup_ctx.append(lifetime)
@@ -238,6 +253,7 @@ async def _serve(host: str, port: int, shm_dir: Path | None, rescan_s: float, wa
         await site.start()
         bound = runner.addresses[0]
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        app[SETTINGS]["listen"] = f"http://{shown}:{bound[1]}"
         if ready is not None:
             ready(f"http://{shown}:{bound[1]}")
         stop = asyncio.Event()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,7 +39,9 @@ needs_cb = pytest.mark.skipif(not SUPPORTED_HERE, reason=f"transformers {transfo
 PAGE_TOKENS = 256  # one transformers block: 2 layers x K,V x 4 heads x 32 x fp32 x 256 = 512 KiB, 4 per 2 MiB page
 NUM_BLOCKS = 16
 NEW_TOKENS = 10
-KVCTL = str(ROOT / ".venv" / "bin" / "kvctl")
+# The venv's kvctl; where there is none (the GPU machine runs the package from the tree), kvctl's module.
+KVCTL = [str(ROOT / ".venv" / "bin" / "kvctl")] if (ROOT / ".venv" / "bin" / "kvctl").exists() else [
+    sys.executable, "-m", "kvtop.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +70,7 @@ def cb_config(**overrides: Any) -> Any:
 
 
 def run(model: Any, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of every prompt, in order, through ``model.generate_batch``."""
     out = model.generate_batch(prompts, generation_config=gen_config(), continuous_batching_config=cb_config())
     assert len(out) == len(prompts) and all(r.error is None for r in out.values())
     return [list(r.generated_tokens) for r in out.values()]
@@ -149,7 +153,7 @@ def test_kvctl_lists_the_model(model: Any, prompts: list[list[int]]) -> None:
     with installed(model, "cb-listed") as handle:
         run(model, prompts[:2])
         env = dict(os.environ)  # KVCACHED_SHM_DIR: this test's directory (conftest)
-        out = subprocess.run([KVCTL, "list", "--json"], env=env, capture_output=True, text=True, timeout=60)
+        out = subprocess.run([*KVCTL, "list", "--json"], env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         rows = {row["name"]: row for row in json.loads(out.stdout)}
         row = rows["cb-listed"]
@@ -157,7 +161,7 @@ def test_kvctl_lists_the_model(model: Any, prompts: list[list[int]]) -> None:
         assert row["blocks_per_page"] == 4 and row["page_size"] == 2 << 20 and row["pages_total"] == 5
         assert row["traffic"]["finished"] == 2
         assert handle.segment == "cb-listed"
-    out = subprocess.run([KVCTL, "list", "--json"], env=dict(os.environ), capture_output=True, text=True, timeout=60)
+    out = subprocess.run([*KVCTL, "list", "--json"], env=dict(os.environ), capture_output=True, text=True, timeout=60)
     assert "cb-listed" not in {row["name"] for row in json.loads(out.stdout)}  # close removed the segment
 
 
@@ -229,3 +233,15 @@ def test_sleep_and_wake_keep_the_tokens(model: Any, prompts: list[list[int]], pl
         finally:
             manager_cb.stop(block=True, timeout=30)
         assert not kc.snapshot("cb-sleep").sleep.capable  # the loop stopped: nobody serves a sleep
+
+
+@needs_cb
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_tokens_equal_plain_continuous_batching_on_the_cuda_backend(prompts: list[list[int]]) -> None:
+    gpu = tiny_llama(seed=3, layers=2, hidden_size=256, heads=8, kv_heads=4, intermediate_size=512, device="cuda")
+    reference = run(gpu, prompts)
+    with installed(gpu, "cb-cuda") as handle:
+        assert run(gpu, prompts) == reference
+        manager = handle.manager
+        assert manager is not None and manager.backend.name == "cuda" and manager.used_blocks == 0
+        assert manager.alloc_blocks >= len(prompts) + 2

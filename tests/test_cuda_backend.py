@@ -584,3 +584,61 @@ def test_nvml_probe_reports_the_gpu_and_our_process() -> None:
         assert used is None or used >= 512 * MiB
     finally:
         b.close()
+
+
+# A kernel queued before a free writes into the freed page ~1 s later (torch.cuda._sleep first); the page's
+# unmap is asked at once (no delay, no pool). ``unfenced`` replays the code before the unmap waited for the
+# engine's stream, to show what that wait prevents on this driver.
+FENCE_CHILD = textwrap.dedent("""
+    import json, os, sys, time
+    os.environ.update(KVCACHED_CUDA_UNMAP_DELAY_MS="0", KVCACHED_MIN_RESERVED_PAGES="0",
+                      KVCACHED_MAX_RESERVED_PAGES="0", KVCACHED_CUDA_POOL_PAGES="0", KVCACHED_CUDA_LAYOUT="{layout}")
+    import torch
+    from kvcached_core import KVCacheManager
+    from kvcached_core.backends.cuda import CudaBackend, tensor_views
+    if "{mode}" == "unfenced":
+        CudaBackend._wait_fences = lambda self, wait, done: None
+    m = KVCacheManager("fence-{mode}", num_blocks=32, block_bytes=256 * 1024, num_layers=2,
+                       page_size=2 * 1024 * 1024, backend="cuda")
+    views = tensor_views(m, dtype=torch.float32)
+    blocks = m.alloc(m.blocks_per_page)
+    assert blocks is not None and m.backend.mapped_bytes() > 0
+    torch.cuda._sleep(int(2e9))  # about a second of GPU time before the writes run
+    bpp = m.blocks_per_page
+    for layer in views:
+        for kv in layer:
+            for block in blocks:  # the allocated blocks only: the rest of the range is not mapped
+                (kv[block] if kv.dim() == 2 else kv[block // bpp, block % bpp]).fill_(1.0)
+    t0 = time.monotonic()
+    m.free(blocks)
+    m.backend.flush()
+    waited = time.monotonic() - t0
+    mapped = m.backend.mapped_bytes()
+    try:
+        torch.cuda.synchronize()
+        error = None
+    except Exception as exc:
+        error = str(exc).splitlines()[0]
+    print(json.dumps(dict(waited=waited, mapped=mapped, error=error)), flush=True)
+    os._exit(0)  # a faulted context cannot be torn down cleanly
+""")
+
+
+def run_fence_child(mode: str, layout: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", FENCE_CHILD.format(mode=mode, layout=layout)], env=child_env(),
+                         capture_output=True, text=True, timeout=120)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"exit {out.returncode}: {out.stderr[-2000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@LAYOUTS
+def test_an_unmap_waits_for_the_kernels_queued_before_the_free(layout) -> None:
+    pytest.importorskip("torch")
+    got = run_fence_child("fenced", layout)
+    assert got["error"] is None, got  # the writes ran on mapped memory
+    assert got["mapped"] == 0, got  # and the page was unmapped after them
+    assert got["waited"] > 0.3, got  # the unmap waited for the queued work (about a second of it)
+    print("unfenced (the code before):", run_fence_child("unfenced", layout))

@@ -32,7 +32,12 @@ id takes milliseconds to unmap (``benchmarks/vmm.py``, docs/cuda.md), so a backe
 ``KVCACHED_CUDA_UNMAP_DELAY_MS`` (20) after it was asked. A page asked for again before then is
 handed back as it is, with no driver call; ``trim_pool``, ``flush`` and a
 map that runs out of memory finish the deferred work at once, so a trim still returns its
-memory before it answers.
+memory before it answers. The delay is for regrowth, not for safety: every unmap first waits for
+an event recorded when it was asked, on the stream the engine's kernels run on (torch's current
+stream where torch has initialised CUDA, else the legacy default stream, which orders after every
+blocking stream), so a kernel queued before a ``free`` never touches an unmapped page, however
+late it runs (an engine that frees a step's blocks while the step still runs, as vLLM's async
+scheduling does).
 
 Driver calls release the GIL (cuda-bindings >= 12.9.1), so the allocator's refill thread maps
 while the engine's thread keeps allocating. torch is optional: :meth:`CudaBackend.buffer` and
@@ -42,6 +47,7 @@ while the engine's thread keeps allocating. torch is optional: :meth:`CudaBacken
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import time
 import warnings
@@ -240,6 +246,7 @@ class CudaBackend(Backend):
         self._mapped: dict[int, list[Any]] = {}  # page id -> its handles (pages waiting to be unmapped too)
         self._pool: list[Any] = []
         self._pending: dict[int, float] = {}  # unmap asked for, not started: page -> when it is due
+        self._fences: dict[int, Any] = {}  # page -> the event its unmap waits for (see _fence)
         self._busy: set[int] = set()  # being unmapped by the unmapper thread
         self._unmapper: threading.Thread | None = None
         self._stopping = False
@@ -507,6 +514,8 @@ class CudaBackend(Backend):
         with self._cv:
             if page in self._pending:
                 del self._pending[page]
+                for event in self._take_fences([page])[1]:  # no unmap waits for it any more
+                    self._d.cuEventDestroy(event)
                 self.revived += 1
                 return True
             if page not in self._busy:
@@ -615,6 +624,41 @@ class CudaBackend(Backend):
         if keep:
             self._return(handles)
 
+    def _fence(self) -> Any:
+        """An event recorded now on the stream the caller's kernels run on (see the module docstring)."""
+        d = self._d
+        torch = sys.modules.get("torch")
+        stream: Any = getattr(d, "CU_STREAM_LEGACY", None) or d.CUstream(1)
+        if torch is not None and torch.cuda.is_initialized():
+            stream = d.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        with self._context():
+            event = self._check("cuEventCreate", d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+            try:
+                self._check("cuEventRecord", d.cuEventRecord(event, stream))
+            except BackendError:
+                d.cuEventDestroy(event)
+                raise
+        return event
+
+    def _wait_fences(self, wait: list[Any], done: list[Any]) -> None:
+        """Wait for the events ``wait`` (the work queued before these pages were freed), then destroy ``done``."""
+        d = self._d
+        try:
+            for event in wait:
+                err = d.cuEventSynchronize(event)[0]
+                if err != self._OK:
+                    raise BackendError(f"cuEventSynchronize before an unmap failed: {self._err_name(err)}")
+        finally:
+            for event in done:
+                d.cuEventDestroy(event)
+
+    def _take_fences(self, pages: Iterable[int]) -> tuple[list[Any], list[Any]]:
+        """The events the unmaps of ``pages`` wait for, and those of them no page still waiting shares
+        (to destroy once waited for); the caller holds the lock."""
+        mine = {id(e): e for e in (self._fences.pop(p, None) for p in pages) if e is not None}
+        shared = {id(e) for e in self._fences.values()}
+        return list(mine.values()), [e for key, e in mine.items() if key not in shared]
+
     def unmap_pages(self, pages: Sequence[int]) -> None:
         """Return ``pages``. With deferred unmapping (the default) a backend thread does the driver
         work, so the caller (often holding the allocator's lock) does not wait milliseconds per page id
@@ -628,19 +672,20 @@ class CudaBackend(Backend):
         if self.async_unmap:
             self._defer(pages)
             return
-        if self._native is not None:  # the C calls make our context current themselves
+        with self._context():
+            fence = [self._fence()]
+            self._wait_fences(fence, fence)
             self._unmap(pages, keep=True)
-        else:
-            with self._context():
-                self._unmap(pages, keep=True)
         self._claimed()
 
     # -- deferred unmapping ----------------------------------------------------------------------
     def _defer(self, pages: list[int]) -> None:
         due = time.monotonic() + self.unmap_delay_s
+        fence = self._fence()
         with self._cv:
             for page in pages:
                 self._pending[page] = due
+                self._fences[page] = fence
             if self._unmapper is None:
                 self._unmapper = threading.Thread(target=self._unmap_loop, name="kvc-cuda-unmap", daemon=True)
                 self._unmapper.start()
@@ -675,7 +720,10 @@ class CudaBackend(Backend):
 
     def _unmap_batch(self, batch: list[int]) -> None:
         try:
+            with self._cv:
+                wait, done = self._take_fences(batch)
             with self._context():
+                self._wait_fences(wait, done)
                 self._unmap(batch, keep=True)
         except BaseException as exc:  # noqa: BLE001 - reported to the next caller
             self._async_error = exc if isinstance(exc, BackendError) else BackendError(f"deferred unmap failed: {exc}")
@@ -811,7 +859,8 @@ class CudaBackend(Backend):
         self._all_blocks.clear()
         with self._cv:
             self._stopping = True
-            self._pending.clear()  # everything still mapped is unmapped below
+            self._pending.clear()  # everything still mapped is unmapped below (after a context synchronize)
+            fences = self._take_fences(list(self._fences))[1]
             self._cv.notify_all()
         if self._unmapper is not None and self._unmapper is not threading.current_thread():
             self._unmapper.join()
@@ -826,6 +875,8 @@ class CudaBackend(Backend):
         if self._ctx is not None:
             with self._context():
                 attempt("cuCtxSynchronize", d.cuCtxSynchronize())
+                for event in fences:
+                    d.cuEventDestroy(event)
                 handles = [h for hs in self._mapped.values() for h in hs] + self._pool
                 for _i, first, n in runs(sorted(self._mapped)):
                     for s in range(self.slices):

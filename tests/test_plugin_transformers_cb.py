@@ -245,3 +245,34 @@ def test_tokens_equal_plain_continuous_batching_on_the_cuda_backend(prompts: lis
         manager = handle.manager
         assert manager is not None and manager.backend.name == "cuda" and manager.used_blocks == 0
         assert manager.alloc_blocks >= len(prompts) + 2
+
+
+@needs_cb
+def test_a_request_the_limit_cannot_hold_waits_until_the_limit_is_lifted(model: Any) -> None:
+    """Three blocks for one request, the padding blocks beside it, under a one-page limit (4 blocks): plain
+    transformers would fail every request ("No requests can be scheduled and no requests can be offloaded");
+    here it waits, and runs with the same tokens once kvctl lifts the limit."""
+    long_prompt = random_prompts(1, seed=9, min_len=600, max_len=600)
+    expected = run(model, long_prompt)
+    with installed(model, "cb-wait") as handle:
+        assert run(model, long_prompt[:1]) == expected  # the allocator exists; its pages are free again
+        assert kvctl("limit", "cb-wait", "2MiB").exit_code == 0
+        manager_cb = model.init_continuous_batching(generation_config=gen_config(),
+                                                    continuous_batching_config=cb_config())
+        manager_cb.start()
+        try:
+            rid = manager_cb.add_request(long_prompt[0], max_new_tokens=NEW_TOKENS)
+            wait_for(lambda: (t := kc.snapshot("cb-wait").traffic) is not None and t.waiting + t.running == 1,
+                     what="the request to be seen")
+            time.sleep(1.0)  # ten turns of the idle loop
+            assert manager_cb.is_running() and manager_cb.get_result(timeout=0.1) is None
+            assert handle.manager is not None and handle.manager.used_blocks <= 4
+            assert kvctl("limit", "cb-wait", "none").exit_code == 0
+            got = None
+            deadline = time.monotonic() + 60
+            while got is None or not got.is_finished():
+                assert time.monotonic() < deadline, "the request never ran"
+                got = manager_cb.get_result(rid, timeout=1)
+            assert got.error is None and [list(got.generated_tokens)] == expected
+        finally:
+            manager_cb.stop(block=True, timeout=30)

@@ -20,6 +20,7 @@ from ..tp.broadcast import BroadcastBackend
 from ..tp.launch import adopt, spawn_workers
 from . import fastpath, poller
 from .compact import CompactHandler, CompactResult, CompactStats, Move, plan
+from .compact_staged import CompactPoke, CompactStep, CompactTicket, StagedCompaction
 from .pages import PageTable
 from .placement import Policy, drain_victims, make_policy, place_draining
 from .poller import HEARTBEAT_INTERVAL_S
@@ -178,6 +179,7 @@ class KVCacheManager:
         self._compact_handler: CompactHandler | None = None  # the engine's copy (see compact)
         self._evict_handler: EvictHandler | None = None  # see set_evict_handler
         self.compaction = CompactStats()  # the segment's COMPACT words
+        self.staged = StagedCompaction(self)  # two-phase compaction (set_compact_poke)
         # Memory pressure between the models of a device (kvcached_core.allocator.pressure): min and priority
         # from the arguments, else KVCACHED_MIN / KVCACHED_PRIORITY; kvctl policy changes them live.
         self.pressure = PressureControl(self, config.settings().min_bytes if min_bytes is None else min_bytes,
@@ -524,7 +526,8 @@ class KVCacheManager:
                     self.cache.add(block)
                     self._dirty.add(block // self.blocks_per_page)
             evicted = self._evict(self.cache.over_budget())
-            if self.pages.blocks_used == len(self.cache):  # nothing active: the model just went idle
+            if self.pages.blocks_used == len(self.cache) and not self.staged.defer_pack():
+                # nothing active: the model just went idle (a two-phase engine compacts first, then packs)
                 # Compaction may fill the slots just evicted: the engine learns those ids as destinations
                 # (its handler drops what it still records for them), so they are not returned as evicted.
                 refilled = self._compact_idle()
@@ -557,8 +560,53 @@ class KVCacheManager:
         with self._lock:
             self._check_open()
             self._compact_handler = handler
-            self.compaction.capable = handler is not None
+            if handler is not None:
+                self.staged.poke = None
+            self.compaction.capable = handler is not None or self.staged.poke is not None
             self.segment.publish_compaction(self.compaction.values())
+
+    def set_compact_poke(self, poke: CompactPoke | None) -> None:
+        """Two-phase compaction (:mod:`kvcached_core.allocator.compact_staged`), instead of a compact handler: the
+        engine's thread compacts with :meth:`compact_begin` / :meth:`compact_commit`; ``poke`` (called with the
+        lock held, from any thread; it must not block) asks it to, for ``kvctl compact`` and idle packing.
+        None removes it."""
+        with self._lock:
+            self._check_open()
+            self.staged.poke = poke
+            if poke is not None:
+                self._compact_handler = None
+            self.compaction.capable = poke is not None or self._compact_handler is not None
+            self.segment.publish_compaction(self.compaction.values())
+
+    @property
+    def compact_wanted(self) -> bool:
+        """A two-phase compaction is asked for or under way: the engine should step (begin, carry, commit)."""
+        return self.staged.wanted
+
+    def compact_begin(self, max_moves: int | None = None) -> CompactTicket:
+        """Plan up to ``max_moves`` moves of cached blocks, take their destinations and hold their sources (none
+        is evicted, freed or handed out until the ticket ends). The engine re-points its prefix index to the
+        destinations, has the copies run with its next step, then calls :meth:`compact_commit` (an empty
+        ticket: at once). RuntimeError while another ticket is open."""
+        with self._lock:
+            self._check_open()
+            return self.staged.begin(max_moves)
+
+    def compact_commit(self, ticket: CompactTicket) -> CompactStep:
+        """The step that carried ``ticket``'s copies came back: free the sources, unmap the pages emptied, cache the
+        destinations. When no move is left, a waiting ``kvctl compact`` is answered and a deferred idle packing
+        runs: drop ``evicted`` from the prefix index."""
+        with self._lock:
+            self._check_open()
+            return self.staged.commit(ticket)
+
+    def compact_abort(self, ticket: CompactTicket) -> list[int]:
+        """Undo a begin whose copies were never sent: sources cached again, destinations freed; a waiting controller
+        is told it failed. Returns the blocks a deferred idle packing evicted instead. ValueError once a prefix
+        hit took a destination (the copies must run)."""
+        with self._lock:
+            self._check_open()
+            return self.staged.abort(ticket)
 
     @property
     def lock(self) -> threading.RLock:
@@ -657,13 +705,22 @@ class KVCacheManager:
         with self._lock:
             self._check_open()
             missing = [b for b in ids if b not in self.cache]
+            claimed = self.staged.claim(missing) if missing else set()  # destinations of a compaction in flight
+            if claimed:
+                missing = [b for b in missing if b not in claimed]
             if missing:
                 raise ValueError(f"blocks not in the prefix cache: {missing[:8]}")
             if len(set(ids)) != len(ids):
                 raise ValueError("a block is listed twice; nothing was changed")
             for block in ids:
+                if block in claimed:
+                    continue
                 self.cache.remove(block)
                 self._dirty.add(block // self.blocks_per_page)
+            if claimed:
+                ticket = self.staged.ticket
+                assert ticket is not None
+                ticket.reused.update(claimed)
             self._publish()
 
     def evict(self, n: int) -> list[int]:
@@ -854,6 +911,8 @@ class KVCacheManager:
         idle packing still picks. The pages emptied are unmapped, not pooled."""
         pages = self.pages
         if compact:
+            if self.staged.defer_pack():
+                return []
             self._compact_idle()
         mapped_before = pages.mapped_pages
         victims = self._drop_cached(self.policy.pack(self.cache, pages))
@@ -1051,6 +1110,9 @@ class KVCacheManager:
     def _serve_compact(self, seq: int) -> None:
         """Answer a controller's compact request (lock held): compacted with its bytes, no handler, or failed."""
         stats = self.compaction
+        if self._compact_handler is None and self.staged.poke is not None:
+            self.staged.request(seq)  # answered when the engine's two-phase compaction ends
+            return
         if self._compact_handler is None:
             stats.answer(seq, L.COMPACT_NO_HANDLER)
         else:

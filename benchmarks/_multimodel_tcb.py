@@ -224,6 +224,7 @@ class Engines:
 
     def __init__(self, ctx: Any, setup: Setup, models: int, elastic: bool, shm: Path) -> None:
         self.names = [f"{'e' if elastic else 's'}{m}" for m in range(models)]
+        self.elastic, self.shm = elastic, shm
         self.outbox = ctx.Queue()
         self.inboxes = {name: ctx.Queue() for name in self.names}
         budget = shares_bytes(setup, models)
@@ -292,11 +293,34 @@ class Engines:
                 proc.join(5)
 
 
+def sample_segments(shm: Path, t0: float, stop: threading.Event, samples: list[dict]) -> None:
+    """Every 0.5 s, each live elastic segment: bytes mapped, blocks in use, running and waiting requests, and its
+    reclaim totals (bytes given to and taken from the other models)."""
+    from kvcached_core import list_models
+
+    while not stop.wait(0.5):
+        row: dict = {"t": round(time.perf_counter() - t0, 2)}
+        for m in list_models(directory=shm):
+            if m.status != "live":
+                continue
+            p, t = m.pressure, m.traffic
+            row[m.name] = {"mapped": m.mapped_bytes, "blocks_used": m.blocks_used,
+                           "running": None if t is None else t.running, "waiting": None if t is None else t.waiting,
+                           "gave": None if p is None else p.gave_total, "took": None if p is None else p.took_total}
+        samples.append(row)
+
+
 def replay(engines: Engines, trace: list[dict], setup: Setup, run: str, timeout_s: float) -> dict:
-    """Send the trace in time; collect every answer. TTFT = first token's time - the request's arrival."""
+    """Send the trace in time; collect every answer. TTFT = first token's time - the request's arrival.
+    Elastic engines' segments are sampled meanwhile (``kv_samples``)."""
     arrivals: dict[str, tuple[float, int]] = {}
     out = engines.pending.setdefault(run, [])
+    samples: list[dict] = []
+    stop = threading.Event()
     t0 = time.perf_counter() + 0.2
+    watcher = threading.Thread(target=sample_segments, args=(engines.shm, t0, stop, samples), daemon=True)
+    if engines.elastic:
+        watcher.start()
     for i, row in enumerate(trace):
         delay = t0 + row["t"] - time.perf_counter()
         if delay > 0:
@@ -310,6 +334,9 @@ def replay(engines: Engines, trace: list[dict], setup: Setup, run: str, timeout_
         with contextlib.suppress(RuntimeError):
             msg = engines.get(min(5.0, deadline - time.monotonic()))
             keep(msg, arrivals, out)
+    stop.set()
+    if watcher.is_alive():
+        watcher.join()
     offloads = engines.offloads()
     ttft = sorted(first - arrivals[rid][0] for rid, first, _, _ in out if first is not None)
     ends = [end for _, _, end, _ in out if end is not None]
@@ -319,7 +346,19 @@ def replay(engines: Engines, trace: list[dict], setup: Setup, run: str, timeout_
     return {"requests": len(trace), "answered": len(out), "ttft_p99_s": round(p99, 4),
             "ttft_mean_s": round(statistics.fmean(ttft), 4) if ttft else float("nan"),
             "tokens": tokens, "tokens_per_s": round(tokens / span, 2) if ends else 0.0,
-            "offload_rounds": offloads}
+            "offload_rounds": offloads, **reclaim_totals(samples), "kv_samples": samples}
+
+
+def reclaim_totals(samples: list[dict]) -> dict:
+    """Bytes the models gave each other during the run (the last sample's totals less the first's), and the most
+    bytes any one model held mapped at once."""
+    if len(samples) < 2:
+        return {}
+    first, last = samples[0], samples[-1]
+    names = [k for k in last if k != "t" and k in first]
+    took = sum((last[n]["took"] or 0) - (first[n]["took"] or 0) for n in names)
+    peak = max((row[n]["mapped"] for row in samples for n in row if n != "t"), default=0)
+    return {"reclaimed_bytes": took, "peak_model_mapped_bytes": peak}
 
 
 def drain_nowait(engines: Engines, arrivals: dict, out: list) -> None:
@@ -383,6 +422,10 @@ def machine(device: str) -> dict:
     return info
 
 
+def mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / (1 << 20):.0f} MiB"
+
+
 def markdown(report: dict) -> str:
     lines = [f"# Three models, one KV budget: transformers continuous batching, static against elastic "
              f"({report['device']}, {report['date'][:10]})", "",
@@ -397,12 +440,13 @@ def markdown(report: dict) -> str:
              f"(range {report['ttft_p99_ratio_min']}-{report['ttft_p99_ratio_max']}x); throughput elastic/static: "
              f"median {report['throughput_ratio_median']}x (range {report['throughput_ratio_min']}-"
              f"{report['throughput_ratio_max']}x)**", "",
-             "| run | configuration | answered | TTFT p99 | TTFT mean | tokens/s | offload rounds |",
-             "|---|---|---|---|---|---|---|"]
+             "| run | configuration | answered | TTFT p99 | TTFT mean | tokens/s | offload rounds | reclaimed "
+             "| one model's peak |", "|---|---|---|---|---|---|---|---|---|"]
     for i, run in enumerate(report["runs"]):
         lines.append(f"| {i + 1} | {run['configuration']} | {run['answered']}/{run['requests']} | "
                      f"{run['ttft_p99_s']:.2f} s | {run['ttft_mean_s']:.2f} s | {run['tokens_per_s']:.1f} | "
-                     f"{run['offload_rounds']} |")
+                     f"{run['offload_rounds']} | {mib(run.get('reclaimed_bytes'))} | "
+                     f"{mib(run.get('peak_model_mapped_bytes'))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -374,7 +374,7 @@ class KvtopApp(App[int]):
         if m is None:
             self.notify("no model selected", severity="warning", markup=False)
             return
-        self.push_screen(DetailsScreen(m))
+        self.push_screen(DetailsScreen(m, self.frame.router.get(m.name) if self.frame is not None else None))
 
     def action_cycle_sort(self) -> None:
         self.sort_key = SORT_KEYS[(SORT_KEYS.index(self.sort_key) + 1) % len(SORT_KEYS)]

@@ -41,6 +41,7 @@ class Frame:
     host: str
     read_s: float = 0.0  # seconds the read took
     directory_problem: str = ""  # why the segment directory cannot be read ("" when it can)
+    router: dict[str, dict] = field(default_factory=dict)  # kvctl route's figures by model (kvtop.router.published)
 
     def model(self, name: str | None) -> ModelSnapshot | None:
         for m in self.models:
@@ -114,9 +115,12 @@ class LiveSource:
         note = "" if gpus or nvml.available() else nvml.unavailable_reason()
         if not gpus and not note:
             note = "NVML reports no GPU" if self.gpu_filter is None else f"no GPU {self.gpu_filter}"
+        from kvtop.router.published import read as read_routers
+
+        router = read_routers(self.directory or config.shm_dir()).models
         return Frame(found.models, found.problems, gpus, note, self._host_capacity, detail,
                      time.time(), self.host, time.perf_counter() - started,
-                     config.shm_dir_problem(self.directory) or "")
+                     config.shm_dir_problem(self.directory) or "", router)
 
     def reread(self, model: ModelSnapshot) -> ModelSnapshot:
         """The model's counters now (a dialog about to act on it must not show an old frame's figures)."""

@@ -6,6 +6,7 @@ tests_vllm/test_vllm_route.py.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -230,3 +231,39 @@ def test_forged_router_figures_are_not_trusted(shm_dir, spawn_allocator):
     path.write_text(json.dumps({**good, "start_time": start_time(pid) + 1}))  # its router has exited
     figures, err = listed_router("m1", "--all")
     assert figures is None and "router" not in err and untrusted_files() == 0
+
+
+def test_kvctl_show_and_kvtop_details_say_the_endpoint_and_the_router_figures(router, spawn_allocator):
+    from rich.console import Console
+    from test_kvtop_pilot import drive, seen, until
+    from textual.pilot import Pilot
+
+    from kvtop.app import KvtopApp
+    from kvtop.source import LiveSource
+    from kvtop.widgets import DetailsScreen
+
+    port = closed_port()
+    spawn_allocator("m1", script=f"m.publish_endpoint('http://127.0.0.1:{port}')\n")
+    assert call(router + "/v1/completions", {"model": "m1", "prompt": "hi"})[0] == 503
+    wait_for(lambda: listed_router("m1")[0], what="published figures")
+    shown = subprocess.run([sys.executable, "-m", "kvtop.cli", "show", "m1"], env=child_env(), capture_output=True,
+                           text=True, check=True).stdout
+    assert f"endpoint     http://127.0.0.1:{port}\n" in shown
+    assert re.search(r"router       1 requests, 1 errors, 0 in flight, 0 woke it; TTFT p50/p99 -/- ms", shown)
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1") and app.selected == "m1" and app.frame.router.get("m1"),
+                    "m1 and its router figures")
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, DetailsScreen), "the details")
+        details = app.screen
+        assert isinstance(details, DetailsScreen) and details.router is not None
+        assert details.router["requests"] == 1
+        console = Console(width=200, file=io.StringIO(), record=True)
+        for widget in details.query("Static"):
+            console.print(widget.content)
+        text = console.export_text()
+        assert f"http://127.0.0.1:{port}" in text and "1 requests, 1 errors" in text
+
+    drive(app, script)

@@ -49,6 +49,13 @@ def list_cmd(as_json: bool, gpu: int | None, show_all: bool) -> None:
     T.print_table(T.LIST_COLUMNS, [T.list_row(m) for m in found.models])
 
 
+def _router_figures(name: str) -> dict | None:
+    from kvcached_core.config import shm_dir
+    from kvtop.router.published import read as read_routers
+
+    return read_routers(shm_dir()).models.get(name)
+
+
 def _add_router_figures(rows: list[dict], *, warn_untrusted: bool) -> None:
     """Each row's ``router`` key: what a running ``kvctl route`` counted for the model (docs/json.md), else null."""
     from kvcached_core.config import shm_dir
@@ -92,7 +99,15 @@ def show_cmd(model: str, as_json: bool, width: int, rows: int) -> None:
         return
     from kvtop import textfmt as T
 
-    click.echo("\n".join([*T.show_lines(snap, frag, found.models), "", *T.page_map_lines(snap, width, rows)]))
+    lines = T.show_lines(snap, frag, found.models)
+    if snap.endpoint is not None:
+        lines.append(f"  {'endpoint':<12} {snap.endpoint}")
+    figures = _router_figures(snap.name)
+    if figures is not None:
+        from kvtop.router.published import summary
+
+        lines.append(f"  {'router':<12} {summary(figures)}")
+    click.echo("\n".join([*lines, "", *T.page_map_lines(snap, width, rows)]))
 
 
 @click.command("frag")

@@ -128,3 +128,13 @@ def read(directory: Path) -> Published:
             if model not in models or figures["requests"] > models[model]["requests"]:
                 models[model] = figures
     return Published(models, tuple(untrusted))
+
+
+def summary(figures: dict) -> str:
+    """One line of a model's router figures, as kvctl show and kvtop's details say them."""
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.1f}"
+
+    return (f"{figures['requests']:,} requests, {figures['errors']:,} errors, {figures['in_flight']} in flight, "
+            f"{figures['woken']:,} woke it; TTFT p50/p99 {ms(figures['ttft_p50_s'])}/{ms(figures['ttft_p99_s'])} ms, "
+            f"latency {ms(figures['latency_p50_s'])}/{ms(figures['latency_p99_s'])} ms")

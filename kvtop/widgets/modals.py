@@ -85,9 +85,10 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
 
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, model: ModelSnapshot) -> None:
+    def __init__(self, model: ModelSnapshot, router: dict | None = None) -> None:
         super().__init__(classes="dialog")
         self.model = model
+        self.router = router  # kvctl route's figures for it (kvtop.router.published), None when no router has any
         self.percent_of: int | None = None  # what a percentage is taken of: the base kvctl limit takes
         self.percent_note = ""  # how a percentage is taken, when the model does not say it
         self.percent_problem = ""  # why no percentage can be taken
@@ -205,9 +206,10 @@ class PolicyScreen(ModalScreen[PolicyRequest | None]):
 
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, model: ModelSnapshot) -> None:
+    def __init__(self, model: ModelSnapshot, router: dict | None = None) -> None:
         super().__init__(classes="dialog")
         self.model = model
+        self.router = router  # kvctl route's figures for it (kvtop.router.published), None when no router has any
         self.percent_of: int | None = None
         self.percent_problem = ""
         try:
@@ -373,9 +375,10 @@ class HelpScreen(_InfoScreen):
 class DetailsScreen(_InfoScreen):
     """Everything about one model: identity, counters, limit and trim acknowledgements, worst pages."""
 
-    def __init__(self, model: ModelSnapshot) -> None:
+    def __init__(self, model: ModelSnapshot, router: dict | None = None) -> None:
         super().__init__(classes="dialog")
         self.model = model
+        self.router = router  # kvctl route's figures for it (kvtop.router.published), None when no router has any
 
     def compose(self) -> ComposeResult:
         m = self.model
@@ -407,6 +410,12 @@ class DetailsScreen(_InfoScreen):
                 ("device capacity", format_bytes(m.device_capacity) if m.device_capacity else "N/A"),
                 *pressure_rows(m),
             ]
+            if m.endpoint is not None:
+                rows.append(("endpoint", m.endpoint))
+            if self.router is not None:
+                from kvtop.router.published import summary
+
+                rows.append(("router", summary(self.router)))
             for r in m.ranks:
                 rows.append((f"rank {r.rank}", f"device {r.device}, pid {r.pid}, {format_bytes(r.mapped_bytes)}"
                              + ("" if r.alive else " (gone)")))

@@ -30,6 +30,7 @@ from .harness import Server, base_env, kvctl, start_server, wait_for
 
 NAMES = ("m0", "m1")
 PROMPTS = prompts(3, length=40, seed=21)
+ROUTER_LOG = "route.log"  # the router's stderr, in the session's workdir
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
@@ -47,13 +48,13 @@ def fleet(model_dir: Path, workdir: Path) -> Iterator[tuple[dict[str, Server], s
     with ThreadPoolExecutor(2) as pool:
         started = list(pool.map(start, range(2)))
     servers = dict(zip(NAMES, started, strict=True))
-    router = subprocess.Popen([sys.executable, "-m", "kvtop.cli", "route", "--listen", "127.0.0.1:0", "--rescan",
-                               "0.2", "--wake-timeout", "120"], env=base_env(shm, enabled=False),
-                              stderr=subprocess.PIPE, text=True)
+    log = workdir / ROUTER_LOG
+    with open(log, "w") as err:
+        router = subprocess.Popen([sys.executable, "-m", "kvtop.cli", "route", "--listen", "127.0.0.1:0", "--rescan",
+                                   "0.2", "--wake-timeout", "120"], env=base_env(shm, enabled=False), stderr=err)
     try:
-        line = router.stderr.readline() if router.stderr else ""
-        found = re.search(r"serving (http://\S+)/v1 ", line)
-        assert found, line
+        found = wait_for(lambda: re.search(r"serving (http://\S+)/v1 ", log.read_text()) or router.poll(), timeout=60)
+        assert isinstance(found, re.Match), log.read_text()
         yield servers, found.group(1), shm
     finally:
         router.send_signal(signal.SIGINT)
@@ -173,6 +174,24 @@ def test_two_hundred_concurrent_requests_lose_none(fleet) -> None:
     with urllib.request.urlopen(router + "/kvcached/figures", timeout=30) as resp:
         figures = json.load(resp)["models"]
     assert all(figures[name]["in_flight"] == 0 for name in NAMES)
+
+
+async def _abandon(url: str, body: dict) -> None:
+    """Start a streamed request, read its first event, and go away."""
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(url, json=body)
+        assert resp.status == 200 and (await resp.content.readline()).startswith(b"data: ")
+        resp.close()
+
+
+def test_a_client_that_goes_away_mid_stream_ends_the_engines_request(fleet, workdir: Path) -> None:
+    _, router, shm = fleet
+    body = completion("m0", PROMPTS[0], 1800, stream=True)  # about 10 s of tokens, were it left to run
+    asyncio.run(_abandon(router + "/v1/completions", body))
+    wait_for(lambda: (t := snapshot("m0", directory=shm).traffic) is not None and t.running == 0 and t.waiting == 0,
+             timeout=5)  # the router closed its connection to the engine, which aborted the request
+    assert "Traceback" not in (workdir / ROUTER_LOG).read_text()
+    assert tokens(router, "m0", PROMPTS[1]) == tokens(router, "m0", PROMPTS[1])  # and it serves on
 
 
 def test_a_killed_engine_is_a_503_while_the_other_is_still_served(fleet) -> None:

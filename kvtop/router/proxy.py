@@ -29,6 +29,7 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 SETTINGS = web.AppKey("settings", dict)
 WAKING = web.AppKey("waking", dict)
 PUBLISH_S = 1.0  # how often the figures file is written
+CONNECT_TIMEOUT_S = 10.0  # an engine that accepts no connection in this long is answered 503
 
 # Headers that belong to one connection, never passed on (RFC 9110 section 7.6.1), and the framing aiohttp sets.
 HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -161,6 +162,9 @@ async def _answer(request: web.Request, engine: Engine, model: str, payload: dic
                     await response.write(chunk)
             except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError):
                 return response  # the engine hung up mid-stream: the client sees the stream end unfinished
+            except ConnectionResetError:
+                # The client went away: leaving this block closes the engine's connection, which aborts the request.
+                return response
             await response.write_eof()
             fig.latency_s.append(time.perf_counter() - started)
             return response
@@ -172,6 +176,9 @@ async def _answer(request: web.Request, engine: Engine, model: str, payload: dic
         reason = os.strerror(errno) if errno and errno > 0 else (exc.os_error.strerror or str(exc.os_error))
         return error(503, f"model {engine.model_id!r}: its engine at {engine.endpoint} cannot be reached "
                           f"({reason.lower()})", "service_unavailable", "engine_unreachable")
+    except aiohttp.ServerTimeoutError:
+        return error(503, f"model {engine.model_id!r}: its engine at {engine.endpoint} did not accept a connection "
+                          f"within {CONNECT_TIMEOUT_S:g} s", "service_unavailable", "engine_unreachable")
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
         gone = await _gone(app, engine)
         if gone is not None:
@@ -189,7 +196,7 @@ async def _gone(app: web.Application, engine: Engine) -> web.Response | None:
     """After a failed connection: the segment read again, the answer for an engine that is gone, else None."""
     directory = app[DIRECTORY]
     with contextlib.suppress(OSError):
-        await directory.refresh()
+        await directory.refresh(unless_since=time.monotonic())  # failures at once share one scan
     now = directory.engines.get(engine.name, engine)
     return _gone_error(now) if now.state == GONE else None
 
@@ -213,7 +220,7 @@ def make_app(shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S))
         app[SESSION] = session
         app[DIRECTORY] = directory = Directory(shm_dir, session)
         with contextlib.suppress(OSError):

@@ -30,6 +30,8 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvcached_core import KVCacheManager
 
+from .compact import Compactor
+
 log = logging.getLogger(__name__)
 
 
@@ -61,6 +63,7 @@ class KvcachedBlockPool(BlockPool):
         # for the running requests' growth (one each: the next block any of them may need).
         self.growth_reserve = 0
         self.admitting = False
+        self.compactor = Compactor(self)  # compaction through the scheduler's block copies (attached by the busy loop)
 
     # -- what vLLM schedules against -----------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -132,12 +135,18 @@ class KvcachedBlockPool(BlockPool):
         manager = self.manager
         if to_cache:
             self._forget(manager.mark_cached(to_cache))
-        if (to_free or to_cache) and manager.used_blocks - manager.cached_blocks == self.placeholders:
-            # Only the placeholder is active: the engine went idle. kvcached packs an idle model by
-            # itself when nothing is active, which the placeholder hides from it: ask here.
-            self._forget(manager.pack())
+        if to_free or to_cache:
+            self.pack_if_idle()
         for pool, blocks in others.items():
             pool.free_blocks(blocks)
+
+    def pack_if_idle(self) -> None:
+        """Only the placeholder is active: the engine went idle. kvcached packs an idle model by itself when
+        nothing is active, which the placeholder hides from it: ask here (with a compactor attached, it
+        compacts first over the next steps, see :mod:`.compact`)."""
+        manager = self.manager
+        if manager.used_blocks - manager.cached_blocks == self.placeholders:
+            self._forget(manager.pack())
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: object) -> None:
         raise NotImplementedError("kvcached does not serve HiSparse pools: run without ENABLE_KVCACHED")

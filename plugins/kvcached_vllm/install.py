@@ -12,6 +12,8 @@ plain vLLM object where the plugin does not apply (another pool, a profiling run
   request is admitted against what a shared budget leaves beside one block per running request.
 - ``Scheduler.update_from_output``: traffic is counted (:mod:`.traffic`), and requests that can
   never fit under the limit end with ``length`` (:mod:`.fit`).
+- ``KVCacheManager.take_kv_cache_block_copies``, ``Scheduler.schedule`` / ``update_from_output`` /
+  ``has_requests``: compaction rounds ride on the steps' block copies (:mod:`.compact`).
 - ``GPUModelRunner.initialize_kv_cache_tensors`` / ``allocate_kv_cache``: the worker's KV
   tensors lie over a :class:`kvcached_core.tp.TPWorker`'s memory.
 - ``setup_server`` (the API server): the address it binds is published in the model's segment (:mod:`.endpoint`).
@@ -76,6 +78,7 @@ def _patch_scheduler() -> None:
         ours = isinstance(pool, KvcachedBlockPool)
         self._kvcached_traffic = Traffic(pool.manager) if ours else None
         self._kvcached_sleeper = Sleeper(self, pool) if ours else None
+        self._kvcached_compactor = pool.compactor if ours else None
 
     def block_pool(num_gpu_blocks: int, enable_caching: bool, hash_block_size: int, **kwargs: Any) -> BlockPool:
         pending = getattr(_context, "scheduler", None)
@@ -129,6 +132,7 @@ def _patch_scheduler() -> None:
     scheduler.Scheduler.__init__ = scheduler_init
     scheduler.Scheduler.schedule = schedule
     _patch_traffic(scheduler.Scheduler)
+    _patch_compact(scheduler.Scheduler)  # inside sleep's wrappers: a round is committed before sleep is served
     _patch_sleep(scheduler.Scheduler)
     kv_cache_coordinator.BlockPool = block_pool
     kv_cache_manager.KVCacheManager.allocate_slots = allocate_slots
@@ -183,6 +187,72 @@ def _patch_traffic(cls: Any) -> None:
     cls.update_from_output = update_from_output
     cls._free_request = free_request
     cls._preempt_request = preempt_request
+
+
+def _patch_compact(cls: Any) -> None:
+    """Compaction rounds ride on the scheduler's steps (see :mod:`.compact`): begun where the step's block
+    copies are taken, committed after that step's output; an idle engine steps while a compaction is wanted."""
+    from vllm.v1.core import kv_cache_manager
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core import EngineCoreProc
+
+    original_take = kv_cache_manager.KVCacheManager.take_kv_cache_block_copies
+    original_schedule = cls.schedule
+    original_update = cls.update_from_output
+    original_has = cls.has_requests
+    original_loop = EngineCoreProc.run_busy_loop
+
+    @functools.wraps(original_take)
+    def take_kv_cache_block_copies(self: Any) -> Any:
+        copies, retained = original_take(self)
+        compactor = getattr(self.block_pool, "compactor", None)
+        if compactor is not None:
+            ours = compactor.begin()
+            if ours:
+                copies = [*copies, *ours]
+        return copies, retained
+
+    @functools.wraps(original_schedule)
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        compactor = self.__dict__.get("_kvcached_compactor")
+        if compactor is None:
+            return original_schedule(self, *args, **kwargs)
+        try:
+            output = original_schedule(self, *args, **kwargs)
+        except BaseException:
+            compactor.unscheduled()
+            raise
+        compactor.scheduled(output)
+        return output
+
+    @functools.wraps(original_update)
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = original_update(self, scheduler_output, model_runner_output)
+        compactor = self.__dict__.get("_kvcached_compactor")
+        if compactor is not None:
+            compactor.stepped(scheduler_output)
+        return outputs
+
+    @functools.wraps(original_has)
+    def has_requests(self: Any) -> bool:
+        if original_has(self):
+            return True
+        compactor = self.__dict__.get("_kvcached_compactor")
+        return compactor is not None and compactor.wanted  # an idle engine runs empty steps to carry the copies
+
+    @functools.wraps(original_loop)
+    def run_busy_loop(self: Any) -> Any:
+        compactor = getattr(self.scheduler, "_kvcached_compactor", None)
+        if compactor is not None:  # a busy loop to wake: from now on the model can be compacted
+            queue = self.input_queue
+            compactor.attach(lambda: queue.put_nowait((EngineCoreRequestType.WAKEUP, None)))
+        return original_loop(self)
+
+    kv_cache_manager.KVCacheManager.take_kv_cache_block_copies = take_kv_cache_block_copies
+    cls.schedule = schedule
+    cls.update_from_output = update_from_output
+    cls.has_requests = has_requests
+    EngineCoreProc.run_busy_loop = run_busy_loop
 
 
 def _patch_sleep(cls: Any) -> None:

@@ -139,6 +139,12 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.v1.core.kv_cache_metrics", "KVCacheMetricsCollector.on_block_allocated", "calls", ("block",)),
     Seam("vllm.v1.core.kv_cache_metrics", "KVCacheMetricsCollector.on_block_accessed", "calls", ("block",)),
     Seam("vllm.v1.core.kv_cache_metrics", "KVCacheMetricsCollector.reset", "calls", (), exact=True),
+    # compact.py and install.py: compaction rounds on the steps' block copies
+    Seam(_MANAGER, "KVCacheManager.take_kv_cache_block_copies", "wraps", (), exact=True),
+    Seam(_SCHED, "Scheduler.has_requests", "wraps", (), exact=True),
+    Seam(_POOL, "BlockPool.move_block_hashes", "calls", ("src_block", "dst_block"), exact=True),
+    Seam("vllm.v1.core.kv_cache_utils", "KVCacheBlockCopy", "calls", ("src_block_id", "dst_block_id"), exact=True),
+    Seam("vllm.v1.core.sched.output", "SchedulerOutput", "reads", members=("kv_cache_block_copies",)),
     # fit.py: requests that can never fit end as 'length'
     Seam("vllm.v1.engine", "EngineCoreOutput", "calls", ("request_id", "new_token_ids", "finish_reason")),
     Seam("vllm.v1.engine", "EngineCoreOutputs", "calls", ("outputs",)),

@@ -1,0 +1,148 @@
+"""Compaction on a real vLLM engine (plugins/kvcached_vllm/compact.py): the allocator's two-phase compaction, its
+copies carried by the scheduler's block copies, ``kvctl compact`` on a busy engine and idle packing on an idle
+one. Prefix-cache hits survive it and greedy tokens are the same. One engine for the module (affinity placement:
+each request on pages of its own, so requests that run together leave their cached blocks spread).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kvcached_core.segment.reader import snapshot
+from kvcached_core.segment.snapshot import ModelSnapshot
+from kvcached_vllm.tiny import prompts
+
+from .harness import Server, base_env, kvctl, start_server, wait_for
+
+NAME = "tiny-compact"
+BLOCK_TOKENS = 128
+TOKENS = 8  # greedy tokens compared per prompt
+PROMPTS = 16
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, workdir: Path) -> Iterator[tuple[Server, Path]]:
+    shm = workdir / "shm-compact"
+    shm.mkdir()
+    env = base_env(shm, enabled=True, KVCACHED_IDLE_RETURN_S="-1", KVCACHED_POLICY="affinity",
+                   KVCACHED_MAX_CACHED_TOKENS="100000")
+    server = start_server(model_dir, env, workdir / "serve-compact.log", name=NAME)
+    try:
+        yield server, shm
+    finally:
+        server.stop()
+
+
+class Streaming:
+    """A long greedy request streamed in the background, so the engine stays busy (and never idle-packs) until
+    ``stop()`` closes its connection (vLLM aborts the request)."""
+
+    def __init__(self, server: Server, prompt: list[int]) -> None:
+        body = {"model": server.name, "prompt": prompt, "max_tokens": 1800, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        self.conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+        self.conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        self.resp = self.conn.getresponse()
+        self.chunks = 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.chunks >= 2, timeout=60)
+
+    def _read(self) -> None:
+        try:
+            while not self.done.is_set() and self.resp.readline():
+                self.chunks += 1
+        except (OSError, ValueError, AttributeError):  # stop() closed the connection under the read
+            pass
+
+    def stop(self) -> None:
+        self.done.set()
+        self.conn.close()
+        self.thread.join(timeout=30)
+
+
+def hits(server: Server) -> float:
+    for line in server.metrics().splitlines():
+        if line.startswith("vllm:prefix_cache_hits_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("vLLM exports no prefix-cache hit counter")
+
+
+def run_together(server: Server, batch: list[list[int]]) -> list[list[int]]:
+    with ThreadPoolExecutor(len(batch)) as pool:
+        return list(pool.map(lambda p: server.complete(p, TOKENS), batch))
+
+
+def floor(m: ModelSnapshot) -> int:
+    """The pages the model's used blocks need, packed."""
+    return -(-m.blocks_used // m.blocks_per_page)
+
+
+def spread(server: Server, shm: Path, seed: int) -> tuple[list[list[int]], list[list[int]], ModelSnapshot]:
+    """Prompts of one full block and a partial one, run together: each page they took is left half cached (the
+    full blocks) and half free (the partial blocks, never cached)."""
+    batch = prompts(PROMPTS, length=BLOCK_TOKENS + 100, seed=seed)
+    tokens = run_together(server, batch)
+    m = snapshot(NAME, directory=shm)
+    assert m.blocks_cached >= PROMPTS, m
+    return batch, tokens, m
+
+
+def test_kvctl_compact_on_a_busy_engine_packs_its_cache_and_keeps_the_hits(engine: tuple[Server, Path]) -> None:
+    """On the old code kvctl compact is refused: the vLLM engine registered no compact handler."""
+    server, shm = engine
+    ctl = base_env(shm, enabled=False)
+    busy = Streaming(server, prompts(1, length=100, seed=40)[0])
+    try:
+        batch, first, before = spread(server, shm, seed=41)
+        assert before.pages_inuse > floor(before), before  # sparse pages: something to compact
+        assert before.compaction is not None and before.compaction.capable
+        answer = json.loads(kvctl("compact", NAME, "--json", "--wait", "60", env=ctl).stdout)
+        assert answer["status"] == "compacted" and answer["bytes_returned"] > 0 and answer["bytes_copied"] > 0
+        after = snapshot(NAME, directory=shm)
+        assert after.blocks_cached >= before.blocks_cached  # nothing evicted: moved
+        assert after.pages_inuse < before.pages_inuse
+        assert after.compaction is not None and after.compaction.blocks_moved > 0
+        assert busy.chunks > 0 and not busy.done.is_set()  # the streamed request ran on through it
+        start = hits(server)
+        again = [server.complete(p, TOKENS) for p in batch]
+        assert again == first
+        assert hits(server) - start >= len(batch) * BLOCK_TOKENS  # every prompt's full blocks were hits
+    finally:
+        busy.stop()
+    print(f"kvctl compact: pages {before.pages_inuse} -> {after.pages_inuse} (floor {floor(before)}), "
+          f"{after.compaction.blocks_moved} blocks moved, {answer['bytes_copied']} B copied, "
+          f"{answer['bytes_returned']} B returned")
+
+
+def test_an_idle_engine_packs_by_compacting_and_keeps_its_cache(engine: tuple[Server, Path]) -> None:
+    """Idle packing moves the cached blocks together instead of evicting the sparse pages (the old code's
+    packing drops them: fewer cached blocks, misses on the same prompts)."""
+    server, shm = engine
+    busy = Streaming(server, prompts(1, length=100, seed=50)[0])
+    try:
+        batch, first, during = spread(server, shm, seed=51)
+        assert during.pages_inuse > floor(during), during
+    finally:
+        busy.stop()
+
+    def packed() -> ModelSnapshot | None:
+        m = snapshot(NAME, directory=shm)
+        idle = m.traffic is not None and not m.traffic.running and m.blocks_used - m.blocks_cached == 1
+        return m if idle and m.pages_inuse == floor(m) else None
+
+    after = wait_for(packed, timeout=60)
+    assert after.blocks_cached >= during.blocks_cached  # kept (the streamed request's own blocks joined)
+    start = hits(server)
+    assert [server.complete(p, TOKENS) for p in batch] == first
+    assert hits(server) - start >= len(batch) * BLOCK_TOKENS
+    print(f"idle packing: pages {during.pages_inuse} -> {after.pages_inuse} (floor {floor(after)}), "
+          f"cached {during.blocks_cached} -> {after.blocks_cached}")

@@ -115,6 +115,7 @@ TRIED = {
     "clean": [("clean",), ("clean", "--dry-run")],
     "demo": [("demo", "--duration", "1")],
     "export": [("export", "--port", "0")],
+    "route": [("route", "--listen", "127.0.0.1:0")],
 }
 REGISTERED = set(KVCTL_COMMANDS)
 COMMANDS = [args for name, tried in TRIED.items() if name in REGISTERED for args in tried]

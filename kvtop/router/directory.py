@@ -112,6 +112,8 @@ class Directory:
             for name, engine in self.engines.items():
                 if name not in seen and engine.state != GONE:
                     engine.state, engine.gone_reason = GONE, "its segment was removed (the engine stopped) or is no longer private to this user"
+            current = {e.key for e in self.engines.values()}
+            self._served = {key: ids for key, ids in self._served.items() if key in current}  # engines restarted
             self._rename()
 
     def _rename(self) -> None:

@@ -603,12 +603,19 @@ FENCE_CHILD = textwrap.dedent("""
     views = tensor_views(m, dtype=torch.float32)
     blocks = m.alloc(m.blocks_per_page)
     assert blocks is not None and m.backend.mapped_bytes() > 0
-    torch.cuda._sleep(int(2e9))  # about a second of GPU time before the writes run
     bpp = m.blocks_per_page
-    for layer in views:
-        for kv in layer:
-            for block in blocks:  # the allocated blocks only: the rest of the range is not mapped
-                (kv[block] if kv.dim() == 2 else kv[block // bpp, block % bpp]).fill_(1.0)
+
+    def write():
+        for layer in views:
+            for kv in layer:
+                for block in blocks:  # the allocated blocks only: the rest of the range is not mapped
+                    (kv[block] if kv.dim() == 2 else kv[block // bpp, block % bpp]).fill_(1.0)
+
+    write()  # the kernels loaded now: a first launch loads its module, which waits for the device
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # about a second of GPU time before the writes run
+    write()
+    assert not torch.cuda.current_stream().query(), "the writes must still be queued when the blocks are freed"
     t0 = time.monotonic()
     m.free(blocks)
     m.backend.flush()
@@ -641,4 +648,5 @@ def test_an_unmap_waits_for_the_kernels_queued_before_the_free(layout) -> None:
     assert got["error"] is None, got  # the writes ran on mapped memory
     assert got["mapped"] == 0, got  # and the page was unmapped after them
     assert got["waited"] > 0.3, got  # the unmap waited for the queued work (about a second of it)
-    print("unfenced (the code before):", run_fence_child("unfenced", layout))
+    before = run_fence_child("unfenced", layout)  # the code before: the unmap did not wait
+    print("unfenced (the code before):", before)

@@ -113,6 +113,20 @@ def sampled(read: Callable[[], int]) -> Iterator[list[int]]:
         thread.join()
 
 
+def served(manager_cb: Any, batch: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of ``batch`` through a running continuous batching manager, in order."""
+    ids = manager_cb.add_requests(batch, max_new_tokens=NEW_TOKENS)
+    results: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 60
+    while len(results) < len(ids):
+        assert time.monotonic() < deadline, "requests did not finish"
+        got = manager_cb.get_result(timeout=1)
+        if got is not None and got.is_finished():
+            assert got.error is None, got.error
+            results[got.request_id] = list(got.generated_tokens)
+    return [results[i] for i in ids]
+
+
 def test_version_outside_the_range_is_refused_in_one_line() -> None:
     for found in ("5.17.0", "5.26.0", "6.0.0"):
         with pytest.raises(UnsupportedTransformers) as info:
@@ -203,16 +217,7 @@ def test_sleep_and_wake_keep_the_tokens(model: Any, prompts: list[list[int]], pl
         manager_cb.start()
         try:
             def serve(batch: list[list[int]]) -> list[list[int]]:
-                ids = manager_cb.add_requests(batch, max_new_tokens=NEW_TOKENS)
-                results: dict[str, list[int]] = {}
-                deadline = time.monotonic() + 60
-                while len(results) < len(ids):
-                    assert time.monotonic() < deadline, "requests did not finish"
-                    got = manager_cb.get_result(timeout=1)
-                    if got is not None and got.is_finished():
-                        assert got.error is None, got.error
-                        results[got.request_id] = list(got.generated_tokens)
-                return [results[i] for i in ids]
+                return served(manager_cb, batch)
 
             assert serve(prompts) == plain
             assert kc.snapshot("cb-sleep").sleep.capable
@@ -274,5 +279,33 @@ def test_a_request_the_limit_cannot_hold_waits_until_the_limit_is_lifted(model: 
                 assert time.monotonic() < deadline, "the request never ran"
                 got = manager_cb.get_result(rid, timeout=1)
             assert got.error is None and [list(got.generated_tokens)] == expected
+        finally:
+            manager_cb.stop(block=True, timeout=30)
+
+
+@needs_cb
+def test_prefix_blocks_are_cached_blocks_a_lowered_limit_evicts_while_idle(model: Any) -> None:
+    """transformers keeps each finished request's whole blocks for prefix sharing: kvcached shows them cached, and
+    a limit below them (kvctl, the engine idle) evicts whole cached pages through the loop; transformers forgets
+    them, so the same prompts afterwards give the same tokens (a hit on an evicted block would read lost KV)."""
+    prompts = random_prompts(4, seed=12, min_len=600, max_len=600)  # 2 whole blocks each, a third partly
+    expected = run(model, prompts)
+    with installed(model, "cb-prefix") as handle:
+        manager_cb = model.init_continuous_batching(generation_config=gen_config(),
+                                                    continuous_batching_config=cb_config())
+        manager_cb.start()
+        try:
+            assert served(manager_cb, prompts) == expected
+            m = kc.snapshot("cb-prefix")
+            assert m.blocks_cached == 8 and m.blocks_used == 10 and m.mapped_bytes >= 3 * (2 << 20)
+            result = kvctl("limit", "cb-prefix", "2MiB", "--wait-applied", "30")
+            assert result.exit_code == 0, result.output
+            m = kc.snapshot("cb-prefix")
+            assert m.mapped_bytes <= 2 << 20 and m.blocks_cached <= 2 and m.limit_status == "applied"
+            manager = handle.manager
+            assert manager is not None and manager.evicted_blocks >= 6
+            assert kvctl("limit", "cb-prefix", "none").exit_code == 0
+            assert served(manager_cb, prompts) == expected
+            assert served(manager_cb, prompts) == expected  # now with prefix hits on every whole block
         finally:
             manager_cb.stop(block=True, timeout=30)

@@ -72,17 +72,23 @@ class LoopControl:
         self.scheduler.finish_request = self.finish_request
         offloader.offload_requests = self.offload_requests
         self.manager.set_sleep_handler(self.request)
+        self.manager.set_evict_handler(self.evict_asked)
 
     def detach(self) -> None:
-        """The loop stopped: nobody serves a sleep now."""
+        """The loop stopped: nobody serves a sleep or an eviction now."""
         if not self.manager._closed:  # noqa: SLF001 - a manager closed first needs nothing
             self.manager.set_sleep_handler(None)
+            self.manager.set_evict_handler(None)
 
     # -- kvcached's poller thread ----------------------------------------------------------------
     def request(self, action: str) -> None:
         """The sleep handler: record the action (the later wins) and wake the loop; the loop's thread serves it."""
         with self._lock:
             self._pending = action
+        self._wake_loop.set()
+
+    def evict_asked(self) -> None:
+        """kvcached's evict handler (its lock held): a limit or a reclaim waits on cached blocks; the loop evicts."""
         self._wake_loop.set()
 
     # -- the loop's thread -------------------------------------------------------------------------
@@ -134,9 +140,8 @@ class LoopControl:
     def service(self) -> None:
         """Serve a pending action, and evict prefix blocks a lowered limit or a reclaim waits on."""
         manager = self.manager
-        if (manager.limit_status == L.LIMIT_DEFERRED or manager.pressure.give_target is not None) \
-                and self.cache.evict_cached_blocks():
-            self.cache.pool.try_to_free_sectors()
+        if manager.limit_status == L.LIMIT_DEFERRED or manager.pressure.give_target is not None:
+            self.cache.evict_for_kvcached()
         if self._pending is None:
             return
         with self._lock:

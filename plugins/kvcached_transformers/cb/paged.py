@@ -20,6 +20,7 @@ allocators are registered again over the kvcached view.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from math import lcm
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ class KvcachedCachePool(CachePool):
         self.manager = manager
         self.sync = device.type == "cuda"  # a freed sector's page may be unmapped: no kernel may still touch it
         self.held: set[int] = set()  # sectors taken from kvcached and handed to an allocator
+        self.after_free: Callable[[], None] | None = None  # the cache's: newly cached blocks go to kvcached
         self._free_seq, self._free_count = -1, 0
         super().__init__(num_sectors, num_allocators)
 
@@ -88,6 +90,8 @@ class KvcachedCachePool(CachePool):
         super().free_blocks(index, block_ids)
         if block_ids:
             self.release(self._free_blocks[index].delete_full_trees())
+        if self.after_free is not None:
+            self.after_free()
 
     def try_to_free_sectors(self) -> None:
         for trees in self._free_blocks:
@@ -121,12 +125,82 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
         if not rows.is_contiguous():
             raise ValueError(f"the {manager.backend.name} backend's range is not one contiguous run of bytes")
         self.cache_tensor = rows.reshape(-1)[:total_sectors * self.bytes_per_sector]
-        self.pool = KvcachedCachePool(manager, self.num_sectors, len(self.cache_allocators), device)
+        self.kv_pool = KvcachedCachePool(manager, self.num_sectors, len(self.cache_allocators), device)
+        self.pool = self.kv_pool
         non_trash = self.num_sectors * self.bytes_per_sector
         for allocator in self.cache_allocators.values():
             allocator.register_cache_tensor(self.bytes_per_sector, non_trash, self.cache_tensor, self.pool)
         self.trash: list[int] = []
         self.take_trash()
+        # Blocks transformers keeps for prefix sharing are kvcached's cached blocks when a block is a whole sector
+        # (one attention type): kvtop shows them, and a limit or another model's reclaim evicts them.
+        allocators = list(self.cache_allocators.values())
+        self.mirrors = len(allocators) == 1 and allocators[0].blocks_per_sector == 1
+        self._newly_cached: list[int] = []
+        if self.mirrors:
+            self._mirror(allocators[0].ledger)
+            self.kv_pool.after_free = self.flush_cached
+
+    # -- prefix-sharing blocks as kvcached's cached blocks ------------------------------------------------
+    def _mirror(self, ledger: Any) -> None:
+        release, acquire = ledger.release, ledger.acquire
+        pending = self._newly_cached
+
+        def mirrored_release(block_id: int, no_cache: bool = False) -> bool:
+            back = release(block_id, no_cache)
+            if not back and block_id in ledger.cached_blocks:
+                pending.append(block_id)
+            return bool(back)
+
+        def mirrored_acquire(block_id: int) -> None:
+            if block_id in ledger.cached_blocks:  # a prefix hit on a cached block: active again
+                if block_id in pending:
+                    pending.remove(block_id)
+                else:
+                    self.kv_manager.reuse([block_id])
+            acquire(block_id)
+
+        ledger.release, ledger.acquire = mirrored_release, mirrored_acquire
+
+    def flush_cached(self) -> None:
+        """Blocks transformers just kept for prefix sharing become kvcached's cached blocks (what its budget for
+        cached blocks or idle packing evicts at once is forgotten here)."""
+        if self._newly_cached:
+            ids = [b for b in self._newly_cached if b in self.kv_pool.held]
+            self._newly_cached.clear()
+            if ids:
+                self.forget(self.kv_manager.mark_cached(ids))
+
+    def forget(self, blocks: list[int]) -> None:
+        """kvcached evicted these cached blocks (and freed them): transformers forgets their content."""
+        if not blocks:
+            return
+        ledger = next(iter(self.cache_allocators.values())).ledger
+        for block in blocks:
+            ledger.cached_blocks.pop(block, None)
+            digest = ledger.block_to_hash.pop(block, None)
+            if digest is not None and ledger.hash_to_block.get(digest) == block:
+                del ledger.hash_to_block[digest]
+        self.kv_pool.held.difference_update(blocks)
+
+    def evict_for_kvcached(self) -> None:
+        """A lowered limit or another model's reclaim waits on cached blocks: kvcached picks whole cached pages."""
+        if self.mirrors:
+            self.forget(self.kv_manager.evict_for_limit())
+        elif self.evict_cached_blocks():  # several attention types: transformers' own eviction, all of them
+            self.pool.try_to_free_sectors()
+
+    def _take(self, n: int) -> list[int] | None:
+        """``n`` sectors from kvcached; its cached blocks are evicted (and forgotten) to make room."""
+        manager = self.kv_manager
+        ids = manager.alloc(n)
+        while ids is None and self.mirrors and manager.cached_blocks:
+            evicted = manager.evict(max(1, n - manager.available_size(device=False)))
+            if not evicted:
+                break
+            self.forget(evicted)
+            ids = manager.alloc(n)
+        return ids
 
     @staticmethod
     def page_size_for(bytes_per_sector: int) -> int:
@@ -159,9 +233,7 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
 
     def release_trash(self) -> None:
         if self.trash:
-            pool = self.pool
-            assert isinstance(pool, KvcachedCachePool)
-            pool.release(self.trash)
+            self.kv_pool.release(self.trash)
             self.trash = []
 
     # -- what the scheduler calls ------------------------------------------------------------------
@@ -179,7 +251,7 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
             # holding sectors (their next growth), as vLLM's watermark: admitting it must not starve them.
             free = (self.kv_manager.schedulable_blocks(self.holders()) if state.status.name == "PENDING"
                     else pool.num_free_sectors)
-            ids = self.kv_manager.alloc(total) if free >= total else None
+            ids = self._take(total) if free >= total else None
             if ids is None:
                 return False
             at = 0

@@ -28,7 +28,9 @@ from kvcached_vllm.tiny import prompts
 
 from .harness import Server, base_env, kvctl, start_server, wait_for
 
-NAMES = ("m0", "m1")
+NAMES = ("m0", "org/m1")  # what each engine serves (--served-model-name)
+SEGMENTS = ("m0", "org_m1")  # their segments' names: kvctl's, which the router also answers to
+M1 = NAMES[1]
 PROMPTS = prompts(3, length=40, seed=21)
 ROUTER_LOG = "route.log"  # the router's stderr, in the session's workdir
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -36,7 +38,8 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 @pytest.fixture(scope="module")
 def fleet(model_dir: Path, workdir: Path) -> Iterator[tuple[dict[str, Server], str, Path]]:
-    """Two engines (m0 on core 0, m1 on core 1) and a router in front of them: (servers, router URL, shm)."""
+    """Two engines (m0 on core 0, org/m1 on core 1) and a router in front of them: (servers by served name, router
+    URL, shm)."""
     shm = workdir / "shm-route"
     shm.mkdir()
 
@@ -85,12 +88,17 @@ def tokens(base: str, model: str, prompt: list[int], max_tokens: int = 16) -> li
 
 def test_each_engine_publishes_where_it_serves_and_the_router_lists_both(fleet) -> None:
     servers, router, shm = fleet
-    for name, server in servers.items():
-        assert snapshot(name, directory=shm).endpoint == f"http://127.0.0.1:{server.port}"
+    for segment, server in zip(SEGMENTS, servers.values(), strict=True):
+        assert snapshot(segment, directory=shm).endpoint == f"http://127.0.0.1:{server.port}"
+    expected = [(name, "live", segment, f"http://127.0.0.1:{server.port}")
+                for (name, server), segment in zip(servers.items(), SEGMENTS, strict=True)]
+    # each listed under the id its engine serves, once the router asked it (at discovery)
+    wait_for(lambda: _models(router) == expected, timeout=30)
+
+
+def _models(router: str) -> list[tuple[str, str, str, str]]:
     with urllib.request.urlopen(router + "/v1/models", timeout=30) as resp:
-        listed = json.load(resp)["data"]
-    assert [(m["id"], m["state"], m["endpoint"]) for m in listed] == [
-        (name, "live", f"http://127.0.0.1:{server.port}") for name, server in servers.items()]
+        return [(m["id"], m["state"], m["segment"], m["endpoint"]) for m in json.load(resp)["data"]]
 
 
 def test_tokens_through_the_router_equal_tokens_straight_from_the_engine(fleet) -> None:
@@ -98,6 +106,7 @@ def test_tokens_through_the_router_equal_tokens_straight_from_the_engine(fleet) 
     for name, server in servers.items():
         for prompt in PROMPTS:
             assert tokens(router, name, prompt) == server.complete(prompt, 16)
+    assert tokens(router, "org_m1", PROMPTS[0]) == servers[M1].complete(PROMPTS[0], 16)  # kvctl's name, rewritten
     chat = {"model": "m0", "messages": [{"role": "user", "content": "w10 w11 w12 w13"}], "max_tokens": 8,
             "temperature": 0}
     via, direct = post(router + "/v1/chat/completions", chat), post(servers["m0"].url("/v1/chat/completions"), chat)
@@ -121,9 +130,9 @@ async def _stream(url: str, body: dict) -> tuple[str, list[bytes], str]:
 
 def test_streaming_passes_the_engines_events_through(fleet) -> None:
     servers, router, _ = fleet
-    body = completion("m1", PROMPTS[0], 24, stream=True)
+    body = completion(M1, PROMPTS[0], 24, stream=True)
     kind, chunks, text = asyncio.run(_stream(router + "/v1/completions", body))
-    _, direct_chunks, direct_text = asyncio.run(_stream(servers["m1"].url("/v1/completions"), body))
+    _, direct_chunks, direct_text = asyncio.run(_stream(servers[M1].url("/v1/completions"), body))
     assert kind == "text/event-stream"
     assert text == direct_text and text.split() and len(text.split()) == 24
     assert len(chunks) > 2  # event by event as the engine sent them, not one body at the end
@@ -133,14 +142,14 @@ def test_streaming_passes_the_engines_events_through(fleet) -> None:
 def test_a_sleeping_model_is_woken_by_a_request_and_answers(fleet) -> None:
     servers, router, shm = fleet
     env = base_env(shm, enabled=False)
-    expected = servers["m1"].complete(PROMPTS[1], 16)
-    kvctl("sleep", "m1", "--wait", env=env)
-    assert snapshot("m1", directory=shm).sleep.state == "asleep"
-    wait_for(lambda: _state(router, "m1") == "asleep", timeout=30)
-    assert tokens(router, "m1", PROMPTS[1]) == expected
-    assert snapshot("m1", directory=shm).sleep.state == "awake"
+    expected = servers[M1].complete(PROMPTS[1], 16)
+    kvctl("sleep", "org_m1", "--wait", env=env)
+    assert snapshot("org_m1", directory=shm).sleep.state == "asleep"
+    wait_for(lambda: _state(router, M1) == "asleep", timeout=30)
+    assert tokens(router, "org_m1", PROMPTS[1]) == expected  # named as kvctl names it: the router says org/m1
+    assert snapshot("org_m1", directory=shm).sleep.state == "awake"
     with urllib.request.urlopen(router + "/kvcached/figures", timeout=30) as resp:
-        assert json.load(resp)["models"]["m1"]["woken"] >= 1
+        assert json.load(resp)["models"]["org_m1"]["woken"] >= 1
 
 
 def _state(router: str, model: str) -> str | None:
@@ -152,7 +161,7 @@ def test_an_unknown_model_is_a_404_in_openai_shape(fleet) -> None:
     _, router, _ = fleet
     status, body = post(router + "/v1/completions", completion("nosuch", PROMPTS[0]))
     assert status == 404 and body["error"]["code"] == "model_not_found"
-    assert "m0, m1" in body["error"]["message"]
+    assert "m0, org/m1" in body["error"]["message"]
 
 
 async def _many(router: str, count: int) -> list[tuple[int, int]]:
@@ -173,7 +182,7 @@ def test_two_hundred_concurrent_requests_lose_none(fleet) -> None:
     assert answers == [(200, 4)] * 200
     with urllib.request.urlopen(router + "/kvcached/figures", timeout=30) as resp:
         figures = json.load(resp)["models"]
-    assert all(figures[name]["in_flight"] == 0 for name in NAMES)
+    assert all(figures[name]["in_flight"] == 0 for name in SEGMENTS)
 
 
 async def _abandon(url: str, body: dict) -> None:
@@ -195,14 +204,14 @@ def test_a_client_that_goes_away_mid_stream_ends_the_engines_request(fleet, work
 
 
 def test_a_killed_engine_is_a_503_while_the_other_is_still_served(fleet) -> None:
-    """Last in the module: it kills m1's engine."""
+    """Last in the module: it kills org/m1's engine."""
     servers, router, _ = fleet
-    os.killpg(servers["m1"].proc.pid, signal.SIGKILL)  # the server and its EngineCore and worker, at once
-    servers["m1"].proc.wait()
-    status, body = post(router + "/v1/completions", completion("m1", PROMPTS[0]))
+    os.killpg(servers[M1].proc.pid, signal.SIGKILL)  # the server and its EngineCore and worker, at once
+    servers[M1].proc.wait()
+    status, body = post(router + "/v1/completions", completion(M1, PROMPTS[0]))
     assert status == 503 and body["error"]["code"] in ("engine_gone", "engine_unreachable"), body
     assert "m1" in body["error"]["message"]
-    wait_for(lambda: post(router + "/v1/completions", completion("m1", PROMPTS[0]))[1]["error"]["code"]
+    wait_for(lambda: post(router + "/v1/completions", completion(M1, PROMPTS[0]))[1]["error"]["code"]
              == "engine_gone", timeout=30)
     assert tokens(router, "m0", PROMPTS[2]) == servers["m0"].complete(PROMPTS[2], 16)
-    assert _state(router, "m1") is None and _state(router, "m0") == "live"
+    assert _state(router, M1) is None and _state(router, "m0") == "live"

@@ -267,3 +267,19 @@ def test_kvctl_show_and_kvtop_details_say_the_endpoint_and_the_router_figures(ro
         assert f"http://127.0.0.1:{port}" in text and "1 requests, 1 errors" in text
 
     drive(app, script)
+
+
+def test_kvctl_clean_removes_the_figures_of_a_killed_router_only(router, shm_dir):
+    """A router that stops removes its file; one that was killed leaves it, and kvctl clean takes it."""
+    from conftest import kvctl as kvctl_in_process
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    left = shm_dir / f".kvroute.{gone.pid}"
+    left.write_text("{}")
+    left.chmod(0o600)
+    running = wait_for(lambda: [p for p in shm_dir.glob(".kvroute.*") if p != left], what="the live router's file")
+    done = kvctl_in_process("clean")
+    assert done.exit_code == 0
+    assert f"removed {left} (kvctl route figures, pid {gone.pid} gone, 2 B)" in done.stdout
+    assert not left.exists() and all(p.exists() for p in running)  # the running router's file stays

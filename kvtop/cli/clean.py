@@ -77,6 +77,30 @@ def _leftovers() -> list[tuple[str, int, os.stat_result]]:
     return found
 
 
+def _router_leftovers() -> list[tuple[str, int, os.stat_result]]:
+    """Figure files of kvctl route processes that were killed (one that stops removes its own): ours, pid gone."""
+    from kvtop.router.published import PREFIX
+
+    directory = shm_dir()
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    found = []
+    for filename in names:
+        pid_text = filename[len(PREFIX):].removesuffix(".tmp") if filename.startswith(PREFIX) else ""
+        if not pid_text.isdigit() or is_alive(int(pid_text), 0):
+            continue
+        path = str(directory / filename)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+            found.append((path, int(pid_text), st))
+    return found
+
+
 @click.command("clean")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed, remove nothing.")
 def clean_cmd(dry_run: bool) -> None:
@@ -87,6 +111,12 @@ def clean_cmd(dry_run: bool) -> None:
 
     \b
       .kvc-new.<name>.<pid>
+
+    Also removes the figure files of your kvctl route processes that were killed (one that
+    stops removes its own):
+
+    \b
+      .kvroute.<pid>
 
     Also removes your upstream kvcached segments (``kvcached_<engine>_<pgid>``) whose process
     group is gone or was reused after the file was last written.
@@ -130,6 +160,8 @@ def clean_cmd(dry_run: bool) -> None:
         doomed.append((m.path, f"model {m.model}, pid {m.pid}", checked, _dead_segment(m)))
     doomed += [(path, f"a segment pid {pid} never finished creating", st, _dead_creator(pid))
                for path, pid, st in _leftovers()]
+    doomed += [(path, f"kvctl route figures, pid {pid} gone", st, _dead_creator(pid))
+               for path, pid, st in _router_leftovers()]
     failed = False
     acted = 0
     for path, detail, checked, recheck in doomed:

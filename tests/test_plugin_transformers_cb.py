@@ -309,3 +309,21 @@ def test_prefix_blocks_are_cached_blocks_a_lowered_limit_evicts_while_idle(model
             assert served(manager_cb, prompts) == expected  # now with prefix hits on every whole block
         finally:
             manager_cb.stop(block=True, timeout=30)
+
+
+@needs_cb
+def test_install_all_puts_a_model_loaded_elsewhere_on_kvcached(prompts: list[list[int]],
+                                                               plain: list[list[int]]) -> None:
+    """What ``transformers serve`` needs: a model the plug-in never saw, its manager started by other code."""
+    other = tiny_llama(seed=3, layers=2, hidden_size=256, heads=8, kv_heads=4, intermediate_size=512)
+    other.config.name_or_path = "served-model"
+    cb.install_all()
+    try:
+        assert run(other, prompts) == plain  # the same weights as the module's model
+        handle = cb.installed(other)
+        assert handle is not None and handle.segment == "served-model"
+        assert kc.snapshot("served-model").traffic.finished == len(prompts)
+        handle.close()
+    finally:
+        cb.uninstall_all()
+    assert run(other, prompts[:2]) == plain[:2] and cb.installed(other) is None

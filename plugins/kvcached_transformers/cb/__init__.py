@@ -35,6 +35,7 @@ _ATTR = "_kvcached_cb"  # the model attribute that holds its CBInstall
 _context = threading.local()  # the install whose cache is being built on this thread
 _patched = False
 _INSTALLS: list[CBInstall] = []
+_every_model: dict[str, Any] | None = None  # install_all's arguments: every model's manager goes on kvcached
 
 
 class CBInstall:
@@ -151,6 +152,22 @@ def install(model: Any, *, name: str | None = None, num_blocks: int | None = Non
     return handle
 
 
+def install_all(*, num_blocks: int | None = None) -> None:
+    """Every model whose continuous batching starts from now on in this process goes on kvcached (its segment named
+    after the model), as :func:`install` would; for code that loads the model itself, such as ``transformers serve``
+    (docs/engines.md gives the command line)."""
+    global _every_model
+    check()
+    _patch()
+    _every_model = {"num_blocks": num_blocks}
+
+
+def uninstall_all() -> None:
+    """Undo :func:`install_all` (models already installed keep their handles)."""
+    global _every_model
+    _every_model = None
+
+
 def generate_batch(model: Any, inputs: list[list[int]], *, name: str | None = None, num_blocks: int | None = None,
                    **kwargs: Any) -> dict[str, Any]:
     """``model.generate_batch(inputs, **kwargs)`` on kvcached; the segment stays until the model's handle closes
@@ -192,6 +209,8 @@ def _patch() -> None:
     @functools.wraps(original_create)
     def create_batch_processor(self: Any) -> Any:
         handle = installed(self.model)
+        if handle is None and _every_model is not None:
+            handle = install(self.model, **_every_model)
         if handle is None:
             return original_create(self)
         if handle.num_blocks is not None and self.continuous_batching_config.num_blocks is None:
@@ -234,5 +253,5 @@ def _close_all() -> None:
         handle.close()
 
 
-__all__ = ["SUPPORTED", "CBInstall", "UnsupportedTransformers", "generate_batch", "install", "installed",
-           "supported_text"]
+__all__ = ["SUPPORTED", "CBInstall", "UnsupportedTransformers", "generate_batch", "install", "install_all",
+           "installed", "supported_text", "uninstall_all"]

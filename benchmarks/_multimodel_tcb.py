@@ -1,6 +1,7 @@
 """Several transformers continuous batching engines sharing one KV budget: static against elastic, repeated.
 
-    python -m benchmarks multimodel --engine transformers --device cpu|cuda [--quick] [--repeats N] [--no-write]
+    python -m benchmarks multimodel --engine transformers --device cpu|cuda [--quick] [--repeats N]
+                                    [--shape ramps|bursty|saturated] [--no-write]
 
 Three models (random weights built in place, Llama-shaped; ``MODELS`` says which sizes and why), one
 process each, every one running transformers' own continuous batching (``init_continuous_batching``,
@@ -13,8 +14,10 @@ greedy, ``sdpa``, no CUDA graphs, no async batching, no prefix sharing: the same
   capacity the whole budget.
 
 The budget is the static caches added up, their two padding blocks each included (elastic keeps its
-padding blocks inside the budget). The trace: per model a triangular ramp of Poisson arrivals from 0 to
-a peak and back, the peaks staggered (the public kvcached's bench_latency_benefit shape). The peak rate
+padding blocks inside the budget). The trace (``--shape``, :func:`rate_at`): per model a triangular ramp of
+Poisson arrivals from 0 to a peak and back, the peaks staggered (the public kvcached's
+bench_latency_benefit shape, the default); or bursty (one model flooded at a time, the others idle); or
+saturated (one model at the peak rate all along, the others idle). The peak rate
 comes from a declared rule applied to a measured figure: ``PEAK_RULE`` times the requests per second one
 static share serves, measured in this run by a short calibration (``CALIBRATION_FACTOR`` times the
 requests its cache holds at once, all submitted together to one static engine). The seed is fixed and
@@ -115,22 +118,40 @@ def shares_bytes(setup: Setup, models: int) -> int:
 
 
 # -- the trace -------------------------------------------------------------------------------------
-def make_trace(setup: Setup, models: int, peak_rate: float, seed: int = SEED) -> list[dict]:
-    """Per model a triangular ramp 0 -> ``peak_rate`` -> 0 (requests/s), peaks staggered over the duration."""
+SHAPES = ("ramps", "bursty", "saturated")
+
+
+def rate_at(shape: str, m: int, models: int, t: float, duration: float, peak: float) -> float:
+    """Model ``m``'s arrival rate at ``t`` (requests/s) for each trace shape.
+
+    - ramps: a triangle 0 -> ``peak`` -> 0 per model, peaks staggered (the public benchmark's shape);
+    - bursty: the duration cut into ``2 * models`` slots taken in turn; in its slots a model is flooded at
+      ``peak``, the others idle;
+    - saturated: model 0 at ``peak`` all along, the others idle (the public kvcached's overhead table).
+    Outside its load each model gets ``BASE_FRACTION`` of the peak (ramps and bursty) or nothing (saturated)."""
+    base = peak * BASE_FRACTION
+    if shape == "ramps":
+        half = duration / (models + 1)
+        return base + peak * max(0.0, 1.0 - abs(t - half * (m + 1)) / half)
+    if shape == "bursty":
+        slot = int(t / (duration / (2 * models)))
+        return peak if slot % models == m else base
+    return peak if m == 0 else 0.0
+
+
+def make_trace(setup: Setup, models: int, peak_rate: float, shape: str = "ramps", seed: int = SEED) -> list[dict]:
+    """Poisson arrivals per model at :func:`rate_at`'s rate (thinning), prompt and output lengths drawn uniformly."""
     rng = random.Random(seed)
     duration = setup.duration_s
-    half = duration / (models + 1)
-    base = peak_rate * BASE_FRACTION
+    top = peak_rate * (1 + BASE_FRACTION)
     rows: list[dict] = []
     for m in range(models):
-        centre = half * (m + 1)
         t = 0.0
         while True:
-            t += rng.expovariate(peak_rate + base)
+            t += rng.expovariate(top)
             if t >= duration:
                 break
-            rate = base + peak_rate * max(0.0, 1.0 - abs(t - centre) / half)
-            if rng.random() * (peak_rate + base) > rate:
+            if rng.random() * top > rate_at(shape, m, models, t, duration, peak_rate):
                 continue  # thinning: a non-homogeneous Poisson process
             rows.append({"t": round(t, 3), "model": f"m{m}", "prompt_tokens": rng.randint(*setup.prompt_tokens),
                          "max_tokens": rng.randint(*setup.output_tokens), "seed": rng.randrange(1 << 30)})
@@ -411,6 +432,23 @@ def pair_ratios(runs: list[dict]) -> dict:
             "throughput_ratio_max": r(max(thr)) if thr else float("nan")}
 
 
+def check_machine(device: str) -> str | None:
+    """Why this machine cannot run the benchmark (one line), or None."""
+    try:
+        import torch
+
+        from kvcached_transformers.cb.seams import UnsupportedTransformers, check
+    except ImportError as exc:
+        return f"{exc.name or exc} is not installed: pip install -e '.[transformers]'"
+    try:
+        check()
+    except UnsupportedTransformers as exc:
+        return str(exc)
+    if device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: no GPU here (torch.cuda.is_available() is False)"
+    return None
+
+
 def machine(device: str) -> dict:
     info = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}
     import torch
@@ -450,11 +488,15 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(device: str, quick: bool, repeats: int, write: bool) -> int:
+def run(device: str, quick: bool, repeats: int, write: bool, shape: str = "ramps") -> int:
     """Start both configurations' engines, calibrate, replay the trace ``repeats`` times each, interleaved.
 
     The report (JSON and markdown, under benchmarks/results/ unless ``write`` is False) is rewritten after every
     run, so a run stopped part-way leaves the runs it finished."""
+    problem = check_machine(device)
+    if problem:
+        print(f"multimodel: {problem}", file=sys.stderr)
+        return 2
     setup = MODELS[device]
     models = 3
     if quick:
@@ -462,10 +504,13 @@ def run(device: str, quick: bool, repeats: int, write: bool) -> int:
     ctx = mp.get_context("spawn")
     shm = Path(tempfile.mkdtemp(prefix="kvc-tcb-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
     started = time.monotonic()
-    stem = RESULTS / f"multimodel-transformers-{device}{'-quick' if quick else ''}"
+    stem = RESULTS / (f"multimodel-transformers-{device}" + ("" if shape == "ramps" else f"-{shape}")
+                      + ("-quick" if quick else ""))
     report: dict = {"engine": "transformers", "device": device, "mode": "quick" if quick else "full",
                     "command": f"python -m benchmarks multimodel --engine transformers --device {device}"
-                               + (" --quick" if quick else "") + (f" --repeats {repeats}" if repeats != 3 else ""),
+                               + (" --quick" if quick else "") + (f" --repeats {repeats}" if repeats != 3 else "")
+                               + (f" --shape {shape}" if shape != "ramps" else ""),
+                    "shape": shape,
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "machine": machine(device), "seed": SEED, "models": models, "models_why": setup.why,
                     "setup": setup.__dict__, "share_blocks": setup.share_blocks,
@@ -479,7 +524,7 @@ def run(device: str, quick: bool, repeats: int, write: bool) -> int:
             group.wait_ready(600)
         report["calibration"] = calibrate(groups["static"], setup)
         report["peak_rate"] = round(PEAK_RULE * report["calibration"]["requests_per_s"], 3)
-        trace = make_trace(setup, models, report["peak_rate"])
+        trace = make_trace(setup, models, report["peak_rate"], shape)
         report["trace_requests"] = len(trace)
         for i in range(repeats):
             for config in ("static", "elastic"):

@@ -765,13 +765,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="vllm (this module), or transformers' continuous batching (benchmarks/_multimodel_tcb.py)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="with --engine transformers")
     parser.add_argument("--repeats", type=int, default=3, help="with --engine transformers: runs per configuration")
+    parser.add_argument("--shape", choices=("ramps", "bursty", "saturated"), default="ramps",
+                        help="with --engine transformers: the trace's shape")
     args = parser.parse_args(argv)
     if args.engine == "transformers":
         from . import _multimodel_tcb
 
         if args.repeats < 1:
             parser.error("--repeats must be 1 or more")
-        return _multimodel_tcb.run(args.device, args.quick, args.repeats, not args.no_write)
+        return _multimodel_tcb.run(args.device, args.quick, args.repeats, not args.no_write, args.shape)
     if args.plot:
         return 0 if replot(args.plot) else 1
     if args.make_trace:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,9 +130,8 @@ async def _pairs(direct: str, routed: str, body: dict, pairs: int, warm: int = 2
 def _stub(shm: Path, router: str, quick: bool) -> dict:
     """The router's own cost: a minimal server that answers at once, published as a model, direct and routed."""
     from kvcached_core import KVCacheManager
-    from tests_vllm.harness import free_port, wait_for
 
-    port = free_port()
+    port = _free_port()
     proc = subprocess.Popen([sys.executable, "-c", STUB, str(port)])
     manager = None
     try:
@@ -140,7 +140,7 @@ def _stub(shm: Path, router: str, quick: bool) -> dict:
                                  page_size=262144)
         manager.publish_endpoint(f"http://127.0.0.1:{port}")
         body = {"model": "stub", "prompt": [1] * 16, "max_tokens": 1}
-        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/v1/models"), timeout=30)
+        _wait(lambda: _answers(f"http://127.0.0.1:{port}/v1/models"), 30, "the instant upstream")
         pairs = 300 if quick else 2000
         lat = asyncio.run(_pairs(f"http://127.0.0.1:{port}", router, body, pairs, warm=100))
     finally:
@@ -151,6 +151,31 @@ def _stub(shm: Path, router: str, quick: bool) -> dict:
     return {"stub_pairs": pairs, "stub_direct_p50_ms": _pct(lat["direct"], 50),
             "stub_direct_p99_ms": _pct(lat["direct"], 99), "stub_routed_p50_ms": _pct(lat["routed"], 50),
             "stub_routed_p99_ms": _pct(lat["routed"], 99)}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait(done: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def _env(shm: Path, enabled: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "ENABLE_KVCACHED"}
+    env.update(KVCACHED_SHM_DIR=str(shm), VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(shm.parent / "vllm-cache"),
+               VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    if enabled:
+        env["ENABLE_KVCACHED"] = "true"
+    return env
 
 
 def _answers(url: str) -> bool:
@@ -225,26 +250,40 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from kvcached_vllm.tiny import build_tiny_llama
-    from tests_vllm.harness import base_env, start_server
 
     work = Path(args.workdir)
     shm = work / "shm"
     shm.mkdir(parents=True, exist_ok=True)
     model = build_tiny_llama(work / "tiny-random-llama")
-    server = start_server(model, base_env(shm, enabled=True), work / "serve.log", name="bench")
-    router = subprocess.Popen([sys.executable, "-m", "kvtop.cli", "route", "--listen", "127.0.0.1:0"],
-                              env=base_env(shm, enabled=False), stderr=subprocess.PIPE, text=True)
+    port = _free_port()
+    with open(work / "serve.log", "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+             "--host", "127.0.0.1", "--served-model-name", "bench", "--max-model-len", "2048", "--enforce-eager",
+             "--dtype", "float32", "--seed", "0"],
+            env=_env(shm, True), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    router = None
     try:
+        _wait(lambda: server.poll() is not None or _answers(f"http://127.0.0.1:{port}/v1/models"), 420, "vllm serve")
+        if server.poll() is not None:
+            raise RuntimeError(f"vllm serve exited {server.returncode}: see {work / 'serve.log'}")
+        router = subprocess.Popen([sys.executable, "-m", "kvtop.cli", "route", "--listen", "127.0.0.1:0"],
+                                  env=_env(shm, False), stderr=subprocess.PIPE, text=True)
         line = router.stderr.readline() if router.stderr else ""
         found = re.search(r"serving (http://\S+)/v1 ", line)
         if not found:
             raise RuntimeError(f"kvctl route did not start: {line}")
-        result = asyncio.run(_measure(f"http://127.0.0.1:{server.port}", found.group(1), args.quick))
+        result = asyncio.run(_measure(f"http://127.0.0.1:{port}", found.group(1), args.quick))
         result.update(_stub(shm, found.group(1), args.quick))
     finally:
-        router.send_signal(signal.SIGINT)
-        router.wait(timeout=30)
-        server.stop()
+        for proc in (router, server):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
     Path(args.out).write_text(json.dumps(result))
 
 

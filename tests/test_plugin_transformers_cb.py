@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import ROOT, kvctl, wait_for  # noqa: E402
+from conftest import ROOT, kvctl, send, wait_for  # noqa: E402
 
 import kvcached_core as kc  # noqa: E402
 from kvcached_transformers import cb  # noqa: E402
@@ -327,3 +327,34 @@ def test_install_all_puts_a_model_loaded_elsewhere_on_kvcached(prompts: list[lis
     finally:
         cb.uninstall_all()
     assert run(other, prompts[:2]) == plain[:2] and cb.installed(other) is None
+
+
+# An idle engine elsewhere with 1 page of active blocks and 4 pages of cached ones (2 MiB pages, like ours);
+# its evict handler gives cached pages when asked.
+DONOR = """
+active = m.alloc(4)
+cached = m.alloc(16)
+assert active is not None and cached is not None
+m.mark_cached(cached)
+m.set_evict_handler(lambda: m.evict_for_limit())
+"""
+
+
+@needs_cb
+def test_memory_another_model_holds_is_reclaimed_for_the_batch(model: Any, prompts: list[list[int]],
+                                                               plain: list[list[int]], spawn_allocator: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """One 10 MiB budget, all of it mapped by another process's idle model: the cache's padding sectors and the
+    batch's sectors (3 pages) come from that model's cached pages, through kvcached's reclaim."""
+    monkeypatch.setenv("KVCACHED_HOST_CAPACITY", "10MiB")
+    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
+    donor = spawn_allocator("donor", script=DONOR, num_blocks=64, block_bytes=512 * 1024, num_layers=1,
+                            num_kv_buffers=1, page_size=2 << 20)
+    wait_for(lambda: kc.snapshot("donor").mapped_bytes == 10 << 20, what="the donor to fill the budget")
+    with installed(model, "cb-asker"):
+        assert run(model, prompts) == plain
+        donor_now, ours = kc.snapshot("donor"), kc.snapshot("cb-asker")
+        assert donor_now.pressure.gave_total >= 6 << 20 and donor_now.pressure.given_cached > 0
+        assert ours.pressure.took_total >= 6 << 20 and ours.traffic.finished == len(prompts)
+        assert donor_now.blocks_used - donor_now.blocks_cached == 4  # its active blocks stay
+    send(donor, "assert all(m.pages.is_used(b) for b in active)")

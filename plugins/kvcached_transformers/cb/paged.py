@@ -20,6 +20,7 @@ allocators are registered again over the kvcached view.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from math import lcm
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,9 @@ from ..pools import page_rows
 
 if TYPE_CHECKING:
     from . import CBInstall
+
+
+TRASH_WAIT_S = 30.0  # how long a new cache (or a wake) waits for the memory of its two padding sectors
 
 
 class NoRoom(RuntimeError):
@@ -218,9 +222,12 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
         """Two sectors for padding: the first zeroed (read), the second written; the allocators point at them."""
         if self.trash:
             return
-        ids = self.kv_manager.alloc(2)
-        if ids is None:
-            raise NoRoom(f"{self.kv_manager.name!r} has no room for its two padding sectors")
+        deadline = time.monotonic() + TRASH_WAIT_S
+        while (ids := self.kv_manager.alloc(2)) is None:  # a refused alloc asks the other models of the budget
+            if time.monotonic() > deadline:
+                raise NoRoom(f"{self.kv_manager.name!r} found no room for its two padding sectors in "
+                             f"{TRASH_WAIT_S:g} s (its limit, or a budget the other models hold)")
+            time.sleep(0.01)
         read, write = ids
         size = self.bytes_per_sector
         self.cache_tensor[read * size:(read + 1) * size].zero_()

@@ -24,7 +24,7 @@ from .harness import Server, base_env, kvctl, start_server, wait_for
 NAME = "tiny-compact"
 BLOCK_TOKENS = 128
 TOKENS = 8  # greedy tokens compared per prompt
-PROMPTS = 16
+PROMPTS = 32
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,10 @@ def engine(model_dir: Path, workdir: Path) -> Iterator[tuple[Server, Path]]:
     shm.mkdir()
     env = base_env(shm, enabled=True, KVCACHED_IDLE_RETURN_S="-1", KVCACHED_POLICY="affinity",
                    KVCACHED_MAX_CACHED_TOKENS="100000")
-    server = start_server(model_dir, env, workdir / "serve-compact.log", name=NAME)
+    # a token budget that schedules a whole batch in one step: its blocks are taken together, full and partial
+    # blocks side by side, so the partial ones leave holes between the cached ones when they are freed
+    server = start_server(model_dir, env, workdir / "serve-compact.log", name=NAME,
+                          args=("--max-num-batched-tokens", "8192"))
     try:
         yield server, shm
     finally:

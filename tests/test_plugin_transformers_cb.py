@@ -358,3 +358,36 @@ def test_memory_another_model_holds_is_reclaimed_for_the_batch(model: Any, promp
         assert ours.pressure.took_total >= 6 << 20 and ours.traffic.finished == len(prompts)
         assert donor_now.blocks_used - donor_now.blocks_cached == 4  # its active blocks stay
     send(donor, "assert all(m.pages.is_used(b) for b in active)")
+
+
+@needs_cb
+def test_an_idle_models_prefix_blocks_are_reclaimed_by_another(model: Any, spawn_allocator: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other way round: this model idles with 8 cached blocks (3 pages with its padding) under an 8 MiB budget;
+    another process's model asks for 3 pages; the loop evicts whole cached pages for the reclaim, transformers
+    forgets them, and the same prompts give the same tokens afterwards."""
+    monkeypatch.setenv("KVCACHED_HOST_CAPACITY", "8MiB")
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "1")
+    prompts = random_prompts(4, seed=12, min_len=600, max_len=600)
+    expected = run(model, prompts)
+    with installed(model, "cb-donor"):
+        manager_cb = model.init_continuous_batching(generation_config=gen_config(),
+                                                    continuous_batching_config=cb_config())
+        manager_cb.start()
+        try:
+            assert served(manager_cb, prompts) == expected
+            assert kc.snapshot("cb-donor").blocks_cached == 8
+            asker = spawn_allocator("asker", num_blocks=64, block_bytes=512 * 1024, num_layers=1, num_kv_buffers=1,
+                                    page_size=2 << 20)
+            send(asker, "import time; deadline = time.monotonic() + 30")
+            send(asker, "while (got := m.alloc(12)) is None and time.monotonic() < deadline: time.sleep(0.01)")
+            send(asker, "assert got is not None")
+            ours = kc.snapshot("cb-donor")
+            assert ours.pressure.gave_total >= 2 << 20 and ours.pressure.given_cached > 0
+            assert ours.blocks_cached < 8 and kc.snapshot("asker").pressure.took_total > 0
+            send(asker, "m.free(got)")
+            send(asker, "m.trim()")
+            assert served(manager_cb, prompts) == expected
+        finally:
+            manager_cb.stop(block=True, timeout=30)

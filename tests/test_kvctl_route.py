@@ -121,8 +121,9 @@ def test_a_request_wakes_a_sleeping_model(router, spawn_allocator):
     (("--rescan", "0"), 2, "'0' is out of range"),
     (("--wake-timeout", "soon"), 2, "'soon' is not a number"),
     (("--listen", "no.such.host.invalid:8080"), 1, "cannot serve on no.such.host.invalid:8080"),
+    (("--max-in-flight", "-1"), 2, "-1 is not in the range x>=0"),
 ], ids=["listen-no-port", "listen-port-65536", "listen-ipv6-bare", "listen-brackets-not-ipv6", "rescan-0",
-        "wake-timeout-word", "listen-unresolvable"])
+        "wake-timeout-word", "listen-unresolvable", "max-in-flight-negative"])
 def test_kvctl_route_bad_input(args, code, message, shm_dir):
     proc = kvctl("route", *args)
     out, err = proc.communicate(timeout=30)
@@ -283,3 +284,50 @@ def test_kvctl_clean_removes_the_figures_of_a_killed_router_only(router, shm_dir
     assert done.exit_code == 0
     assert f"removed {left} (kvctl route figures, pid {gone.pid} gone, 2 B)" in done.stdout
     assert not left.exists() and all(p.exists() for p in running)  # the running router's file stays
+
+
+def test_v1_models_says_each_models_priority_and_figures_the_requests_waiting(router, spawn_allocator):
+    from kvcached_core.control.policy import request_policy
+
+    spawn_allocator("m1", script=f"m.publish_endpoint('http://127.0.0.1:{closed_port()}')\n")
+    spawn_allocator("m2", script=f"m.publish_endpoint('http://127.0.0.1:{closed_port()}')\n")
+    request_policy("m1", priority=7, wait=5)
+    wait_for(lambda: [(m["id"], m["priority"]) for m in call(router + "/v1/models")[1]["data"]]
+             == [("m1", 7), ("m2", 0)], what="the policy priorities in /v1/models")
+    assert call(router + "/kvcached/figures")[1]["waiting"] == {}  # no --max-in-flight: nobody ever waits
+
+
+def test_a_freed_place_goes_to_the_highest_model_priority_then_the_lowest_request_priority():
+    """The router's admission (kvtop.router.admission) with one place on device 0: three requests wait behind the
+    one holding it; each freed place goes to the next by (model priority high first, request priority low first,
+    arrival), a cancelled waiter is passed over, and another device has its own place."""
+    import asyncio
+
+    from kvtop.router.admission import Admission
+
+    async def scenario() -> tuple[list[str], dict[str, int], dict[str, int]]:
+        admission = Admission(1)
+        order: list[str] = []
+
+        async def one(label: str, model: str, model_priority: int, request_priority: int, device: int = 0) -> None:
+            await admission.enter(device, model, model_priority, request_priority)
+            order.append(label)
+
+        await one("first", "batch", 0, 0)  # holds device 0's place
+        waiting = [asyncio.create_task(one(*args)) for args in (
+            ("batch late", "batch", 0, 0), ("chat prio 5", "chat", 10, 5), ("gone", "chat", 10, -1),
+            ("chat prio 1", "chat", 10, 1))]
+        await asyncio.sleep(0)
+        await one("other device", "code", 0, 0, device=1)  # device 1's place is free: no wait behind device 0
+        seen = admission.waiting()
+        waiting[2].cancel()
+        await asyncio.sleep(0)
+        for _ in range(3):
+            admission.leave(0)
+            await asyncio.sleep(0)
+        await asyncio.gather(*waiting, return_exceptions=True)
+        return order, seen, admission.waiting()
+
+    order, seen, after = asyncio.run(scenario())
+    assert order == ["first", "other device", "chat prio 1", "chat prio 5", "batch late"]
+    assert seen == {"batch": 1, "chat": 3} and after == {}

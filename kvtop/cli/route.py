@@ -45,7 +45,10 @@ class ListenType(click.ParamType):
 @click.option("--wake-timeout", "wake_timeout", type=Number(min=0, min_open=True, max=86400), default=60.0,
               show_default=True, metavar="SEC",
               help="The longest a request waits for a sleeping model to wake before it is answered 503.")
-def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float) -> None:
+@click.option("--max-in-flight", "max_in_flight", type=click.IntRange(min=0), default=0, show_default=True,
+              metavar="N", help="At most N requests at a time to the engines of one device (0: no limit); the "
+              "others wait, the model of highest `kvctl policy --priority` first.")
+def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float, max_in_flight: int) -> None:
     """Serve every model on this host behind one OpenAI-compatible endpoint.
 
     Each engine publishes the address it serves on in its segment (the vLLM plugin takes vLLM's
@@ -61,12 +64,16 @@ def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float) -> No
 
     A model that is asleep is woken by the request, which waits for it (--wake-timeout). An unknown
     model is answered 404, a model whose engine is gone or unreachable 503, each with an
-    OpenAI-style error body saying why. Runs until Ctrl-C or SIGTERM.
+    OpenAI-style error body saying why. With --max-in-flight, a request beyond N waits at the router;
+    a freed place goes to the model of highest policy priority, then to the request of lowest
+    "priority" field (which goes on to the engine: vLLM's --scheduling-policy priority reads it),
+    then to the earliest. Runs until Ctrl-C or SIGTERM.
 
     \b
     Examples:
       kvctl route                               # http://127.0.0.1:8080/v1
       kvctl route --listen 0.0.0.0:8000 --wake-timeout 120
+      kvctl route --max-in-flight 64               # per device; the rest wait, by priority
       curl -s localhost:8080/v1/completions -H 'Content-Type: application/json' \\
            -d '{"model": "llama-3-8b", "prompt": "Hello", "max_tokens": 16}'
     """
@@ -85,7 +92,7 @@ def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float) -> No
         click.echo(f"kvctl route: serving {url}/v1 (Ctrl-C stops)", err=True)
 
     try:
-        serve(host, port, rescan_s=rescan, wake_timeout_s=wake_timeout, ready=ready)
+        serve(host, port, rescan_s=rescan, wake_timeout_s=wake_timeout, max_in_flight=max_in_flight, ready=ready)
     except OSError as exc:
         reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else (exc.strerror or str(exc))
         raise Failure(f"cannot serve on {host}:{port}: {reason}") from None

@@ -69,6 +69,11 @@ class Engine:
         return self.name, self.snap.pid, self.snap.start_time, self.endpoint
 
     @property
+    def priority(self) -> int:
+        """The model's memory-policy priority (``kvctl policy --priority``; 0 when it publishes none)."""
+        return self.snap.pressure.priority if self.snap.pressure is not None else 0
+
+    @property
     def model_id(self) -> str:
         """The id the engine serves (the first its /v1/models lists), else its segment's name."""
         return self.served[0] if self.served else self.name

@@ -20,9 +20,11 @@ from kvcached_core.control.requests import AckTimeout
 from kvcached_core.settings import settings
 
 from . import published
+from .admission import Admission
 from .directory import ASLEEP, DRAINING, GONE, Directory, Engine
 from .figures import Figures
 
+ADMISSION = web.AppKey("admission", Admission)
 DIRECTORY = web.AppKey("directory", Directory)
 FIGURES = web.AppKey("figures", Figures)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
@@ -51,15 +53,15 @@ async def models(request: web.Request) -> web.Response:
     directory = request.app[DIRECTORY]
     with contextlib.suppress(OSError):
         await directory.refresh()
-    data = [{"id": e.model_id, "object": "model", "created": e.seen,
-             "owned_by": "kvcached", "state": e.state, "segment": e.name, "endpoint": e.endpoint}
+    data = [{"id": e.model_id, "object": "model", "created": e.seen, "owned_by": "kvcached", "state": e.state,
+             "segment": e.name, "endpoint": e.endpoint, "priority": e.priority}
             for e in directory.serving()]
     return web.json_response({"object": "list", "data": data})
 
 
 async def figures(request: web.Request) -> web.Response:
-    """``GET /kvcached/figures``: the router's per-model figures."""
-    return web.json_response(request.app[FIGURES].to_dict())
+    """``GET /kvcached/figures``: the router's per-model figures, and the requests waiting for a place now."""
+    return web.json_response({**request.app[FIGURES].to_dict(), "waiting": request.app[ADMISSION].waiting()})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -142,6 +144,24 @@ async def _answer(request: web.Request, engine: Engine, model: str, payload: dic
     if engine.served and model not in engine.served:  # a segment's name: the engine knows its served id
         payload["model"] = engine.served[0]
         raw = json.dumps(payload).encode()
+    admission = app[ADMISSION]
+    await admission.enter(engine.snap.device, engine.name, engine.priority, request_priority(payload))
+    try:
+        return await _pass(request, engine, raw, started)
+    finally:
+        admission.leave(engine.snap.device)
+
+
+def request_priority(payload: dict) -> int:
+    """The request's own ``priority`` (vLLM's: lower is earlier), 0 when it gives none or not a whole number."""
+    value = payload.get("priority", 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+async def _pass(request: web.Request, engine: Engine, raw: bytes, started: float) -> web.StreamResponse:
+    """The request to its engine and the answer back (server-sent events as they come)."""
+    app = request.app
+    fig = app[FIGURES].of(engine.name)
     url = engine.endpoint.rstrip("/") + request.rel_url.path_qs
     headers = _passed(request.headers)
     try:
@@ -210,9 +230,12 @@ async def _publish(app: web.Application, shm_dir: Path | None) -> None:
         await asyncio.sleep(PUBLISH_S)
 
 
-def make_app(shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout_s: float = 60.0) -> web.Application:
-    """The router: models from the segments in ``shm_dir`` (None: KVCACHED_SHM_DIR), rescanned every ``rescan_s``."""
+def make_app(shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout_s: float = 60.0,
+             max_in_flight: int = 0) -> web.Application:
+    """The router: models from the segments in ``shm_dir`` (None: KVCACHED_SHM_DIR), rescanned every ``rescan_s``;
+    at most ``max_in_flight`` requests at a time to the engines of one device (0: no limit)."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[ADMISSION] = Admission(max_in_flight)
     app[SETTINGS] = {"wake_timeout_s": wake_timeout_s, "listen": ""}
     app[FIGURES] = Figures()
     app[WAKING] = {}
@@ -244,15 +267,15 @@ def make_app(shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout
 
 
 def serve(host: str, port: int, shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout_s: float = 60.0,
-          ready: Callable[[str], None] | None = None) -> None:
+          max_in_flight: int = 0, ready: Callable[[str], None] | None = None) -> None:
     """Listen on ``host:port`` until SIGINT or SIGTERM; ``ready`` gets the URL once listening (port 0: the one
     the system chose). OSError when the address cannot be bound."""
-    asyncio.run(_serve(host, port, shm_dir, rescan_s, wake_timeout_s, ready))
+    asyncio.run(_serve(host, port, shm_dir, rescan_s, wake_timeout_s, max_in_flight, ready))
 
 
 async def _serve(host: str, port: int, shm_dir: Path | None, rescan_s: float, wake_timeout_s: float,
-                 ready: Callable[[str], None] | None) -> None:
-    app = make_app(shm_dir, rescan_s=rescan_s, wake_timeout_s=wake_timeout_s)
+                 max_in_flight: int, ready: Callable[[str], None] | None) -> None:
+    app = make_app(shm_dir, rescan_s=rescan_s, wake_timeout_s=wake_timeout_s, max_in_flight=max_in_flight)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     try:

@@ -203,6 +203,57 @@ def test_a_client_that_goes_away_mid_stream_ends_the_engines_request(fleet, work
     assert tokens(router, "m0", PROMPTS[1]) == tokens(router, "m0", PROMPTS[1])  # and it serves on
 
 
+def _figures(router: str) -> dict:
+    with urllib.request.urlopen(router + "/kvcached/figures", timeout=30) as resp:
+        return json.load(resp)
+
+
+def test_a_freed_place_goes_to_the_model_of_highest_priority(fleet, workdir: Path) -> None:
+    """A second router with --max-in-flight 1: a long m0 request holds the device's one place, an m0 request and
+    then an org/m1 request (policy priority 10 over m0's 0) wait; org/m1's goes first although it came later.
+    Its body's priority (3) reaches an engine that schedules first come, first served, which answers as usual."""
+    servers, _, shm = fleet
+    env = base_env(shm, enabled=False)
+    assert snapshot("m0", directory=shm).device == snapshot("org_m1", directory=shm).device  # one device's place
+    kvctl("policy", "org_m1", "--priority", "10", env=env)
+    log = workdir / "route-limited.log"
+    with open(log, "w") as err:
+        router_proc = subprocess.Popen([sys.executable, "-m", "kvtop.cli", "route", "--listen", "127.0.0.1:0",
+                                        "--rescan", "0.2", "--max-in-flight", "1"], env=env, stderr=err)
+    try:
+        found = wait_for(lambda: re.search(r"serving (http://\S+)/v1 ", log.read_text()) or router_proc.poll(),
+                         timeout=60)
+        assert isinstance(found, re.Match), log.read_text()
+        router = found.group(1)
+        wait_for(lambda: {(m["id"], m["priority"]) for m in json.load(urllib.request.urlopen(router + "/v1/models"))[
+            "data"]} == {("m0", 0), (M1, 10)}, timeout=30)
+        done: list[str] = []
+
+        def send(label: str, body: dict) -> tuple[int, dict]:
+            answer = post(router + "/v1/completions", body)
+            done.append(label)
+            return answer
+
+        with ThreadPoolExecutor(3) as pool:
+            long = pool.submit(send, "long", completion("m0", PROMPTS[0], 1800))  # about 10 s of tokens
+            wait_for(lambda: _figures(router)["models"].get("m0", {}).get("in_flight") == 1, timeout=30)
+            late_m0 = pool.submit(send, "m0", completion("m0", PROMPTS[1], 16))
+            wait_for(lambda: _figures(router)["waiting"] == {"m0": 1}, timeout=30)
+            m1 = pool.submit(send, "org/m1", completion(M1, PROMPTS[2], 16, priority=3))
+            wait_for(lambda: _figures(router)["waiting"] == {"m0": 1, "org_m1": 1}, timeout=30)
+            assert not long.done()  # both wait behind the long request
+            answers = [long.result(), late_m0.result(), m1.result()]
+        assert [status for status, _ in answers] == [200, 200, 200], answers
+        assert done == ["long", "org/m1", "m0"]
+        assert answers[2][1]["choices"][0]["token_ids"] == servers[M1].complete(PROMPTS[2], 16)
+        assert _figures(router)["waiting"] == {}
+    finally:
+        router_proc.send_signal(signal.SIGINT)
+        router_proc.wait(timeout=30)
+        kvctl("policy", "org_m1", "--priority", "0", env=env)
+    assert "Traceback" not in log.read_text()
+
+
 def test_a_killed_engine_is_a_503_while_the_other_is_still_served(fleet) -> None:
     """Last in the module: it kills org/m1's engine."""
     servers, router, _ = fleet

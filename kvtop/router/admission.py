@@ -38,7 +38,9 @@ class Admission:
         if not self.limit:
             return
         heap = self._waiting.setdefault(device, [])
-        if self._in_flight[device] < self.limit and not any(not w.future.done() for w in heap):
+        while heap and heap[0].future.done():  # cancelled waiters on top: none of them waits any more
+            heapq.heappop(heap)
+        if self._in_flight[device] < self.limit and not heap:
             self._in_flight[device] += 1
             return
         waiter = _Waiter((-model_priority, request_priority, next(self._arrival)),

@@ -22,6 +22,7 @@ into vLLM's own "cannot allocate" answer, so the scheduler queues or preempts.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 
 from vllm.distributed.kv_events import AllBlocksCleared
@@ -33,6 +34,7 @@ from kvcached_core import KVCacheManager
 from .compact import Compactor
 
 log = logging.getLogger(__name__)
+START_WAIT_S = 30.0  # how long a starting engine waits for its first block under a full shared budget
 
 
 class NoRoom(RuntimeError):
@@ -51,6 +53,12 @@ class KvcachedBlockPool(BlockPool):
         # vLLM popped block 0 as its placeholder; take the placeholder from the allocator instead, so
         # the page it sits on is mapped (vLLM may point block tables at it) and shows as in use.
         ids = manager.alloc(1)
+        deadline = time.monotonic() + START_WAIT_S
+        while ids is None and time.monotonic() < deadline:
+            # A shared budget another model's pages fill (an idle engine's prefix cache, kept packed by compaction):
+            # the missed alloc asked the others for a page; their pollers give it back within a tick or two.
+            time.sleep(0.05)
+            ids = manager.alloc(1)
         if ids is None:
             raise NoRoom(f"no room for a single block in {manager.name!r} (limit or device full)")
         self.null_block.is_null = False

@@ -188,3 +188,15 @@ def test_set_compact_handler_and_poke_replace_each_other() -> None:
             m.compact()
         m.set_compact_poke(None)
         assert not m.compaction.capable
+
+
+def test_a_closed_allocator_wants_no_compaction() -> None:
+    """An engine steps while compact_wanted: after close (the engine shutting down) it must not step for it."""
+    m = KVCacheManager("staged-closed", policy="affinity", **MODEL)  # type: ignore[arg-type]
+    m.set_compact_poke(lambda: None)
+    ids = [b for _ in range(8) for b in m.alloc(BPP) or []]
+    m.free([b for b in ids if b % 2])
+    m.mark_cached([b for b in ids if not b % 2])  # idle and sparse: packing waits for the engine
+    assert m.compact_wanted
+    m.close()
+    assert not m.compact_wanted

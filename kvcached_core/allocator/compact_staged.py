@@ -87,7 +87,8 @@ class StagedCompaction:
 
     @property
     def wanted(self) -> bool:
-        return self.poke is not None and (self.ticket is not None or self.seq > 0 or self.idle)
+        live = self.poke is not None and not self.m._closed  # noqa: SLF001 - a closed allocator compacts nothing
+        return live and (self.ticket is not None or self.seq > 0 or self.idle)
 
     def request(self, seq: int) -> None:
         """A controller asked (``kvctl compact``): answered when no move is left."""

@@ -211,7 +211,8 @@ def _figures(router: str) -> dict:
 def test_a_freed_place_goes_to_the_model_of_highest_priority(fleet, workdir: Path) -> None:
     """A second router with --max-in-flight 1: a long m0 request holds the device's one place, an m0 request and
     then an org/m1 request (policy priority 10 over m0's 0) wait; org/m1's goes first although it came later.
-    Its body's priority (3) reaches an engine that schedules first come, first served, which answers as usual."""
+    Its body's priority (3) reaches an engine that schedules first come, first served, which answers as usual.
+    A third m0 request whose client gives up while it waits never reaches the engine."""
     servers, _, shm = fleet
     env = base_env(shm, enabled=False)
     assert snapshot("m0", directory=shm).device == snapshot("org_m1", directory=shm).device  # one device's place
@@ -234,19 +235,25 @@ def test_a_freed_place_goes_to_the_model_of_highest_priority(fleet, workdir: Pat
             done.append(label)
             return answer
 
-        with ThreadPoolExecutor(3) as pool:
+        finished = snapshot("m0", directory=shm).traffic.finished
+        with ThreadPoolExecutor(4) as pool:
             long = pool.submit(send, "long", completion("m0", PROMPTS[0], 1800))  # about 10 s of tokens
             wait_for(lambda: _figures(router)["models"].get("m0", {}).get("in_flight") == 1, timeout=30)
             late_m0 = pool.submit(send, "m0", completion("m0", PROMPTS[1], 16))
             wait_for(lambda: _figures(router)["waiting"] == {"m0": 1}, timeout=30)
+            with pytest.raises(TimeoutError):  # gives up and closes its connection
+                post(router + "/v1/completions", completion("m0", PROMPTS[2], 16), timeout=1)
             m1 = pool.submit(send, "org/m1", completion(M1, PROMPTS[2], 16, priority=3))
-            wait_for(lambda: _figures(router)["waiting"] == {"m0": 1, "org_m1": 1}, timeout=30)
+            wait_for(lambda: _figures(router)["waiting"] == {"m0": 2, "org_m1": 1}, timeout=30)
             assert not long.done()  # both wait behind the long request
             answers = [long.result(), late_m0.result(), m1.result()]
         assert [status for status, _ in answers] == [200, 200, 200], answers
         assert done == ["long", "org/m1", "m0"]
         assert answers[2][1]["choices"][0]["token_ids"] == servers[M1].complete(PROMPTS[2], 16)
-        assert _figures(router)["waiting"] == {}
+        wait_for(lambda: _figures(router)["waiting"] == {}, timeout=30)
+        assert _figures(router)["models"]["m0"]["errors"] == 1  # the one given up on: 499, never passed on
+        wait_for(lambda: snapshot("m0", directory=shm).traffic.finished >= finished + 2, timeout=30)
+        assert snapshot("m0", directory=shm).traffic.finished == finished + 2  # the long one and the late one only
     finally:
         router_proc.send_signal(signal.SIGINT)
         router_proc.wait(timeout=30)

@@ -31,6 +31,7 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 SETTINGS = web.AppKey("settings", dict)
 WAKING = web.AppKey("waking", dict)
 PUBLISH_S = 1.0  # how often the figures file is written
+CLIENT_GONE = 499  # the status counted for a request whose client went away before it was passed on
 CONNECT_TIMEOUT_S = 10.0  # an engine that accepts no connection in this long is answered 503
 
 # Headers that belong to one connection, never passed on (RFC 9110 section 7.6.1), and the framing aiohttp sets.
@@ -147,6 +148,8 @@ async def _answer(request: web.Request, engine: Engine, model: str, payload: dic
     admission = app[ADMISSION]
     await admission.enter(engine.snap.device, engine.name, engine.priority, request_priority(payload))
     try:
+        if request.transport is None or request.transport.is_closing():  # the client gave up while it waited
+            return web.Response(status=CLIENT_GONE, reason="Client Closed Request")
         return await _pass(request, engine, raw, started)
     finally:
         admission.leave(engine.snap.device)

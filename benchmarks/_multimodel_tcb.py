@@ -100,8 +100,8 @@ MODELS = {
         duration_s=30.0, max_batch_tokens=2048, max_requests=64, threads=2,
         why="Llama-3.2-1B-shaped (16 layers, 8 KV heads of 64, bf16: 32 KiB of KV per token, 8 MiB per block "
             "of 256 tokens). A static share of 6 blocks (48 MiB) holds 2-3 requests at once; on an H200 a "
-            "decode step of 3 or of 12 requests costs about the same (../shared/TRANSFORMERS_CB.md: 16x the "
-            "cache gave 3.1x the tokens/s), so the share's KV memory, not compute, bounds what it serves."),
+            "decode step of 3 or of 12 requests costs about the same (measured there: with 64 requests at once, "
+            "16x the cache gave 3.1x the tokens/s), so the share's KV memory, not compute, bounds what it serves."),
     "cpu": Setup(
         device="cpu", dtype="float32", layers=2, hidden=256, heads=8, kv_heads=4, head_dim=32,
         intermediate=512, vocab=512, share_blocks=6, prompt_tokens=(96, 320), output_tokens=(8, 24),

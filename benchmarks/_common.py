@@ -25,6 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 LEGACY = struct.Struct("<qqq")  # total (limit), used, prealloc
 
 
+def vllm_python() -> str | None:
+    """A Python that imports vLLM: this one, or the README's .venv-vllm; None when neither does."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    venv = ROOT / ".venv-vllm" / "bin" / "python"
+    return str(venv) if venv.exists() else None
+
+
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile of already sorted values (q in 0..100)."""
     if not sorted_values:

@@ -35,19 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET_ADDED_P99_MS = 2.0
 
 
-def _vllm_python() -> str | None:
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    venv = ROOT / ".venv-vllm" / "bin" / "python"
-    return str(venv) if venv.exists() else None
-
-
 def run(quick: bool) -> list[dict]:
     import benchmarks
+    from benchmarks._common import vllm_python
 
-    python = _vllm_python()
+    python = vllm_python()
     if python is None:
         raise benchmarks.Skip("needs vLLM: build .venv-vllm as the README's 'With vLLM' says")
     with tempfile.TemporaryDirectory(prefix="kvc-bench-route-") as tmp:

@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,19 +27,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _vllm_python() -> str | None:
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    venv = ROOT / ".venv-vllm" / "bin" / "python"
-    return str(venv) if venv.exists() else None
-
-
 def run(quick: bool) -> list[dict]:
     import benchmarks
+    from benchmarks._common import vllm_python
 
-    python = _vllm_python()
+    python = vllm_python()
     if python is None:
         raise benchmarks.Skip("needs vLLM: build .venv-vllm as the README's 'With vLLM' says")
     with tempfile.TemporaryDirectory(prefix="kvc-bench-vllm-compact-") as tmp:

@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,15 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.97
 POOL_METHODS = ("get_new_blocks", "free_blocks", "touch", "get_num_free_blocks", "cache_full_blocks",
                 "get_cached_block", "evict_blocks")
-
-
-def _vllm_python() -> str | None:
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    venv = ROOT / ".venv-vllm" / "bin" / "python"
-    return str(venv) if venv.exists() else None
 
 
 def _driver(python: str, mode: str, quick: bool, workdir: Path, timeout: float) -> dict:
@@ -56,8 +46,9 @@ def _driver(python: str, mode: str, quick: bool, workdir: Path, timeout: float) 
 
 def run(quick: bool) -> list[dict]:
     import benchmarks
+    from benchmarks._common import vllm_python
 
-    python = _vllm_python()
+    python = vllm_python()
     if python is None:
         raise benchmarks.Skip("needs vLLM: build .venv-vllm as the README's 'With vLLM' says")
     with tempfile.TemporaryDirectory(prefix="kvc-bench-vllm-") as tmp:

@@ -12,6 +12,7 @@ import aiohttp, so readers of the published figures (kvctl list, the exporter) n
 
 - :mod:`.directory`: the models from their segments (rescanned), the names each engine answers to.
 - :mod:`.proxy`: the aiohttp application (``/v1/models``, the passed-through POSTs, errors in OpenAI's shape).
+- :mod:`.admission`: with ``--max-in-flight``, the places per device and who waits first (model priority).
 - :mod:`.figures`: per-model requests, errors, in flight, TTFT and latency percentiles.
 - :mod:`.published`: those figures in a small file per router, for kvctl list/show --json and the exporter.
 """

@@ -55,8 +55,9 @@ def _dead_creator(pid: int) -> Callable[[int], bool]:
     return lambda fd: os.fstat(fd).st_uid == os.getuid() and not is_alive(pid, 0)
 
 
-def _leftovers() -> list[tuple[str, int, os.stat_result]]:
-    """Half-created segments (a creator killed between creating and naming the file): ours, its pid gone."""
+def _dead_owned_files(owner: Callable[[str], int | None]) -> list[tuple[str, int, os.stat_result]]:
+    """Regular files of ours in the segment directory whose owning process (``owner`` reads its pid from the
+    file name; None: not such a file) is gone."""
     directory = shm_dir()
     try:
         names = sorted(os.listdir(directory))
@@ -64,7 +65,7 @@ def _leftovers() -> list[tuple[str, int, os.stat_result]]:
         return []
     found = []
     for filename in names:
-        pid = temp_owner(filename)
+        pid = owner(filename)
         if pid is None or is_alive(pid, 0):
             continue
         path = str(directory / filename)
@@ -77,28 +78,21 @@ def _leftovers() -> list[tuple[str, int, os.stat_result]]:
     return found
 
 
-def _router_leftovers() -> list[tuple[str, int, os.stat_result]]:
-    """Figure files of kvctl route processes that were killed (one that stops removes its own): ours, pid gone."""
+def _leftovers() -> list[tuple[str, int, os.stat_result]]:
+    """Half-created segments (a creator killed between creating and naming the file): ours, its pid gone."""
+    return _dead_owned_files(temp_owner)
+
+
+def _router_pid(filename: str) -> int | None:
     from kvtop.router.published import PREFIX
 
-    directory = shm_dir()
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        return []
-    found = []
-    for filename in names:
-        pid_text = filename[len(PREFIX):].removesuffix(".tmp") if filename.startswith(PREFIX) else ""
-        if not pid_text.isdigit() or is_alive(int(pid_text), 0):
-            continue
-        path = str(directory / filename)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
-            found.append((path, int(pid_text), st))
-    return found
+    pid_text = filename[len(PREFIX):].removesuffix(".tmp") if filename.startswith(PREFIX) else ""
+    return int(pid_text) if pid_text.isdigit() else None
+
+
+def _router_leftovers() -> list[tuple[str, int, os.stat_result]]:
+    """Figure files of kvctl route processes that were killed (one that stops removes its own): ours, pid gone."""
+    return _dead_owned_files(_router_pid)
 
 
 @click.command("clean")

@@ -24,8 +24,8 @@ def compact_cmd(model: str, wait: float, as_json: bool) -> None:
 
     Only cached blocks no running request holds move, and only out of pages that empty; the
     engine confirms each move before its source is freed. The model must be live and its engine
-    must have registered a compact handler (the transformers plugin's GreedyEngine does with
-    prefix_cache=True; the vLLM plugin cannot, see docs/engines.md).
+    able to compact (the vLLM plugin, through the scheduler's block copies; the transformers
+    plugin's GreedyEngine with prefix_cache=True; see docs/engines.md).
 
     \b
     Examples:

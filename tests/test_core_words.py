@@ -55,7 +55,15 @@ for t in threads:
 def test_a_live_writer_never_shows_a_torn_word(spawn_allocator, shm_dir):
     proc = spawn_allocator("churn", script=CHURN)
     path = shm_dir / "kvc.churn"
-    wait_for(lambda: read_segment(path).traffic is not None, what="the first traffic figures")
+
+    def started() -> bool:
+        try:
+            snap = read_segment(path)
+        except BlockingIOError:  # the writer published throughout the read: look again
+            return False
+        return snap.traffic is not None and snap.sleep is not None and snap.sleep.slept_bytes >= 1
+
+    wait_for(started, what="the first traffic figures and sleep words of the writer's threads")
     problems: list[str] = []
     last_finished = last_slept = 0
     reads = 0

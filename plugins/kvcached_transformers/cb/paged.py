@@ -119,7 +119,7 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
             device = torch.device("cuda", torch.cuda.current_device())
         helper = kwargs["distributed_helper"]
         if getattr(helper, "tp_size", 1) > 1:
-            raise NotImplementedError("kvcached's continuous batching serves one process, not tensor parallelism")
+            raise ValueError("kvcached's continuous batching serves one process, not tensor parallelism")
         super().__init__(device="meta", **kwargs)  # upstream sizing and allocators, no memory
         self.device = device
         self.install = install

@@ -642,8 +642,9 @@ def zoomed(app: KvtopApp) -> None:
 
 
 # action -> (set up before the key, the effect the key must have). The setups put the app where the
-# key has something to do: a selection to move, a page map longer than the screen.
-KEY_EFFECTS: dict[str, tuple[Callable[[KvtopApp], None], Callable[[KvtopApp], bool]]] = {
+# key has something to do: a selection to move, a page map longer than the screen. A setup that returns
+# False has not taken hold yet and is run again at the next look.
+KEY_EFFECTS: dict[str, tuple[Callable[[KvtopApp], bool | None], Callable[[KvtopApp], bool]]] = {
     "quit": (lambda app: None, lambda app: app.return_code == 0),
     "help": (lambda app: None, lambda app: isinstance(app.screen, HelpScreen)),
     "cursor(1)": (lambda app: at(app, 0), lambda app: app.selected == names(app)[1]),
@@ -668,8 +669,10 @@ KEY_EFFECTS: dict[str, tuple[Callable[[KvtopApp], None], Callable[[KvtopApp], bo
     "pause": (lambda app: None, lambda app: app.paused and "PAUSED" in app.status_line.render().plain),
     "faster": (lambda app: None, lambda app: app.interval == 0.1),
     "slower": (lambda app: None, lambda app: app.interval == 0.25),
-    "zoom_in": (lambda app: None, lambda app: app.pagemap.zoom is not None),
-    "zoom_out": (lambda app: app.pagemap.zoom_in(), lambda app: app.pagemap.zoom is None),
+    "zoom_in": (lambda app: app.pagemap.total > 0, lambda app: app.pagemap.zoom is not None),
+    # zoomed in once the selected model's page map is there (before it arrives zoom_in does nothing)
+    "zoom_out": (lambda app: app.pagemap.zoom is not None or app.pagemap.zoom_in(),
+                 lambda app: app.pagemap.zoom is None),
     "map_page(1)": (zoomed, lambda app: app.pagemap.scroll_y > 1),
     "map_page(-1)": (zoomed, lambda app: app.pagemap.scroll_y < 29),
     "command_palette": (lambda app: None, lambda app: isinstance(app.screen, CommandPalette)),
@@ -693,7 +696,7 @@ def test_every_key_the_help_lists_does_what_it_says(key: str, action: str) -> No
 
     async def script(pilot: Pilot) -> None:
         await until(pilot, lambda: app.frames_seen >= 2 and len(names(app)) == 5, "the sample fleet on screen")
-        setup(app)
+        await until(pilot, lambda: setup(app) is not False, f"the setup for {action} in place")
         await pilot.pause(0.2)
         row = START_ROW.get(action)
         if row is not None:

@@ -364,10 +364,13 @@ def replay(engines: Engines, trace: list[dict], setup: Setup, run: str, timeout_
     tokens = sum(n for _, _, _, n in out)
     span = (max(ends) - t0) if ends else float("nan")
     p99 = ttft[max(0, min(len(ttft) - 1, -(-99 * len(ttft) // 100) - 1))] if ttft else float("nan")
+    by_arrival = sorted([round(arrivals[rid][0] - t0, 3), arrivals[rid][1],
+                         None if first is None else round(first - arrivals[rid][0], 4)] for rid, first, _, _ in out)
     return {"requests": len(trace), "answered": len(out), "ttft_p99_s": round(p99, 4),
             "ttft_mean_s": round(statistics.fmean(ttft), 4) if ttft else float("nan"),
             "tokens": tokens, "tokens_per_s": round(tokens / span, 2) if ends else 0.0,
-            "offload_rounds": offloads, **reclaim_totals(samples), "kv_samples": samples}
+            "offload_rounds": offloads, **reclaim_totals(samples), "kv_samples": samples,
+            "ttft_by_arrival": by_arrival}
 
 
 def reclaim_totals(samples: list[dict]) -> dict:
@@ -485,6 +488,8 @@ def markdown(report: dict) -> str:
                      f"{run['ttft_p99_s']:.2f} s | {run['ttft_mean_s']:.2f} s | {run['tokens_per_s']:.1f} | "
                      f"{run['offload_rounds']} | {mib(run.get('reclaimed_bytes'))} | "
                      f"{mib(run.get('peak_model_mapped_bytes'))} |")
+    if report.get("picture"):
+        lines += ["", f"![TTFT by arrival and KV memory per model]({report['picture']})"]
     return "\n".join(lines) + "\n"
 
 
@@ -549,6 +554,11 @@ def run(device: str, quick: bool, repeats: int, write: bool, shape: str = "ramps
             for leftover in shm.iterdir():
                 leftover.unlink()
             shm.rmdir()
+    if write and report["runs"]:
+        png = plot(report, stem.with_suffix(".png"))
+        if png is not None:
+            report["picture"] = png.name
+            save(report, stem)
     print(markdown(report))
     return 0 if all(r["answered"] == r["requests"] for r in report["runs"]) else 1
 
@@ -556,3 +566,57 @@ def run(device: str, quick: bool, repeats: int, write: bool, shape: str = "ramps
 def save(report: dict, stem: Path) -> None:
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(report))
+
+
+def plot(report: dict, path: Path) -> Path | None:
+    """The picture of a report: every run's TTFT by arrival (static and elastic, each repeat), and each model's KV
+    memory mapped in the first elastic run beside the fixed static share. None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no picture: matplotlib is missing (pip install -e '.[plot]')", file=sys.stderr)
+        return None
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True)
+    colours = {"static": "tab:red", "elastic": "tab:blue"}
+    labelled: set[str] = set()
+    for run in report["runs"]:
+        points = [(t, ttft) for t, _, ttft in run.get("ttft_by_arrival", ()) if ttft is not None]
+        config = run["configuration"]
+        p99s = ", ".join(f"{r['ttft_p99_s']:.2f}" for r in report["runs"] if r["configuration"] == config)
+        label = None if config in labelled else f"{config}, every repeat (p99 {p99s} s)"
+        labelled.add(config)
+        top.plot([p[0] for p in points], [p[1] for p in points], ".", alpha=0.6, color=colours[config], label=label)
+    top.set_yscale("log")
+    top.set_ylabel("TTFT (s), by arrival")
+    top.set_title(f"{report['models']} models, {report['shape']} ({report['device']}): p99 TTFT static/elastic "
+                  f"median {report['ttft_p99_ratio_median']}x, {report['date'][:10]}", fontsize=10)
+    top.legend(loc="upper left", fontsize=8)
+    elastic = next((r for r in report["runs"] if r["configuration"] == "elastic" and r["kv_samples"]), None)
+    if elastic is not None:
+        names = sorted({n for row in elastic["kv_samples"] for n in row if n != "t"})
+        ts = [row["t"] for row in elastic["kv_samples"]]
+        stacks = [[(row.get(n) or {}).get("mapped", 0) / (1 << 20) for row in elastic["kv_samples"]] for n in names]
+        bottom.stackplot(ts, stacks, labels=names, alpha=0.8)
+        share = shares_bytes(Setup(**report["setup"]), 1) / (1 << 20)  # one static cache, its padding included
+        for k in range(1, report["models"] + 1):
+            bottom.axhline(k * share, color="grey", linestyle="--", linewidth=0.8)
+        bottom.set_ylim(0, report["models"] * share * 1.08)  # the whole budget in view
+        bottom.legend(loc="upper left", fontsize=8)
+    bottom.set_ylabel("elastic: KV MiB mapped, stacked\n(static shares dashed)")
+    bottom.set_xlabel("seconds into the trace")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def replot(path: Path) -> Path | None:
+    """Draw the picture of a report this module wrote, next to it; the report and its markdown then name it."""
+    report = json.loads(path.read_text())
+    png = plot(report, path.with_suffix(".png"))
+    if png is not None:
+        save(dict(report, picture=png.name), path.with_suffix(""))
+    return png

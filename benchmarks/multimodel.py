@@ -768,14 +768,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=("ramps", "bursty", "saturated"), default="ramps",
                         help="with --engine transformers: the trace's shape")
     args = parser.parse_args(argv)
+    if args.plot:
+        if json.loads(args.plot.read_text()).get("engine") == "transformers":
+            from . import _multimodel_tcb
+
+            return 0 if _multimodel_tcb.replot(args.plot) else 1
+        return 0 if replot(args.plot) else 1
     if args.engine == "transformers":
         from . import _multimodel_tcb
 
         if args.repeats < 1:
             parser.error("--repeats must be 1 or more")
         return _multimodel_tcb.run(args.device, args.quick, args.repeats, not args.no_write, args.shape)
-    if args.plot:
-        return 0 if replot(args.plot) else 1
     if args.make_trace:
         TRACE.parent.mkdir(exist_ok=True)
         TRACE.write_text(json.dumps({"seed": 24, "models": 3, "duration_s": 150.0,

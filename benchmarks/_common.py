@@ -14,6 +14,7 @@ import math
 import mmap
 import os
 import shutil
+import statistics
 import struct
 import subprocess
 import sys
@@ -145,3 +146,26 @@ def legacy_set_limit(path: Path, total: int) -> None:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def pair_ratios(runs: list[dict]) -> dict:
+    """The ratios of a repeated comparison, pair by pair (the n-th static run against the n-th elastic one, as they
+    were interleaved): p99 and mean TTFT static/elastic and throughput elastic/static (above 1: elastic better),
+    their median and range. ``runs``: every repeat in order, each with ``configuration`` (static or elastic),
+    ``ttft_p99_s``, ``ttft_mean_s`` and ``tokens_per_s``."""
+    static = [r for r in runs if r["configuration"] == "static"]
+    elastic = [r for r in runs if r["configuration"] == "elastic"]
+    ttft = [s["ttft_p99_s"] / e["ttft_p99_s"] for s, e in zip(static, elastic, strict=False) if e["ttft_p99_s"]]
+    mean = [s["ttft_mean_s"] / e["ttft_mean_s"] for s, e in zip(static, elastic, strict=False) if e["ttft_mean_s"]]
+    thr = [e["tokens_per_s"] / s["tokens_per_s"] for s, e in zip(static, elastic, strict=False) if s["tokens_per_s"]]
+
+    def r(value: float) -> float:
+        return round(value, 3)
+
+    return {"ttft_p99_ratio_median": r(statistics.median(ttft)) if ttft else float("nan"),
+            "ttft_p99_ratio_min": r(min(ttft)) if ttft else float("nan"),
+            "ttft_p99_ratio_max": r(max(ttft)) if ttft else float("nan"),
+            "ttft_mean_ratio_median": r(statistics.median(mean)) if mean else float("nan"),
+            "throughput_ratio_median": r(statistics.median(thr)) if thr else float("nan"),
+            "throughput_ratio_min": r(min(thr)) if thr else float("nan"),
+            "throughput_ratio_max": r(max(thr)) if thr else float("nan")}

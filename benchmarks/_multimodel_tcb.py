@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ._common import pair_ratios
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 SEED = 31
@@ -414,25 +416,6 @@ def calibrate(engines: Engines, setup: Setup) -> dict:
     if result["answered"] < count:
         raise RuntimeError(f"calibration: {result['answered']} of {count} requests answered")
     return {"requests": count, "seconds": round(took, 2), "requests_per_s": round(count / took, 3)}
-
-
-def pair_ratios(runs: list[dict]) -> dict:
-    static = [r for r in runs if r["configuration"] == "static"]
-    elastic = [r for r in runs if r["configuration"] == "elastic"]
-    ttft = [s["ttft_p99_s"] / e["ttft_p99_s"] for s, e in zip(static, elastic, strict=False) if e["ttft_p99_s"]]
-    mean = [s["ttft_mean_s"] / e["ttft_mean_s"] for s, e in zip(static, elastic, strict=False) if e["ttft_mean_s"]]
-    thr = [e["tokens_per_s"] / s["tokens_per_s"] for s, e in zip(static, elastic, strict=False) if s["tokens_per_s"]]
-
-    def r(value: float) -> float:
-        return round(value, 3)
-
-    return {"ttft_p99_ratio_median": r(statistics.median(ttft)) if ttft else float("nan"),
-            "ttft_p99_ratio_min": r(min(ttft)) if ttft else float("nan"),
-            "ttft_p99_ratio_max": r(max(ttft)) if ttft else float("nan"),
-            "ttft_mean_ratio_median": r(statistics.median(mean)) if mean else float("nan"),
-            "throughput_ratio_median": r(statistics.median(thr)) if thr else float("nan"),
-            "throughput_ratio_min": r(min(thr)) if thr else float("nan"),
-            "throughput_ratio_max": r(max(thr)) if thr else float("nan")}
 
 
 def check_machine(device: str) -> str | None:

@@ -1,6 +1,6 @@
 """Several real vLLM engines sharing one KV budget under staggered bursty traffic.
 
-    python -m benchmarks multimodel [--quick] [--prefix on|off|both] [--no-write] [--keep-logs]
+    python -m benchmarks multimodel [--quick] [--prefix on|off|both] [--repeats N] [--no-write] [--keep-logs]
 
 Two configurations replay the same recorded trace (``benchmarks/traces/multimodel.json``, made
 once by ``--make-trace`` with a fixed seed): **static**, plain vLLM with an equal fixed block count
@@ -9,12 +9,16 @@ with one budget shared by every engine through ``KVCACHED_HOST_CAPACITY``; the t
 the same. Every prompt of a model starts with that model's system prompt (the trace's
 ``system_prompt_tokens``, whole blocks), so with vLLM's prefix caching (its default) each engine's
 cache fills. Each row of the report is one setting of prefix caching, the same in both
-configurations: ``--prefix both`` (the default) runs prefix caching on, then off. Per row, model
+configurations: ``--prefix both`` (the default; ``on`` with ``--quick``) runs prefix caching on, then off.
+Per row the trace is replayed ``--repeats`` times per configuration (3 by default), interleaved (static,
+elastic, static, ...), each repeat with requests of its own (the same arrivals, lengths and system prompts,
+other tokens, so no repeat finds the one before it in the prefix cache); the row gives the ratios pair by pair,
+their median and range, with every repeat listed, and its detail tables are the first repeat's. Per row, model
 and in total: TTFT mean and p99, time per output token, throughput, preemptions, prefix-cache hits,
 and each model's KV bytes over time, sampled every 0.5 s (static: vLLM's usage gauge; elastic: the
 live segments, as ``kvctl list --json`` reads them, with their reclaim figures: bytes given and
 taken). For each row every engine of both configurations starts at once (start-up is most of the
-wall time on two cores); static replays, is stopped, then elastic replays. The tiny model and vLLM's cache (its model-class inspection) are
+wall time on two cores) and stays up; each configuration's engines stop after its last repeat. The tiny model and vLLM's cache (its model-class inspection) are
 kept under ``~/.cache/kvcached/`` between runs; a first run fills them before the engines start, the
 inspection once for every engine (10-20 s on two cores, against about 40 s when each engine inspects).
 Results, with where the wall time went (each engine's start, each replay and stop), go to
@@ -45,6 +49,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from ._common import pair_ratios
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = Path(__file__).resolve().parent / "traces" / "multimodel.json"
@@ -605,17 +611,32 @@ def wall_time(row: dict) -> list[str]:
         before = f"tiny model ready{warmed} in {ph['build_model_s']:.0f} s, "
     return [f"Wall time {row['seconds']:.0f} s: {before}engines started in {ph['start_s']:.0f} s (ready: {ready}); "
             f"static replayed in {ph['static_replay_s']:.0f} s and stopped in {ph['static_stop_s']:.0f} s, "
-            f"elastic in {ph['elastic_replay_s']:.0f} s and {ph['elastic_stop_s']:.0f} s.", ""]
+            f"elastic in {ph['elastic_replay_s']:.0f} s and {ph['elastic_stop_s']:.0f} s (replays summed over the "
+            f"repeats).", ""]
 
 
 def mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
+def repeats_table(row: dict) -> list[str]:
+    """Every repeat of a row, in the order they ran."""
+    if "repeats" not in row:
+        return []
+    lines = [f"### {row_name(row['prefix_caching']).capitalize()}: every repeat, in order", "",
+             "| run | configuration | answered | TTFT p99 s | TTFT mean s | tok/s | preemptions |",
+             "|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(row["repeats"]):
+        lines.append(f"| {i + 1} | {r['configuration']} | {r['answered']}/{r['requests']} | {r['ttft_p99_s']:.3f} | "
+                     f"{r['ttft_mean_s']:.3f} | {r['tokens_per_s']:.1f} | {r['preemptions']} |")
+    return lines + [""]
+
+
 def row_table(row: dict) -> list[str]:
     """A row's headline and its table (every configuration and model, the total last)."""
-    lines = [f"## {row_name(row['prefix_caching']).capitalize()}", "", *wall_time(row),
-             f"Headline: p99 TTFT static/elastic = **{row['ttft_p99_ratio']:.2f}x**, "
+    first = " (the first repeat)" if len(row.get("repeats", ())) > 2 else ""
+    lines = [f"## {row_name(row['prefix_caching']).capitalize()}{first}", "", *wall_time(row),
+             f"p99 TTFT static/elastic = **{row['ttft_p99_ratio']:.2f}x**, "
              f"throughput elastic/static = **{row['throughput_ratio']:.2f}x**.", "",
              "| config | model | requests | answered | TTFT mean s | TTFT p99 s | TPOT s | tok/s | preemptions "
              "| prefix hits % | peak KV MiB in use | peak KV MiB held | MiB given / taken (reclaims) |",
@@ -639,16 +660,20 @@ def markdown(report: dict) -> str:
              f"`{report['command']}` on {report['date']}; machine: {report['machine']}; versions: "
              f"{', '.join(f'{k} {v}' for k, v in report['versions'].items())}; load average at start "
              f"{report['loadavg_start']}, at end {report['loadavg_end']}; wall time {report['seconds']:.0f} s.", "",
-             "| prefix caching | p99 TTFT static / elastic | ratio | tokens/s static / elastic | ratio "
-             "| preemptions static / elastic |", "|---|---|---|---|---|---|"]
+             "| prefix caching | repeats | p99 TTFT static/elastic: median (range) | throughput elastic/static: "
+             "median (range) | mean TTFT static/elastic: median |", "|---|---|---|---|---|"]
     for row in report["rows"]:
-        s, e = row["static"]["total"], row["elastic"]["total"]
-        lines.append(f"| {'on' if row['prefix_caching'] else 'off'} | {s['ttft_p99_s']:.2f} s / {e['ttft_p99_s']:.2f} s "
-                     f"| **{row['ttft_p99_ratio']:.2f}x** | {s['throughput_tok_s']:.1f} / {e['throughput_tok_s']:.1f} "
-                     f"| **{row['throughput_ratio']:.2f}x** | {s['preemptions']} / {e['preemptions']} |")
+        if "repeats" not in row:  # a report written before repeats: its one pair
+            row = dict(row, repeats=[repeat_figures(c, 0, row[c]) for c in ("static", "elastic")],
+                       **pair_ratios([repeat_figures(c, 0, row[c]) for c in ("static", "elastic")]))
+        lines.append(f"| {'on' if row['prefix_caching'] else 'off'} | {len(row['repeats']) // 2} | "
+                     f"**{row['ttft_p99_ratio_median']:.2f}x** ({row['ttft_p99_ratio_min']:.2f}-"
+                     f"{row['ttft_p99_ratio_max']:.2f}x) | **{row['throughput_ratio_median']:.2f}x** "
+                     f"({row['throughput_ratio_min']:.2f}-{row['throughput_ratio_max']:.2f}x) | "
+                     f"{row['ttft_mean_ratio_median']:.2f}x |")
     lines.append("")
     for row in report["rows"]:
-        lines += row_table(row)
+        lines += repeats_table(row) + row_table(row)
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -665,11 +690,27 @@ def measure(engines: list[Engine], trace: list[dict], shm: Path | None, capacity
             "ports": [e.port for e in engines]}
 
 
+def salted(trace: list[dict], repeat: int) -> list[dict]:
+    """The trace for a repeat: the same arrivals, lengths and system prompts; from the second repeat on, each
+    request's own tokens differ (so a repeat never finds the one before it in the prefix cache)."""
+    return trace if repeat == 0 else [dict(row, seed=f"{row['seed']}-{repeat}") for row in trace]
+
+
+def repeat_figures(config: str, repeat: int, summary: dict) -> dict:
+    """One repeat's line of a row's ``repeats``: the totals the ratios are made of."""
+    total = summary["total"]
+    return {"configuration": config, "repeat": repeat + 1, "requests": total["requests"],
+            "answered": total["answered"], "ttft_p99_s": total["ttft_p99_s"], "ttft_mean_s": total["ttft_mean_s"],
+            "tokens_per_s": total["throughput_tok_s"], "preemptions": total["preemptions"]}
+
+
 def run_both(trace: list[dict], models: int, workdir: Path, phases: dict | None = None,
-             prefix_caching: bool = True) -> dict[str, dict]:
+             prefix_caching: bool = True, repeats: int = 1) -> tuple[dict[str, dict], list[dict]]:
     """Both configurations, prefix caching on or off in both: every engine started at once (start-up is
-    most of the wall time on two cores), then static replays while the elastic engines stand idle, is
-    stopped, and elastic replays.
+    most of the wall time on two cores), then the trace replayed ``repeats`` times per configuration,
+    interleaved (static, elastic, static, ...) while the other configuration's engines stand idle; each
+    configuration's engines stop after its last repeat. Returns the first repeat of each configuration
+    (summary, samples, requests) and every repeat's figures in order (:func:`repeat_figures`).
 
     ``phases`` (when given) is filled with where the wall time went, in seconds: building the model,
     each engine's ready time from launch, the start-up of all of them, each configuration's replay and stop.
@@ -697,17 +738,22 @@ def run_both(trace: list[dict], models: int, workdir: Path, phases: dict | None 
                                      prefix_caching)
         phases["ready_s"] = wait_ready([e for group in engines.values() for e in group])
         phases["start_s"] = round(time.monotonic() - mark, 1)
-        for config in ("static", "elastic"):
-            shm = workdir / config / "shm" if config == "elastic" else None
-            mark = time.monotonic()
-            runs[config] = measure(engines[config], trace, shm, capacity_bytes(models))
-            phases[f"{config}_replay_s"] = round(time.monotonic() - mark, 1)
-            mark = time.monotonic()
-            stop_all(engines[config])
-            phases[f"{config}_stop_s"] = round(time.monotonic() - mark, 1)
+        done: list[dict] = []
+        for repeat in range(repeats):
+            for config in ("static", "elastic"):
+                shm = workdir / config / "shm" if config == "elastic" else None
+                mark = time.monotonic()
+                run = measure(engines[config], salted(trace, repeat), shm, capacity_bytes(models))
+                runs.setdefault(config, run)
+                done.append(repeat_figures(config, repeat, run["summary"]))
+                phases[f"{config}_replay_s"] = round(phases.get(f"{config}_replay_s", 0) + time.monotonic() - mark, 1)
+                if repeat == repeats - 1:
+                    mark = time.monotonic()
+                    stop_all(engines[config])
+                    phases[f"{config}_stop_s"] = round(time.monotonic() - mark, 1)
     finally:
         stop_all([e for group in engines.values() for e in group])
-    return runs
+    return runs, done
 
 
 def ratios(runs: dict[str, dict]) -> dict[str, float]:
@@ -718,15 +764,17 @@ def ratios(runs: dict[str, dict]) -> dict[str, float]:
                                  else float("nan"))}
 
 
-def run_row(trace: list[dict], models: int, workdir: Path, prefix_caching: bool) -> dict:
-    """One row of the report: both configurations with prefix caching on or off, its ratios beside
-    ``prefix_caching``, each configuration's summary, samples and requests (``runs``), where the time went."""
+def run_row(trace: list[dict], models: int, workdir: Path, prefix_caching: bool, repeats: int = 1) -> dict:
+    """One row of the report: both configurations with prefix caching on or off, ``repeats`` times each,
+    interleaved. Beside ``prefix_caching``: the first pair's ratios, every repeat's figures (``repeats``) and the
+    ratios pair by pair (median and range), the first repeat's summaries, samples and requests (``runs``), where
+    the time went."""
     started = time.monotonic()
     workdir.mkdir()
     phases: dict = {}
-    runs = run_both(trace, models, workdir, phases, prefix_caching)
-    return {"prefix_caching": prefix_caching, **ratios(runs), "static": runs["static"]["summary"],
-            "elastic": runs["elastic"]["summary"], "phases": phases,
+    runs, done = run_both(trace, models, workdir, phases, prefix_caching, repeats)
+    return {"prefix_caching": prefix_caching, **ratios(runs), **pair_ratios(done), "repeats": done,
+            "static": runs["static"]["summary"], "elastic": runs["elastic"]["summary"], "phases": phases,
             "seconds": round(time.monotonic() - started, 1), "runs": runs}
 
 
@@ -752,10 +800,10 @@ def replot(path: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks multimodel", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two models, a third of the time (under 3 minutes)")
-    parser.add_argument("--prefix", choices=sorted(PREFIX), default="both",
+    parser.add_argument("--quick", action="store_true", help="two models, a third of the time, prefix caching on only (about 4 minutes with 3 repeats)")
+    parser.add_argument("--prefix", choices=sorted(PREFIX), default=None,
                         help="vLLM's prefix caching in both configurations: on (vLLM's default), off, or "
-                             "both, one row each (the default)")
+                             "both, one row each (the default; with --quick: on)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--keep-logs", action="store_true", help="keep the engines' logs (their folder is printed)")
     parser.add_argument("--trace", type=Path, help="replay this trace instead (the smoke test's short one)")
@@ -764,7 +812,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=("vllm", "transformers"), default="vllm",
                         help="vllm (this module), or transformers' continuous batching (benchmarks/_multimodel_tcb.py)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="with --engine transformers")
-    parser.add_argument("--repeats", type=int, default=3, help="with --engine transformers: runs per configuration")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per configuration, interleaved (static, elastic, static, ...); default 3")
     parser.add_argument("--shape", choices=("ramps", "bursty", "saturated"), default="ramps",
                         help="with --engine transformers: the trace's shape")
     args = parser.parse_args(argv)
@@ -774,11 +823,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return 0 if _multimodel_tcb.replot(args.plot) else 1
         return 0 if replot(args.plot) else 1
+    if args.repeats < 1:
+        parser.error("--repeats must be 1 or more")
     if args.engine == "transformers":
         from . import _multimodel_tcb
 
-        if args.repeats < 1:
-            parser.error("--repeats must be 1 or more")
         return _multimodel_tcb.run(args.device, args.quick, args.repeats, not args.no_write, args.shape)
     if args.make_trace:
         TRACE.parent.mkdir(exist_ok=True)
@@ -795,17 +844,20 @@ def main(argv: list[str] | None = None) -> int:
         trace, models = load_trace(args.quick)
     started = time.monotonic()
     load0 = os.getloadavg()
-    report: dict = {"mode": "quick" if args.quick else "full",
+    prefix = args.prefix or ("on" if args.quick else "both")
+    report: dict = {"engine": "vllm", "mode": "quick" if args.quick else "full",
                     "command": "python -m benchmarks multimodel" + (" --quick" if args.quick else "")
-                               + (f" --prefix {args.prefix}" if args.prefix != "both" else ""),
+                               + (f" --prefix {args.prefix}" if args.prefix else "")
+                               + (f" --repeats {args.repeats}" if args.repeats != 3 else ""),
+                    "repeats": args.repeats,
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
                     "versions": versions(), "loadavg_start": [round(x, 2) for x in load0]}
     tmp = Path(tempfile.mkdtemp(prefix="kvcached-multimodel-"))  # kept on failure: the engines' logs
     rows: list[dict] = []
     try:
-        for on in PREFIX[args.prefix]:
-            rows.append(run_row(trace, models, tmp / f"prefix-{'on' if on else 'off'}", on))
+        for on in PREFIX[prefix]:
+            rows.append(run_row(trace, models, tmp / f"prefix-{'on' if on else 'off'}", on, args.repeats))
     except KeyboardInterrupt:
         print(f"interrupted: every engine was stopped (logs in {tmp})", file=sys.stderr)
         return 1
@@ -821,6 +873,9 @@ def main(argv: list[str] | None = None) -> int:
     report["rows"] = [{k: v for k, v in row.items() if k != "runs"}
                       | {"kv_samples": {c: run["samples"] for c, run in row["runs"].items()},
                          "requests": {c: run["requests"] for c, run in row["runs"].items()}} for row in rows]
+    # the first row's (prefix caching on unless --prefix off): every repeat in order and the pair ratios
+    report["runs"] = rows[0]["repeats"]
+    report |= pair_ratios(rows[0]["repeats"])
     text = markdown(report)
     print(text)
     unanswered = sum(row[c]["total"]["requests"] - row[c]["total"]["answered"] for row in rows

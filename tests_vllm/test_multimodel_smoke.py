@@ -18,8 +18,22 @@ def test_every_request_of_a_short_trace_is_answered_both_ways_and_no_port_stays_
     trace = multimodel.make_trace(seed=1, models=2, duration_s=6.0, peak_rate=2.0, prompt_tokens=(300, 500),
                                   output_tokens=(4, 8), system_tokens=256)
     assert len(trace) >= 2
-    row = multimodel.run_row(trace, 2, tmp_path / "prefix-on", True)
+    row = multimodel.run_row(trace, 2, tmp_path / "prefix-on", True, repeats=2)
     assert row["prefix_caching"] is True and "ttft_p99_ratio" in row and "throughput_ratio" in row
+    # two repeats per configuration, interleaved, every request answered in each; the pair ratios' median and range
+    assert [(r["configuration"], r["repeat"]) for r in row["repeats"]] == [
+        ("static", 1), ("elastic", 1), ("static", 2), ("elastic", 2)]
+    assert all(r["answered"] == r["requests"] == len(trace) for r in row["repeats"]), row["repeats"]
+    assert row["ttft_p99_ratio_min"] <= row["ttft_p99_ratio_median"] <= row["ttft_p99_ratio_max"]
+    assert row["throughput_ratio_median"] > 0
+    # the second repeat's requests are others (no prefix hit on the first's), their system prompts the same
+    assert multimodel.salted(trace, 1)[0]["seed"] != trace[0]["seed"]
+    first, again = multimodel.prompt_ids(trace[0]), multimodel.prompt_ids(multimodel.salted(trace, 1)[0])
+    system = trace[0]["system_tokens"]
+    assert first[:system] == again[:system] and first[system:] != again[system:]
+    text = multimodel.markdown({"mode": "quick", "command": "c", "date": "d", "machine": "m", "versions": {},
+                                "loadavg_start": [0], "loadavg_end": [0], "seconds": 1.0, "rows": [row]})
+    assert "every repeat, in order" in text and text.count("| static |") == 2 + 3  # two repeats, three table rows
     runs = row["runs"]
     assert sorted(runs) == ["elastic", "static"]
     for config, run in runs.items():

@@ -339,6 +339,9 @@ def _build_manager(vllm_config: Any, kv_cache_config: Any) -> Any:
     from .geometry import kv_layout
     from .rendezvous import socket_paths
 
+    if getattr(vllm_config, "use_v2_model_runner", False):  # releases before the V2 runner have no such property
+        raise RuntimeError("kvcached: vLLM's model runner V2 allocates the KV cache on a path the plugin does not "
+                           "patch (its memory would not be kvcached's): set VLLM_USE_V2_MODEL_RUNNER=0")
     layout = kv_layout(kv_cache_config)
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:

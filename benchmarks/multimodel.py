@@ -664,8 +664,8 @@ def markdown(report: dict) -> str:
              "median (range) | mean TTFT static/elastic: median |", "|---|---|---|---|---|"]
     for row in report["rows"]:
         if "repeats" not in row:  # a report written before repeats: its one pair
-            row = dict(row, repeats=[repeat_figures(c, 0, row[c]) for c in ("static", "elastic")],
-                       **pair_ratios([repeat_figures(c, 0, row[c]) for c in ("static", "elastic")]))
+            pair = [repeat_figures(c, 0, row[c]) for c in ("static", "elastic")]
+            row = dict(row, repeats=pair, **pair_ratios(pair))
         lines.append(f"| {'on' if row['prefix_caching'] else 'off'} | {len(row['repeats']) // 2} | "
                      f"**{row['ttft_p99_ratio_median']:.2f}x** ({row['ttft_p99_ratio_min']:.2f}-"
                      f"{row['ttft_p99_ratio_max']:.2f}x) | **{row['throughput_ratio_median']:.2f}x** "

@@ -101,8 +101,8 @@ def returnable(m: ModelSnapshot) -> int:
     cap = {p: min(bpp, m.num_blocks - p * bpp) for p, _, _ in inuse}
     holes = sum(cap[p] - used for p, used, _ in inuse)
     emptied = 0
-    for p, used, _ in sorted((page for page in inuse if page[1] == page[2]), key=lambda page: (page[1], page[0])):
-        holes -= cap[p] - used + used  # its own holes are no destination, and its blocks fill others'
+    for _, p in sorted((used, p) for p, used, cached in inuse if used == cached):  # sparsest first
+        holes -= cap[p]  # its own holes are no destination, and its used blocks fill others'
         if holes < 0:
             break
         emptied += 1

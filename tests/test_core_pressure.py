@@ -33,6 +33,15 @@ m.mark_cached(cached)
 m.set_evict_handler(lambda: m.evict_for_limit())
 """
 
+NO_WARM_POOL = """
+import time
+m.min_reserved = 0
+m.trim()
+while m.pages.inflight or m.pages.reserved:
+    time.sleep(0.01)
+    m.trim()
+"""
+
 
 def snap(name: str):
     return next(s for s in list_models() if s.name == name)
@@ -103,7 +112,8 @@ def test_a_large_growth_is_one_reclaim_and_every_page_the_donor_unmaps_is_given(
 
 def test_a_warm_pool_alone_never_takes_memory_from_another_model(budget, spawn_allocator) -> None:
     # the donor keeps no warm pool: 4 pages of the budget stay free
-    spawn_allocator("idle", script=DONOR + "m.min_reserved = 0\nm.trim()\n", **GEOMETRY)
+    # (a refill already under way when min_reserved drops still maps its page: trimmed until none is left)
+    spawn_allocator("idle", script=DONOR + NO_WARM_POOL, **GEOMETRY)
     wait_for(lambda: snap("idle").mapped_bytes == 22 * MiB, what="the donor to map its blocks")
     with asker() as m:
         assert m.alloc(16) is not None  # the 4 pages the budget has left; the warm pool's refill is then refused

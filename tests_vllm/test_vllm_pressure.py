@@ -41,10 +41,15 @@ def test_an_idle_engines_prefix_cache_goes_to_a_busy_engine(model_dir: Path, wor
                 tokens = list(pool.map(lambda p: busy.complete(p, BASELINE_TOKENS), wanted))
             first = len(SHORT)
             assert tokens == baseline[first:first + len(wanted)], "greedy tokens differ from plain vLLM's"
-            gave = snapshot("idle", directory=shm).pressure
+            after = snapshot("idle", directory=shm)
+            gave = after.pressure
             took = snapshot("busy", directory=shm).pressure
             assert gave is not None and took is not None
-            assert gave.gave_total > 0 and gave.given_cached > 0, f"the idle engine gave no cached pages: {gave}"
+            # given_* describe the last reclaim only (a later one may take reserved pages alone): that cached pages
+            # went at all is read from the cached blocks the idle engine no longer holds (nothing else evicts them:
+            # idle return is off)
+            assert gave.gave_total > 0 and after.blocks_cached < held.blocks_cached, (
+                f"the idle engine gave no cached blocks ({held.blocks_cached} -> {after.blocks_cached}): {gave}")
             assert took.took_total >= gave.given_bytes > 0 and took.asked_count >= 1
             assert gave.given_to == L.model_id(snapshot("busy", directory=shm).pid, "busy")
             # the idle engine still serves, with what prefix cache it kept

@@ -476,28 +476,33 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(device: str, quick: bool, repeats: int, write: bool, shape: str = "ramps") -> int:
+def run(device: str, quick: bool, repeats: int, write: bool, shape: str = "ramps", duration_s: float | None = None,
+        out: Path | None = None) -> int:
     """Start both configurations' engines, calibrate, replay the trace ``repeats`` times each, interleaved.
 
-    The report (JSON and markdown, under benchmarks/results/ unless ``write`` is False) is rewritten after every
-    run, so a run stopped part-way leaves the runs it finished."""
+    The report (JSON and markdown, under ``out`` or benchmarks/results/; not at all when ``write`` is False) is
+    rewritten after every run, so a run stopped part-way leaves the runs it finished. ``duration_s`` replaces the
+    setup's trace length (before --quick halves it): the smoke test's short trace."""
     problem = check_machine(device)
     if problem:
         print(f"multimodel: {problem}", file=sys.stderr)
         return 2
     setup = MODELS[device]
     models = 3
+    if duration_s is not None:
+        setup = Setup(**{**setup.__dict__, "duration_s": duration_s})
     if quick:
         setup = Setup(**{**setup.__dict__, "duration_s": setup.duration_s / 2})
     ctx = mp.get_context("spawn")
     shm = Path(tempfile.mkdtemp(prefix="kvc-tcb-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
     started = time.monotonic()
-    stem = RESULTS / (f"multimodel-transformers-{device}" + ("" if shape == "ramps" else f"-{shape}")
+    stem = (out or RESULTS) / (f"multimodel-transformers-{device}" + ("" if shape == "ramps" else f"-{shape}")
                       + ("-quick" if quick else ""))
     report: dict = {"engine": "transformers", "device": device, "mode": "quick" if quick else "full",
                     "command": f"python -m benchmarks multimodel --engine transformers --device {device}"
                                + (" --quick" if quick else "") + (f" --repeats {repeats}" if repeats != 3 else "")
-                               + (f" --shape {shape}" if shape != "ramps" else ""),
+                               + (f" --shape {shape}" if shape != "ramps" else "")
+                               + (f" --duration {duration_s:g}" if duration_s is not None else ""),
                     "shape": shape,
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "machine": machine(device), "seed": SEED, "models": models, "models_why": setup.why,
@@ -547,6 +552,7 @@ def run(device: str, quick: bool, repeats: int, write: bool, shape: str = "ramps
 
 
 def save(report: dict, stem: Path) -> None:
+    stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(report))
 

@@ -816,6 +816,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="runs per configuration, interleaved (static, elastic, static, ...); default 3")
     parser.add_argument("--shape", choices=("ramps", "bursty", "saturated"), default="ramps",
                         help="with --engine transformers: the trace's shape")
+    parser.add_argument("--duration", type=float, metavar="SEC",
+                        help="with --engine transformers: the trace's length in seconds (--quick halves it)")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="with --engine transformers: write the report here instead of benchmarks/results/")
     args = parser.parse_args(argv)
     if args.plot:
         if json.loads(args.plot.read_text()).get("engine") == "transformers":
@@ -825,10 +829,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if replot(args.plot) else 1
     if args.repeats < 1:
         parser.error("--repeats must be 1 or more")
+    if args.duration is not None and not args.duration > 0:
+        parser.error("--duration must be more than 0 seconds")
+    if args.engine != "transformers" and (args.duration is not None or args.out is not None):
+        parser.error("--duration and --out go with --engine transformers")
     if args.engine == "transformers":
         from . import _multimodel_tcb
 
-        return _multimodel_tcb.run(args.device, args.quick, args.repeats, not args.no_write, args.shape)
+        return _multimodel_tcb.run(args.device, args.quick, args.repeats, not args.no_write, args.shape,
+                                   args.duration, args.out)
     if args.make_trace:
         TRACE.parent.mkdir(exist_ok=True)
         TRACE.write_text(json.dumps({"seed": 24, "models": 3, "duration_s": 150.0,

@@ -46,7 +46,7 @@ def test_long_waits_on_a_stopped_model_end_in_ack_timeout_after_the_asked_time(s
     }
     wait = f"{WAIT_S:g}"
     commands = {"trim": ["trim", "m1", "--wait", wait], "limit": ["limit", "m1", "50MiB", "--wait", wait],
-                "sleep": ["sleep", "m1", "--wait", "--timeout", wait], "compact": ["compact", "m1", "--wait", wait]}
+                "sleep": ["sleep", "m1", "--wait", wait], "compact": ["compact", "m1", "--wait", wait]}
     freeze(proc.pid)
     try:
         results: dict[str, tuple[BaseException | None, float]] = {}

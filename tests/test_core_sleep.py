@@ -105,6 +105,14 @@ def test_kvctl_sleep_refuses_what_cannot_sleep(spawn_allocator) -> None:
     bad = kvctl("sleep", "plain", "--after-idle", "soon")
     assert bad.exit_code == 2 and "not a duration" in bad.stderr
     assert kvctl("wake", "plain").exit_code == 1
+    # --wait takes seconds as on limit, trim and compact; a word after it is the model (the older spelling)
+    words = kvctl("sleep", "plain", "--wait", "soon")
+    assert words.exit_code == 2 and "takes seconds, not 'soon'" in words.stderr and words.stderr.count("\n") == 1
+    both = kvctl("sleep", "plain", "--wait", "5", "--timeout", "5")
+    assert both.exit_code == 2 and "give one of them" in both.stderr
+    older = kvctl("sleep", "--wait", "plain")  # the model after the flag: it reaches the model, which cannot sleep
+    assert older.exit_code == 1 and "cannot sleep" in older.stderr
+    assert snapshot("plain").sleep.acked_revision == 0
 
 
 def test_sleep_state_reaches_watch_and_the_exporter(spawn_allocator) -> None:

@@ -10,12 +10,57 @@ from kvcached_core import ControlError, ModelSnapshot
 from kvcached_core.control.requests import AckTimeout
 from kvcached_core.segment.reader import ModelNotFound, resolve
 from kvtop import textfmt as T
-from kvtop.cli import Failure, model_argument
+from kvtop.cli import Failure, check_model_name, model_argument
 from kvtop.cli.common import Number, emit_json, read
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-TIMEOUT_HELP = "With --wait: the most seconds to wait."
+TIMEOUT_HELP = "The most seconds --wait waits (the older spelling of --wait SEC)."
+WAIT_DEFAULT_S = 60.0  # what --wait alone waits at most, unless --timeout says otherwise
+
+
+class WaitSeconds(Number):
+    """``--wait SEC``, the seconds, as limit, trim and compact take them, or ``--wait`` alone (True: wait for
+    --timeout's seconds). A word that is not a number after it is the model, as in the older ``kvctl sleep --wait
+    MODEL``: kept in ``ctx.meta`` for :func:`_model_and_wait`."""
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float | bool:
+        if value is True or value == "":
+            return True
+        if isinstance(value, str) and not re.match(r"^\s*[-+]?\.?\d", value) and ctx is not None:
+            ctx.meta[_MODEL_AFTER_WAIT] = value
+            return True
+        return float(super().convert(value, param, ctx))
+
+
+_MODEL_AFTER_WAIT = "kvctl.model_after_wait"
+
+
+def wait_option(what: str):  # noqa: ANN201 - a click decorator
+    """``--wait [SEC]``: seconds, as limit, trim and compact take them; alone, it waits --timeout's seconds."""
+    return click.option("--wait", "wait", type=WaitSeconds(min=0), is_flag=False, flag_value="", default=None,
+                        metavar="[SEC]", help=f"Wait until the model is {what}, at most SEC seconds "
+                        f"(--wait alone: --timeout's, {WAIT_DEFAULT_S:g} by default).")
+
+
+def _model_and_wait(ctx: click.Context, model: str | None, wait: float | bool | None,
+                    timeout: float | None) -> tuple[str, bool, float]:
+    """The model, whether to wait until done, and for how long at most: ``--wait SEC``, else ``--timeout``, else
+    the default. ``kvctl sleep --wait MODEL`` (the older spelling) names the model after the option."""
+    after_wait = ctx.meta.get(_MODEL_AFTER_WAIT)
+    if after_wait is not None:
+        if model is not None:
+            raise click.BadParameter(f"takes seconds, not {after_wait!r}", ctx, param_hint="'--wait'")
+        model = check_model_name(after_wait)
+    if model is None:
+        raise click.MissingParameter(ctx=ctx, param_type="argument", param_hint="'MODEL'")
+    if wait is None:
+        return model, False, timeout if timeout is not None else WAIT_DEFAULT_S
+    if wait is True:  # --wait alone
+        return model, True, timeout if timeout is not None else WAIT_DEFAULT_S
+    if timeout is not None:
+        raise click.UsageError("--wait SEC and --timeout SEC both say how long to wait: give one of them", ctx)
+    return model, True, float(wait)
 
 
 class DurationType(click.ParamType):
@@ -102,17 +147,17 @@ def _policy_text(name: str, out: dict) -> str:
 
 
 @click.command("sleep")
-@model_argument()
+@model_argument(required=False, metavar="MODEL")
 @click.option("--now", is_flag=True, help="Preempt running requests instead of letting them finish (they run again after waking).")
 @click.option("--after-idle", "after_idle", type=DurationType(), default=None, metavar="DURATION|off",
               help="Set the policy instead of sleeping now: sleep after this long without a request, "
                    "from 100ms to 8784h (366 days); off removes it.")
-@click.option("--wait", is_flag=True, help="Wait until the model is asleep (every page unmapped).")
-@click.option("--timeout", type=Number(min=0), default=60.0, show_default=True, metavar="SEC", help=TIMEOUT_HELP)
+@wait_option("asleep (every page unmapped)")
+@click.option("--timeout", type=Number(min=0), default=None, metavar="SEC", help=TIMEOUT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @click.pass_context
-def sleep_cmd(ctx: click.Context, model: str, now: bool, after_idle: float | None, wait: bool, timeout: float,
-              as_json: bool) -> None:
+def sleep_cmd(ctx: click.Context, model: str | None, now: bool, after_idle: float | None, wait: float | bool | None,
+              timeout: float | None, as_json: bool) -> None:
     """Put a model's KV cache to sleep (weights stay): every KV page is unmapped, its memory returned.
 
     New requests wait in the engine's own queue (none rejected, none lost); running requests
@@ -123,18 +168,20 @@ def sleep_cmd(ctx: click.Context, model: str, now: bool, after_idle: float | Non
     \b
     Examples:
       kvctl sleep llama-3-8b --wait
+      kvctl sleep llama-3-8b --wait 30
       kvctl sleep llama-3-8b --after-idle 5m
       kvctl sleep llama-3-8b --after-idle off
     """
     policy = ctx.get_parameter_source("after_idle") is not click.core.ParameterSource.DEFAULT
-    m = _model(model)
+    name, until_done, seconds = _model_and_wait(ctx, model, wait, timeout)
+    m = _model(name)
     if policy:
         if now:
             raise click.UsageError("--now sleeps at once; --after-idle sets a policy: give one of them", ctx)
-        out = _run(m, "policy", after_idle, False, timeout)
+        out = _run(m, "policy", after_idle, False, seconds)
         _answer(out, _policy_text(m.name, out), as_json)
         return
-    out = _run(m, "sleep_now" if now else "sleep", False, wait, timeout)
+    out = _run(m, "sleep_now" if now else "sleep", False, until_done, seconds)
     if _already(m, out, "asleep"):
         text = f"{m.name}: already asleep (nothing changed)"
     elif out.get("superseded"):
@@ -152,19 +199,23 @@ def sleep_cmd(ctx: click.Context, model: str, now: bool, after_idle: float | Non
 
 
 @click.command("wake")
-@model_argument()
-@click.option("--wait", is_flag=True, help="Wait until the model is awake.")
-@click.option("--timeout", type=Number(min=0), default=60.0, show_default=True, metavar="SEC", help=TIMEOUT_HELP)
+@model_argument(required=False, metavar="MODEL")
+@wait_option("awake")
+@click.option("--timeout", type=Number(min=0), default=None, metavar="SEC", help=TIMEOUT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
-def wake_cmd(model: str, wait: bool, timeout: float, as_json: bool) -> None:
+@click.pass_context
+def wake_cmd(ctx: click.Context, model: str | None, wait: float | bool | None, timeout: float | None,
+             as_json: bool) -> None:
     """Wake a sleeping model: its engine schedules again and maps pages as requests need them.
 
     \b
     Examples:
       kvctl wake llama-3-8b --wait
+      kvctl wake llama-3-8b --wait 30
     """
-    m = _model(model)
-    out = _run(m, "wake", False, wait, timeout)
+    name, until_done, seconds = _model_and_wait(ctx, model, wait, timeout)
+    m = _model(name)
+    out = _run(m, "wake", False, until_done, seconds)
     if _already(m, out, "awake"):
         text = f"{m.name}: already awake (nothing changed)"
     elif out.get("superseded"):

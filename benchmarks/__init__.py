@@ -8,5 +8,5 @@ live in ``benchmarks/results/`` and are copied into BENCHMARKS.md as they are.
 """
 
 
-class Skip(Exception):  # noqa: N818 - a benchmark that cannot run here, not an error
+class Skip(Exception):  # a benchmark that cannot run here, not an error
     """Raised by ``run`` when the benchmark cannot run on this machine; the message says why."""

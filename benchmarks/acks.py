@@ -94,7 +94,7 @@ def _ours(rounds: int) -> dict[str, list[float]]:
     return out
 
 
-def _upstream(directory, rounds: int) -> list[float]:  # noqa: ANN001
+def _upstream(directory, rounds: int) -> list[float]:
     path = directory / "kvcached_bench_acks"
     legacy_create(path, 1 << 30)
     child = spawn(UPSTREAM_WATCHER.replace("PATH", repr(str(path))))

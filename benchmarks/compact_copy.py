@@ -26,7 +26,7 @@ MiB = 1 << 20
 LAYERS, BLOCK, PAGE, PAGES, KEEP = 32, 32 * 1024, 2 * MiB, 48, 16  # KEEP of 64 blocks stay on each page
 
 
-def _timed(fn, torch, reps: int) -> list[float]:  # noqa: ANN001
+def _timed(fn, torch, reps: int) -> list[float]:
     """Seconds of each of ``reps`` runs of ``fn`` on the current stream (CUDA events), after one warm-up."""
     fn()
     torch.cuda.synchronize()
@@ -41,7 +41,7 @@ def _timed(fn, torch, reps: int) -> list[float]:  # noqa: ANN001
     return out
 
 
-def _one_layout(layout: str, reps: int, torch) -> list[dict]:  # noqa: ANN001
+def _one_layout(layout: str, reps: int, torch) -> list[dict]:
     """The rows of one CUDA layout; the allocator's settings for it hold for this call only."""
     env = {"KVCACHED_CUDA_LAYOUT": layout, "KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_MAX_RESERVED_PAGES": "0",
            "KVCACHED_MAX_CACHED_TOKENS": "-1", "KVCACHED_CUDA_ASYNC_UNMAP": "0"}
@@ -49,7 +49,7 @@ def _one_layout(layout: str, reps: int, torch) -> list[dict]:  # noqa: ANN001
         return _measure_layout(layout, reps, torch)
 
 
-def _measure_layout(layout: str, reps: int, torch) -> list[dict]:  # noqa: ANN001
+def _measure_layout(layout: str, reps: int, torch) -> list[dict]:
     from kvcached_core import KVCacheManager
     from kvcached_core.allocator.compact import copy_blocks, plan
 
@@ -96,7 +96,7 @@ def _measure_layout(layout: str, reps: int, torch) -> list[dict]:  # noqa: ANN00
     ]
 
 
-def _reference(torch, size: int, reps: int) -> float:  # noqa: ANN001
+def _reference(torch, size: int, reps: int) -> float:
     """Median seconds of one device-to-device ``copy_`` of ``size`` bytes."""
     src = torch.empty(size, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)

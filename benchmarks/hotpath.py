@@ -24,7 +24,7 @@ from ._common import legacy_create, legacy_publish, private_segments, summary_us
 BLOCKS = 16
 
 
-def _manager(policy: str, fastpath: bool = True, world: int = 1):  # noqa: ANN202
+def _manager(policy: str, fastpath: bool = True, world: int = 1):
     """A warm allocator; ``world`` > 1: a tensor-parallel scheduler with that many host rank workers."""
     from kvcached_core.allocator.manager import KVCacheManager
 
@@ -49,7 +49,7 @@ def _manager(policy: str, fastpath: bool = True, world: int = 1):  # noqa: ANN20
     return m
 
 
-def _pairs(m, count: int) -> list[int]:  # noqa: ANN001
+def _pairs(m, count: int) -> list[int]:
     alloc, free, clock = m.alloc, m.free, time.perf_counter_ns
     for _ in range(min(2000, count)):  # warm caches and the pool
         free(alloc(BLOCKS))
@@ -62,7 +62,7 @@ def _pairs(m, count: int) -> list[int]:  # noqa: ANN001
     return samples
 
 
-def _allocs(m, count: int) -> list[int]:  # noqa: ANN001
+def _allocs(m, count: int) -> list[int]:
     """``alloc`` alone: its ``free`` happens outside the timed span."""
     alloc, free, clock = m.alloc, m.free, time.perf_counter_ns
     for _ in range(min(2000, count)):
@@ -76,7 +76,7 @@ def _allocs(m, count: int) -> list[int]:  # noqa: ANN001
     return samples
 
 
-def _upstream_publish(m, path):  # noqa: ANN001, ANN202
+def _upstream_publish(m, path):
     def publish() -> None:
         m._dirty.clear()
         legacy_publish(path, m.pages.blocks_used * m.block_bytes, len(m.pages.reserved) * m.bundle_bytes)

@@ -208,7 +208,7 @@ def inspect_model_class() -> None:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # as vLLM's inspection subprocess does
-    registry._run_in_subprocess = lambda fn: fn()  # noqa: SLF001 - nothing else changes
+    registry._run_in_subprocess = lambda fn: fn()  # nothing else changes
     registry.ModelRegistry.models[ARCH].inspect_model_cls()
 
 

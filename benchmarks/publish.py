@@ -47,7 +47,7 @@ while True:
 """
 
 
-def _allocator():  # noqa: ANN202
+def _allocator():
     from kvcached_core.allocator.manager import KVCacheManager
 
     m = KVCacheManager("bench-publish", num_blocks=4096, block_bytes=32 * 1024, num_layers=1,
@@ -56,7 +56,7 @@ def _allocator():  # noqa: ANN202
     return m
 
 
-def _time_ours(m, count: int, publish=None) -> list[int]:  # noqa: ANN001
+def _time_ours(m, count: int, publish=None) -> list[int]:
     """``count`` publishes of one dirty page each: ``publish`` (default: the allocator's own, the C one)."""
     publish = publish or m._publish
     samples = []
@@ -73,7 +73,7 @@ def _time_ours(m, count: int, publish=None) -> list[int]:  # noqa: ANN001
 BLOCK = 1000  # publishes per turn when the two publishes take turns
 
 
-def _time_both(m, count: int) -> tuple[list[int], list[int]]:  # noqa: ANN001
+def _time_both(m, count: int) -> tuple[list[int], list[int]]:
     """The Python publish and the allocator's own, ``count`` each, in alternating blocks (same load for both)."""
     python: list[int] = []
     default: list[int] = []
@@ -108,7 +108,7 @@ def _time_upstream(path: Path, count: int) -> list[int]:
     return samples
 
 
-def _with_readers(code: str, path: Path, measure):  # noqa: ANN001, ANN202
+def _with_readers(code: str, path: Path, measure):
     readers = [spawn(code.replace("PATH", f"Path({str(path)!r})")) for _ in range(READERS)]
     try:
         time.sleep(0.2)  # let every reader get going

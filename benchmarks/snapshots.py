@@ -83,7 +83,7 @@ for w in writers:
 """
 
 
-def _timed(fn, count: int) -> dict[str, float]:  # noqa: ANN001
+def _timed(fn, count: int) -> dict[str, float]:
     samples = []
     clock = time.perf_counter_ns
     for _ in range(count):
@@ -93,7 +93,7 @@ def _timed(fn, count: int) -> dict[str, float]:  # noqa: ANN001
     return summary_us(samples)
 
 
-def _timed_pair(fn, before, count: int) -> tuple[dict[str, float], dict[str, float]]:  # noqa: ANN001
+def _timed_pair(fn, before, count: int) -> tuple[dict[str, float], dict[str, float]]:
     """``fn`` and ``before`` called turn about (ABBA), so a change in the host's load reaches both alike."""
     ours: list[int] = []
     theirs: list[int] = []

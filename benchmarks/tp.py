@@ -118,7 +118,7 @@ class _env:
 
 
 def measure_case(case: Case, worlds: list[int], rounds: int, warmup: int, devices: list[int] | None = None,
-                 log=None) -> list[dict]:  # noqa: ANN001
+                 log=None) -> list[dict]:
     """In-process baseline, then every TP size with both strategies over the same workers."""
     out: list[dict] = []
     with _env(case.env):

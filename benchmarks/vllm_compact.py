@@ -89,7 +89,7 @@ def drive(args: argparse.Namespace) -> dict:
     steps: list[tuple[float, bool]] = []
     inner = core.step_fn
 
-    def timed():  # noqa: ANN202 - a step that committed a round with moves carried its copies
+    def timed():  # a step that committed a round with moves carried its copies
         done = manager.compaction.compactions
         started = time.perf_counter()
         out = inner()
@@ -102,7 +102,7 @@ def drive(args: argparse.Namespace) -> dict:
     def clocked(name: str, key: str) -> None:
         inner_method = getattr(compactor, name)
 
-        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        def wrapper(*a, **k):
             started = time.perf_counter()
             try:
                 return inner_method(*a, **k)
@@ -118,7 +118,7 @@ def drive(args: argparse.Namespace) -> dict:
     worker_copy = gpu_model_runner.copy_kv_cache_blocks_inplace
     copy_ms: list[float] = []
 
-    def copy_timed(*a, **k):  # noqa: ANN002, ANN003, ANN202 - the worker's copy (in-process: this process)
+    def copy_timed(*a, **k):  # the worker's copy (in-process: this process)
         started = time.perf_counter()
         try:
             return worker_copy(*a, **k)
@@ -135,7 +135,7 @@ def drive(args: argparse.Namespace) -> dict:
         for prompt in batch:
             engine.add_request(f"r{next(ids)}", {"prompt_token_ids": prompt}, params)
 
-    def step_until(done) -> None:  # noqa: ANN001
+    def step_until(done) -> None:
         while not done():
             engine.step()
 

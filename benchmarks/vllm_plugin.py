@@ -83,7 +83,7 @@ def _settings(quick: bool) -> dict:
             "max_tokens": 32 if quick else 64, "rounds": 3 if quick else 7}
 
 
-def _engine(model: str, enabled: bool):  # noqa: ANN202 - a vllm.LLM
+def _engine(model: str, enabled: bool):  # a vllm.LLM
     if enabled:
         os.environ["ENABLE_KVCACHED"] = "true"
     else:
@@ -94,7 +94,7 @@ def _engine(model: str, enabled: bool):  # noqa: ANN202 - a vllm.LLM
                enforce_eager=True, dtype="bfloat16", seed=0, enable_prefix_caching=True)
 
 
-def _generate(llm, batch: list[list[int]], max_tokens: int) -> tuple[float, int]:  # noqa: ANN001
+def _generate(llm, batch: list[list[int]], max_tokens: int) -> tuple[float, int]:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -141,10 +141,10 @@ def share(args: argparse.Namespace) -> dict:
     spent = {"pool": 0.0, "sched": 0.0, "step": 0.0, "steps": 0}
     depth = {"pool": 0, "sched": 0, "step": 0}
 
-    def timed(obj, method: str, key: str) -> None:  # noqa: ANN001
+    def timed(obj, method: str, key: str) -> None:
         inner = getattr(obj, method)
 
-        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        def wrapper(*a, **k):
             depth[key] += 1
             started = time.perf_counter()
             try:
@@ -163,7 +163,7 @@ def share(args: argparse.Namespace) -> dict:
     timed(core, "step_fn", "step")  # what the in-process client calls for each engine step
     inner_schedule = scheduler.schedule
 
-    def counted(*a, **k):  # noqa: ANN002, ANN003, ANN202
+    def counted(*a, **k):
         spent["steps"] += 1
         return inner_schedule(*a, **k)
 

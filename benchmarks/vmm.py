@@ -222,7 +222,7 @@ class Pacer:
     def __init__(self) -> None:
         self.torch = None
         try:
-            import torch  # noqa: PLC0415
+            import torch
 
             if torch.cuda.is_available():
                 torch.cuda.init()
@@ -248,7 +248,7 @@ class Pacer:
 def alloc_latency(label: str, layout: str, pacing: str, interval_s: float, args: argparse.Namespace, pacer: Pacer,
                   *, grow: bool = True, churn: bool = False, gc_freeze: bool = True, async_unmap: bool = True,
                   fastpath: bool = True, pin: bool = False, seed: int = 7) -> dict:
-    from kvcached_core import KVCacheManager  # noqa: PLC0415
+    from kvcached_core import KVCacheManager
 
     os.environ["KVCACHED_CUDA_LAYOUT"] = layout
     os.environ["KVCACHED_CUDA_ASYNC_UNMAP"] = "1" if async_unmap else "0"
@@ -358,13 +358,13 @@ def environment() -> dict:
     env: dict = {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
                  "host": platform.node()}
     try:
-        import cuda.bindings  # noqa: PLC0415
+        import cuda.bindings
 
         env["cuda_bindings"] = cuda.bindings.__version__
     except Exception:  # noqa: BLE001
         env["cuda_bindings"] = None
     try:
-        import pynvml  # noqa: PLC0415
+        import pynvml
 
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
@@ -380,7 +380,7 @@ def environment() -> dict:
 
 def binding_overhead_us(calls: int = 20000) -> float:
     """Median cost of one trivial cuda-python driver call (cuCtxGetCurrent): the wrapper's own price."""
-    from cuda.bindings import driver as d  # noqa: PLC0415
+    from cuda.bindings import driver as d
 
     d.cuInit(0)
     samples = []

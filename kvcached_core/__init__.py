@@ -35,7 +35,7 @@ _EXPORTS = {  # public name -> the module (under this package) that defines it
 }
 
 
-def __getattr__(name: str):  # noqa: ANN202 - PEP 562 lazy attributes
+def __getattr__(name: str):  # PEP 562 lazy attributes
     module = _EXPORTS.get(name)
     if module is None:
         try:  # kvcached_core.<submodule> without importing it first, as the eager package allowed

@@ -27,7 +27,7 @@ class Column:
     right: bool = False  # numbers align right
 
 
-def want_rich(stream=None) -> bool:  # noqa: ANN001 - any text stream
+def want_rich(stream=None) -> bool:  # any text stream
     """Rich tables only for a person at a terminal."""
     stream = stream or sys.stdout
     try:

@@ -30,7 +30,7 @@ def shm_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monkey
     directory.rmdir()
 
 
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):  # noqa: ANN001, ANN201
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
     """Poll ``predicate`` until it returns something truthy (returned); fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not (value := predicate()):
@@ -52,7 +52,7 @@ def freeze(pid: int) -> None:
     wait_for(stopped, what=f"pid {pid} to stop")
 
 
-def kvctl(*args: str):  # noqa: ANN201 - a click Result
+def kvctl(*args: str):  # a click Result
     """Run ``kvctl ARGS`` in process with click's CliRunner; an internal traceback fails the test."""
     from click.testing import CliRunner
 

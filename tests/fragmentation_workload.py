@@ -323,7 +323,7 @@ class Engine:
                     start(now)
 
 
-def _accumulate(values):  # noqa: ANN001, ANN202
+def _accumulate(values):
     total = 0.0
     for v in values:
         total += v
@@ -387,7 +387,7 @@ def run_workload(wl: Workload, policy: str, *, compaction: bool = False) -> Resu
             )
 
 
-def _idle_snapshot(name: str, timeout: float = 5.0):  # noqa: ANN202
+def _idle_snapshot(name: str, timeout: float = 5.0):
     """The segment once the idle watcher has given back the warm pool (or ``timeout``)."""
     deadline = time.monotonic() + timeout
     snap = snapshot(name)

@@ -107,7 +107,7 @@ def violations(s: ModelSnapshot, writer_id: int | None = None) -> list[str]:
 
 # -- processes -----------------------------------------------------------------------------
 
-def _writer(directory: str, name: str, writer_id: int, updates: int, timed: bool, start, out) -> None:  # noqa: ANN001
+def _writer(directory: str, name: str, writer_id: int, updates: int, timed: bool, start, out) -> None:
     os.environ["KVCACHED_SHM_DIR"] = directory
     writer = SegmentWriter(identity(name))
     work = Workload(writer, writer_id)
@@ -133,7 +133,7 @@ def _writer(directory: str, name: str, writer_id: int, updates: int, timed: bool
     out.put(("writer", name, result))
 
 
-def _reader(directory: str, names: list[str], writer_ids: dict[str, int], stop, start, out) -> None:  # noqa: ANN001
+def _reader(directory: str, names: list[str], writer_ids: dict[str, int], stop, start, out) -> None:
     paths = [Path(directory) / (SEGMENT_PREFIX + n) for n in names]
     accepted = busy = raw_copies = raw_torn = 0
     bad: list[str] = []

@@ -41,7 +41,7 @@ def _claimer(name: str, backend: str, device: int, claimed: int) -> subprocess.P
 def claimers():
     procs: list[subprocess.Popen] = []
 
-    def start(*args) -> subprocess.Popen:  # noqa: ANN002
+    def start(*args) -> subprocess.Popen:
         procs.append(_claimer(*args))
         return procs[-1]
 

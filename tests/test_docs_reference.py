@@ -218,7 +218,7 @@ def test_every_kvtop_binding_is_in_the_key_table():
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
-def long_options(command) -> set[str]:  # noqa: ANN001 - a click.Command
+def long_options(command) -> set[str]:  # a click.Command
     import click
 
     return {opt for p in command.params if isinstance(p, click.Option)

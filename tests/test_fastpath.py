@@ -256,7 +256,7 @@ def test_alloc_is_the_c_entry_and_hands_the_rest_to_python(deterministic: None,
 @needs_build
 def test_the_c_entry_holds_the_lock_and_lets_go_on_errors(deterministic: None,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    import threading  # noqa: PLC0415
+    import threading
 
     monkeypatch.setenv("KVCACHED_FASTPATH", "1")
     with small("fp-lock") as m:
@@ -284,7 +284,7 @@ def test_the_c_entry_asks_for_a_refill(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCACHED_FASTPATH", "1")
     monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "2")
     monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "4")
-    import time  # noqa: PLC0415
+    import time
 
     with small("fp-refill", pages=16) as m:
         assert not m.pages.reserved  # the pool fills once traffic comes
@@ -297,7 +297,7 @@ def test_the_c_entry_asks_for_a_refill(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @needs_build
 def test_the_c_entry_has_alloc_s_signature(monkeypatch: pytest.MonkeyPatch) -> None:
-    import inspect  # noqa: PLC0415
+    import inspect
 
     monkeypatch.setenv("KVCACHED_FASTPATH", "1")
     with small("fp-sig", pages=4) as m:

@@ -37,7 +37,7 @@ FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fi
 
 @contextlib.contextmanager
 def bounded(seconds: float):
-    def expire(signum, frame):  # noqa: ANN001
+    def expire(signum, frame):
         raise TimeoutError(f"a scan took more than {seconds} s")
 
     previous = signal.signal(signal.SIGALRM, expire)
@@ -57,7 +57,7 @@ def identity(name: str = "fuzz", **overrides: int) -> Identity:
     return Identity(**fields)
 
 
-def image_of(writer_state) -> bytes:  # noqa: ANN001
+def image_of(writer_state) -> bytes:
     """The bytes of a segment SegmentWriter produced in the state ``writer_state(writer)`` leaves."""
     writer = SegmentWriter(identity())
     try:

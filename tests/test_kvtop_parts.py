@@ -268,7 +268,7 @@ def test_the_fragmentation_panel_shows_compaction_once_one_happened() -> None:
     from kvcached_core.segment.snapshot import CompactInfo
     from kvtop.view import frag_table
 
-    def text(m) -> str:  # noqa: ANN001
+    def text(m) -> str:
         console = Console(record=True, width=60, force_terminal=False)
         console.print(frag_table(m))
         return console.export_text()

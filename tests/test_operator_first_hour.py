@@ -607,7 +607,7 @@ def test_the_readme_python_and_kvctl_examples_work_against_the_demo(shm_dir: Pat
     with DemoFleet(models=4) as fleet:
         assert fleet.wait_ready(30), fleet.failure
         code = readme_block("## From another process", "python", DOCS / "allocator.md")
-        exec(compile(code, "docs/allocator.md", "exec"), {})  # noqa: S102 - the page's own example
+        exec(compile(code, "docs/allocator.md", "exec"), {})  # the page's own example
         helped = kvctl("--help").stdout
         for line in helped.splitlines():
             words = line.split()

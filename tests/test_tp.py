@@ -133,7 +133,7 @@ def test_the_c_path_serves_tensor_parallelism_with_the_bytes_python_writes(
     assert fast._fast is not None and slow._fast is None, fast.fastpath_reason
     assert fast.alloc == fast._fast.manager_alloc  # the C entry, lock and all
 
-    def both(step):  # noqa: ANN001, ANN202
+    def both(step):
         got = [step(m) for m in (fast, slow)]
         assert got[0] == got[1]
         assert _published(fast) == _published(slow)

@@ -32,7 +32,7 @@ BACKENDS = pytest.mark.parametrize("device", [
 ])
 
 
-def views(worker, layout: KVLayout, device: str) -> list[torch.Tensor]:  # noqa: ANN001
+def views(worker, layout: KVLayout, device: str) -> list[torch.Tensor]:
     out = []
     for layer in range(layout.num_layers):
         raw = layer_bytes(worker, layer)
@@ -42,7 +42,7 @@ def views(worker, layout: KVLayout, device: str) -> list[torch.Tensor]:  # noqa:
     return out
 
 
-def trim_all(manager: KVCacheManager, worker) -> None:  # noqa: ANN001
+def trim_all(manager: KVCacheManager, worker) -> None:
     """Trim until the worker holds nothing: the refill thread may be mapping its pool right now."""
     deadline = time.monotonic() + 5
     while worker.mapped and time.monotonic() < deadline:

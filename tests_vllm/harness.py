@@ -166,7 +166,7 @@ def settled(name: str, directory: Path, *, quiet_s: float = 1.0, timeout: float 
     raise AssertionError(f"{name}'s mapped pages kept changing for {timeout} s")
 
 
-def wait_for(predicate, timeout: float = 120.0, every: float = 0.02):  # noqa: ANN001, ANN201
+def wait_for(predicate, timeout: float = 120.0, every: float = 0.02):
     """``predicate()``'s first true value, looked at every ``every`` seconds; AssertionError after ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

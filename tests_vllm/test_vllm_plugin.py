@@ -113,7 +113,7 @@ def test_prefix_cache_hits_show_as_cached_blocks_within_the_budget(server: Serve
     assert 0 < max(cached_seen) <= 16
 
 
-def sample_while(work, directory: Path, field) -> list:  # noqa: ANN001
+def sample_while(work, directory: Path, field) -> list:
     """Run ``work()`` while sampling ``field(snapshot)`` of the engine's segment every few milliseconds."""
     seen: list = []
     stop = threading.Event()

@@ -18,9 +18,9 @@ import time
 os.environ.setdefault("KVCACHED_SHM_DIR", tempfile.mkdtemp())
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import vmm  # noqa: E402
+import vmm
 
-from kvcached_core import KVCacheManager  # noqa: E402
+from kvcached_core import KVCacheManager
 
 DATA = {i: [i] * 4 for i in range(64)}
 SIZES = [1, 1, 2, 2, 4, 8, 16]
@@ -44,7 +44,7 @@ def report(label: str, xs: list[float]) -> None:
     print(f"{label:48s} p50 {vmm.pct(xs, .5):6.2f} p90 {vmm.pct(xs, .9):6.2f} p99 {vmm.pct(xs, .99):6.2f} us", flush=True)
 
 
-def timed(fn, n: int) -> float:  # noqa: ANN001
+def timed(fn, n: int) -> float:
     t0 = time.perf_counter_ns()
     fn(n)
     return (time.perf_counter_ns() - t0) / 1e3

@@ -19,9 +19,9 @@ import time
 os.environ.setdefault("KVCACHED_SHM_DIR", tempfile.mkdtemp())
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import vmm  # noqa: E402
+import vmm
 
-from kvcached_core import KVCacheManager  # noqa: E402
+from kvcached_core import KVCacheManager
 
 SIZES = [1, 1, 2, 2, 4, 8, 16]
 

@@ -26,10 +26,10 @@ from types import ModuleType
 os.environ.setdefault("KVCACHED_SHM_DIR", tempfile.mkdtemp())
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import vmm  # noqa: E402
+import vmm
 
-from kvcached_core import KVCacheManager, fastpath  # noqa: E402
-from kvcached_core.allocator.placement import Affinity  # noqa: E402
+from kvcached_core import KVCacheManager, fastpath
+from kvcached_core.allocator.placement import Affinity
 
 SIZES = [1, 1, 2, 2, 4, 8, 16]
 STAGES = ("wrapper", "load_state", "placement", "store_state", "ids_list", "counters", "publish_setup",
@@ -54,7 +54,7 @@ def build_profiled() -> ModuleType:
     return module
 
 
-def profiled(m: KVCacheManager):  # noqa: ANN201
+def profiled(m: KVCacheManager):
     module = build_profiled()
     policy = m.policy
     fast = module.FastPath(m, int(type(policy) is Affinity), float(getattr(policy, "slack", 0.0)),
@@ -62,7 +62,7 @@ def profiled(m: KVCacheManager):  # noqa: ANN201
     return module, fast
 
 
-def tsc_per_ns(m: KVCacheManager, module) -> float:  # noqa: ANN001
+def tsc_per_ns(m: KVCacheManager, module) -> float:
     t_a = time.perf_counter_ns()
     ids_a = m.alloc(1)
     s_a = module.stamps()[0]

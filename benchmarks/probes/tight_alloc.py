@@ -15,7 +15,7 @@ import time
 
 os.environ.setdefault("KVCACHED_SHM_DIR", tempfile.mkdtemp())
 
-from kvcached_core import KVCacheManager  # noqa: E402
+from kvcached_core import KVCacheManager
 
 
 def run(m: KVCacheManager) -> tuple[float, float]:

@@ -107,7 +107,7 @@ def plan(pages: PageTable, cache: PrefixCache) -> list[Move]:
 def host_copy(backend: object, block_bytes: int, moves: Sequence[Move]) -> list[Move]:
     """Copy each move's KV data between the host backend's mapped regions (memmove in every range)."""
     geometry = backend.geometry  # type: ignore[attr-defined]
-    base: int = backend._base  # type: ignore[attr-defined]  # noqa: SLF001 - the host backend's mapping
+    base: int = backend._base  # type: ignore[attr-defined]  # the host backend's mapping
     bpp = geometry.page_size // block_bytes
     ranges = geometry.num_layers * geometry.num_kv_buffers
     for src, dst in moves:
@@ -125,7 +125,7 @@ def device_copy(backend: object, block_bytes: int, moves: Sequence[Move]) -> lis
     unmapped) as soon as the handler returns."""
     if not moves:
         return []
-    import torch  # noqa: PLC0415 - the CUDA path only; torch is optional
+    import torch  # the CUDA path only; torch is optional
 
     rows = backend.all_blocks(block_bytes)  # type: ignore[attr-defined]
     if block_bytes % 8 == 0:

@@ -87,7 +87,7 @@ class StagedCompaction:
 
     @property
     def wanted(self) -> bool:
-        live = self.poke is not None and not self.m._closed  # noqa: SLF001 - a closed allocator compacts nothing
+        live = self.poke is not None and not self.m._closed  # a closed allocator compacts nothing
         return live and (self.ticket is not None or self.seq > 0 or self.idle)
 
     def request(self, seq: int) -> None:
@@ -122,11 +122,11 @@ class StagedCompaction:
         for src, dst in moves:
             m.pages.take_block(dst)
             m.cache.remove(src)
-            m._dirty.update((src // bpp, dst // bpp))  # noqa: SLF001 - the allocator's own bookkeeping
+            m._dirty.update((src // bpp, dst // bpp))  # the allocator's own bookkeeping
         ticket = CompactTicket(tuple(moves), time.monotonic_ns())
         self.ticket = ticket
         if moves:
-            m._publish()  # noqa: SLF001
+            m._publish()
         return ticket
 
     def _own(self, ticket: CompactTicket) -> None:
@@ -146,14 +146,14 @@ class StagedCompaction:
             if dst not in ticket.reused and self._pending_destination(dst):
                 m.cache.add(dst)
         mapped_before = m.pages.mapped_pages
-        m._release_blocks([src for src, _ in moves])  # noqa: SLF001
+        m._release_blocks([src for src, _ in moves])
         emptied = {src // m.blocks_per_page for src, _ in moves}
         pool = [p for p in m.pages.reserved if p in emptied]
         if pool:  # an emptied page is unmapped, not kept in the warm pool
             m.pages.reserved[:] = [p for p in m.pages.reserved if p not in emptied]
             m.backend.unmap_pages(pool)
             m.pages.mark_unmapped(pool)
-            m._dirty.update(pool)  # noqa: SLF001
+            m._dirty.update(pool)
         returned = (mapped_before - m.pages.mapped_pages) * m.bundle_bytes
         copied = len(moves) * m.block_bytes * m.num_layers * m.num_kv_buffers * m.tp_world
         result = CompactResult(moves, len(moves), copied, returned)
@@ -163,7 +163,7 @@ class StagedCompaction:
         self.returned += returned
         done = not plan(m.pages, m.cache)
         evicted = self._finish(L.COMPACT_DONE) if done else []
-        m._publish()  # noqa: SLF001
+        m._publish()
         m.segment.publish_compaction(m.compaction.values())
         return CompactStep(result, evicted, done)
 
@@ -175,9 +175,9 @@ class StagedCompaction:
         m = self.m
         for src, _ in ticket.moves:
             m.cache.add(src)
-        m._release_blocks([dst for _, dst in ticket.moves if self._pending_destination(dst)])  # noqa: SLF001
+        m._release_blocks([dst for _, dst in ticket.moves if self._pending_destination(dst)])
         evicted = self._finish(L.COMPACT_FAILED)
-        m._publish()  # noqa: SLF001
+        m._publish()
         m.segment.publish_compaction(m.compaction.values())
         return evicted
 
@@ -191,7 +191,7 @@ class StagedCompaction:
         if not self.idle:
             return []
         self.idle = False
-        return m._pack(compact=False)  # noqa: SLF001
+        return m._pack(compact=False)
 
     def claim(self, blocks: list[int]) -> set[int]:
         """Of ``blocks`` (not cached), the in-flight destinations: a prefix hit may take them (``reuse``)."""

@@ -119,7 +119,7 @@ def require(mode: str) -> None:
 
 def attach(manager: Any, policy: Any, mode: str | None = None) -> tuple[Any | None, str]:
     """A FastPath bound to ``manager`` when its policy and mode allow one, else None and why."""
-    from .placement import Affinity, FirstFit, Policy  # noqa: PLC0415 - placement imports nothing from here
+    from .placement import Affinity, FirstFit, Policy  # placement imports nothing from here
 
     mode = mode_from_env() if mode is None else mode
     if mode == "off":

@@ -739,7 +739,7 @@ class KVCacheManager:
     def used_blocks(self) -> int:
         return self.pages.blocks_used
 
-    def buffer(self, layer: int, kv: int):  # noqa: ANN201 - backend-specific view
+    def buffer(self, layer: int, kv: int):  # backend-specific view
         """The backend's view of one layer's one KV buffer (host: a writable memoryview)."""
         return self.backend.buffer(layer, kv)  # type: ignore[attr-defined]
 
@@ -902,7 +902,7 @@ class KVCacheManager:
             return set()
         try:
             return {dst for _, dst in self._compact().moves}
-        except Exception:  # noqa: BLE001 - the engine's copy failed: nothing moved, eviction packs instead
+        except Exception:  # the engine's copy failed: nothing moved, eviction packs instead
             logging.getLogger(__name__).exception("%s: idle compaction failed; evicting instead", self.name)
             return set()
 
@@ -960,7 +960,7 @@ class KVCacheManager:
             return  # active blocks hold it up: nothing to ask until they go
         try:
             handler()
-        except BaseException as exc:  # noqa: BLE001 - the limit stays deferred, as without a handler
+        except BaseException as exc:  # the limit stays deferred, as without a handler
             if not isinstance(exc, Exception) and not poller.on_poller_thread():
                 raise  # SystemExit, KeyboardInterrupt: the engine's own thread's to handle (the poller's serves on)
             logging.getLogger(__name__).exception("%s: the engine's evict handler failed", self.name)
@@ -1118,7 +1118,7 @@ class KVCacheManager:
         else:
             try:
                 result = self._compact()
-            except BaseException:  # noqa: BLE001 - the engine's copy failed (SystemExit included): nothing moved,
+            except BaseException:  # the engine's copy failed (SystemExit included): nothing moved,
                 # the controller is told, and the poller goes on serving the process's other allocators
                 logging.getLogger(__name__).exception("%s: the engine's compact handler failed", self.name)
                 stats.answer(seq, L.COMPACT_FAILED)

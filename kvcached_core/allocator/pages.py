@@ -134,7 +134,7 @@ class PageTable:
         if cap > before + 1:
             self._list(page, cap - before - 1)
 
-    def free_blocks(self, blocks) -> dict[int, int]:  # noqa: ANN001 - any iterable of ints
+    def free_blocks(self, blocks) -> dict[int, int]:  # any iterable of ints
         """Return blocks' slots; returns {page: blocks freed there}. A page with ``used == 0`` emptied."""
         bpp, flags, slots = self.bpp, self.block_used, self.slots
         per_page: dict[int, int] = {}

@@ -198,7 +198,7 @@ class PressureControl:
             self._giving = giving
             try:
                 handler()
-            except Exception:  # noqa: BLE001 - the engine could not evict: it gives what it gave
+            except Exception:  # the engine could not evict: it gives what it gave
                 log.exception("%s: the engine's evict handler failed during a reclaim", m.name)
             self._finish_give(force=False)
             return
@@ -297,7 +297,7 @@ class PressureControl:
         pressure = donor.pressure
         assert pressure is not None
 
-        def write(mm) -> int:  # noqa: ANN001 - the segment's mmap
+        def write(mm) -> int:  # the segment's mmap
             seq = L.U64.unpack_from(mm, L.RECLAIM_CTL_OFF)[0]
             if seq > pressure.reclaim_acked_seq:
                 return 0  # one request per donor: another model's is outstanding

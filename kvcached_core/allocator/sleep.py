@@ -101,7 +101,7 @@ class SleepControl:
             taken = self.acked_revision
             try:
                 self._tick(min(idle_s, time.monotonic() - self._awake_since))
-            except BaseException:  # noqa: BLE001 - the handler's failure: said, answered, and the poller goes on
+            except BaseException:  # the handler's failure: said, answered, and the poller goes on
                 logging.getLogger(__name__).exception("%s: the engine's sleep handler failed", self._m.name)
                 self._awake_since = time.monotonic()  # the policy tries again after another idle period
                 if self.acked_revision != taken:  # a controller's request: it learns it was refused
@@ -116,7 +116,7 @@ class SleepControl:
         if handler is not None and self.state == L.SLEEP_AWAKE:
             try:
                 handler("wake")
-            except BaseException:  # noqa: BLE001 - the allocator is awake; the engine's log says why it is not
+            except BaseException:  # the allocator is awake; the engine's log says why it is not
                 logging.getLogger(__name__).exception("%s: the engine's sleep handler failed to wake", self._m.name)
 
     def _tick(self, idle_s: float) -> None:

@@ -160,8 +160,8 @@ _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 def _torch_bytes(ptr: int, device: int, spec: ViewSpec, keep: list) -> Any:
     """A uint8 torch tensor over device memory at ``ptr`` (not owned: ``keep`` holds the structs)."""
     try:
-        import torch  # noqa: PLC0415 - torch is optional
-        from torch.utils.dlpack import from_dlpack  # noqa: PLC0415
+        import torch  # torch is optional
+        from torch.utils.dlpack import from_dlpack
     except ImportError:
         raise BackendError("torch views need torch (pip install torch)") from None
     ndim = len(spec.shape)
@@ -199,10 +199,10 @@ def _shape_as(tensor: Any, dtype: Any, shape: Sequence[int] | None) -> Any:
 # -- the driver -------------------------------------------------------------------------------------
 def _load_driver() -> Any:
     try:
-        from cuda.bindings import driver  # noqa: PLC0415
+        from cuda.bindings import driver
     except ImportError:
         try:
-            from cuda import cuda as driver  # noqa: PLC0415 - cuda-python < 12.6
+            from cuda import cuda as driver  # cuda-python < 12.6
         except ImportError:
             raise BackendUnavailable(
                 "backend 'cuda' needs cuda-python (pip install cuda-python), which is not installed"

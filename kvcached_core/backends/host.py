@@ -106,7 +106,7 @@ class HostBackend(Backend):
             self._drop(page)
         self.ledger.release(self.geometry.bundle_bytes * len(pages))
 
-    def bind_claims(self, set_claimed, own_segment: tuple[int, int] | None = None) -> None:  # noqa: ANN001
+    def bind_claims(self, set_claimed, own_segment: tuple[int, int] | None = None) -> None:
         self.ledger.bind(set_claimed, own_segment)
 
     def buffer(self, layer: int, kv: int) -> memoryview:

@@ -30,7 +30,7 @@ def _start() -> bool:
             return bool(_state["ok"])
         _state["started"] = True
         try:
-            import pynvml  # noqa: PLC0415 - lazy: importing costs time and may fail
+            import pynvml  # lazy: importing costs time and may fail
 
             pynvml.nvmlInit()
         except ImportError:
@@ -53,7 +53,7 @@ def unavailable_reason() -> str:
     return str(_state["reason"])
 
 
-def _try(fn, *args):  # noqa: ANN001, ANN202
+def _try(fn, *args):
     try:
         value = fn(*args)
     except Exception:  # noqa: BLE001 - any NVML field may be N/A

@@ -16,7 +16,7 @@ from .broadcast import STRATEGIES, BroadcastBackend, RankLost, RankState
 from .launch import WorkerGroup, attach, spawn_workers
 
 
-def __getattr__(name: str):  # noqa: ANN202 - the worker module loads lazily (it also runs as ``-m``)
+def __getattr__(name: str):  # the worker module loads lazily (it also runs as ``-m``)
     if name in ("TPWorker", "WorkerError", "serve"):
         from . import worker
 

@@ -103,7 +103,7 @@ def _wait_ready(proc: subprocess.Popen, rank: int, deadline: float) -> None:
     proc.stdout.close()
 
 
-def attach(geometry, backend: str, group: WorkerGroup, **kwargs) -> BroadcastBackend:  # noqa: ANN001
+def attach(geometry, backend: str, group: WorkerGroup, **kwargs) -> BroadcastBackend:
     """A bare :class:`BroadcastBackend` over ``group`` (no manager, no segment): for benchmarks and tools."""
     try:
         bb = BroadcastBackend(geometry, backend, group.paths, **kwargs)

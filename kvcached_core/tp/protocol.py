@@ -29,7 +29,7 @@ class ProtocolError(ConnectionError):
     """The peer sent something that is not a well-formed message."""
 
 
-def geometry_dict(g) -> dict:  # noqa: ANN001 - a backends.Geometry
+def geometry_dict(g) -> dict:  # a backends.Geometry
     return {"page_size": g.page_size, "num_pages": g.num_pages, "num_layers": g.num_layers,
             "num_kv_buffers": g.num_kv_buffers}
 

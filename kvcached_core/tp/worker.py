@@ -107,7 +107,7 @@ class TPWorker:
             raise
 
     # -- what an engine's worker uses --------------------------------------------------------
-    def buffer(self, layer: int, kv: int):  # noqa: ANN201 - backend-specific view
+    def buffer(self, layer: int, kv: int):  # backend-specific view
         """This rank's view of one layer's one KV buffer (host: memoryview; cuda: the backend's)."""
         if self.backend is None:
             raise RuntimeError("the scheduler has not attached yet: wait for worker.attached")

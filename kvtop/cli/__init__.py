@@ -144,7 +144,7 @@ def complete_models(ctx: click.Context, param: click.Parameter, incomplete: str)
     return [CompletionItem(m.name, help=f"{m.engine} {m.status}") for m in models if m.name.startswith(incomplete)]
 
 
-def model_argument(*decls: str, **kwargs: Any):  # noqa: ANN201 - a click decorator
+def model_argument(*decls: str, **kwargs: Any):  # a click decorator
     """A MODEL argument: name or unique prefix, path-like names refused, names completed."""
     kwargs.setdefault("metavar", "MODEL" if kwargs.get("required", True) else "[MODEL]")
     return click.argument(*(decls or ("model",)), callback=_model_callback, shell_complete=complete_models, **kwargs)
@@ -219,7 +219,7 @@ class KvctlGroup(click.Group):
         except BrokenPipeError:
             silence_stdout()
             return ExitCode.OK
-        except Exception as exc:  # noqa: BLE001 - a bug still ends in one line, unless debugging
+        except Exception as exc:  # a bug still ends in one line, unless debugging
             from kvcached_core.settings import settings
 
             if settings().kvctl_debug:

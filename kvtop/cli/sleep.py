@@ -36,7 +36,7 @@ class WaitSeconds(Number):
 _MODEL_AFTER_WAIT = "kvctl.model_after_wait"
 
 
-def wait_option(what: str):  # noqa: ANN201 - a click decorator
+def wait_option(what: str):  # a click decorator
     """``--wait [SEC]``: seconds, as limit, trim and compact take them; alone, it waits --timeout's seconds."""
     return click.option("--wait", "wait", type=WaitSeconds(min=0), is_flag=False, flag_value="", default=None,
                         metavar="[SEC]", help=f"Wait until the model is {what}, at most SEC seconds "

@@ -24,7 +24,7 @@ def _show(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
         return
     click.echo(f"kvctl {__version__}")
     if ctx.meta.get(VERBOSE_KEY):
-        from kvcached_core import native  # noqa: PLC0415 - only here: plain kvctl never needs it
+        from kvcached_core import native  # only here: plain kvctl never needs it
 
         for what, active, why in native.report():
             click.echo(f"{what}: {'active' if active else f'off ({why})'}")

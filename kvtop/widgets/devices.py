@@ -13,7 +13,7 @@ from kvtop.view import DeviceBar, device_bars, device_lines
 class DevicePanel(Widget):
     """Two lines per device; without NVML a clear host-backend bar against the host capacity."""
 
-    def __init__(self, *, id: str | None = None) -> None:  # noqa: A002 - textual's name
+    def __init__(self, *, id: str | None = None) -> None:  # textual's name
         super().__init__(id=id)
         self._bars: list[DeviceBar] = []
         self.border_title = "devices"
@@ -32,5 +32,5 @@ class DevicePanel(Widget):
         width = max(20, self.content_size.width)
         return Group(*(line for bar in self._bars for line in device_lines(bar, width)))
 
-    def get_content_height(self, container, viewport, width: int) -> int:  # noqa: ANN001
+    def get_content_height(self, container, viewport, width: int) -> int:
         return max(1, 2 * len(self._bars))

@@ -13,7 +13,7 @@ LEVEL_STYLES = {GOOD: "green", WARN: "yellow", ERROR: "bold red"}
 class EventLog(RichLog, can_focus=False):
     """Not focusable: the dashboard's keys (arrows, home/end, page up/down) are the app's; the wheel scrolls it."""
 
-    def __init__(self, *, id: str | None = None) -> None:  # noqa: A002
+    def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id, max_lines=1000, wrap=False, markup=False, highlight=False, auto_scroll=True)
         self.border_title = "events"
         self.lines_text: list[str] = []  # plain text of every line, for tests and the details screen

@@ -12,7 +12,7 @@ from kvtop.view import frag_table
 class FragSummary(Widget):
     """Recomputed only when the model's counters or page map changed (the page-map walk costs)."""
 
-    def __init__(self, *, id: str | None = None) -> None:  # noqa: A002
+    def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.border_title = "fragmentation"
         self._key: tuple | None = None

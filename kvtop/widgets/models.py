@@ -61,7 +61,7 @@ class ModelTable(ScrollView, can_focus=False):
             self.name = name
             self.double = double
 
-    def __init__(self, *, id: str | None = None) -> None:  # noqa: A002
+    def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.border_title = "models"
         self._order: list[str] = []

@@ -37,7 +37,7 @@ class _Geometry(NamedTuple):
 class PageMapView(ScrollView, can_focus=False):
     """``z`` halves the pages per cell (down to one page per cell), ``Z`` doubles it back to "fit"."""
 
-    def __init__(self, *, id: str | None = None) -> None:  # noqa: A002
+    def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.detail: ModelSnapshot | None = None
         self.zoom: int | None = None  # pages per cell; None = fit the whole map on screen

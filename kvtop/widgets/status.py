@@ -16,7 +16,7 @@ class StatusLine(Widget):
     A plain render widget: its size never changes, so an update repaints one line, no layout.
     """
 
-    def __init__(self, *, id: str | None = None) -> None:  # noqa: A002
+    def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self._text = Text(" kvtop ", style="bold reverse")
 

@@ -553,7 +553,7 @@ class PagedKVCache(Cache):
         if self._closed:
             return
         self.reset()
-        if self.prefix is not None and not self.manager._closed:  # noqa: SLF001 - a manager closed first needs nothing
+        if self.prefix is not None and not self.manager._closed:  # a manager closed first needs nothing
             self.manager.set_compact_handler(None)
             self.manager.set_evict_handler(None)
         self._closed = True

@@ -120,7 +120,7 @@ class GreedyEngine:
         """What the prefix cache keeps of leaving requests: the tokens whose K/V the cache holds."""
         return [(r.prompt + r.output)[:r.cached] for r in reqs] if self.prefix_cache else None
 
-    def _plan(self, admitted: int):  # noqa: ANN202 - StepPlan
+    def _plan(self, admitted: int):  # StepPlan
         while True:
             lengths = [len(r.pending()) for r in self.running]
             try:

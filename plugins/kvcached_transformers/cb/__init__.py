@@ -59,7 +59,7 @@ class CBInstall:
         """The allocator for a cache of ``num_sectors`` sectors on ``device``; the one already open when it fits."""
         backend = "cuda" if device.type == "cuda" else "host"
         manager = self.manager
-        if manager is not None and not manager._closed and (  # noqa: SLF001
+        if manager is not None and not manager._closed and (
                 manager.block_bytes, manager.num_blocks, manager.backend.name) == (
                 cache.bytes_per_sector, num_sectors, backend) and not self.caches:
             return manager
@@ -105,7 +105,7 @@ class CBInstall:
             self.loops.remove(lc)
             cache = lc.cache
             if cache in self.caches:
-                if not cache.kv_manager._closed:  # noqa: SLF001
+                if not cache.kv_manager._closed:
                     cache.release_all()
                 self.caches.remove(cache)
 

@@ -30,7 +30,7 @@ from .paged import KvcachedPagedAttentionCache
 log = logging.getLogger("kvcached_transformers.cb")
 
 
-class _Wait(Exception):  # noqa: N818 - a signal between two wrappers, never seen outside
+class _Wait(Exception):  # a signal between two wrappers, never seen outside
     """Nothing can be scheduled and nothing offloaded: wait for memory instead of failing every request."""
 
 
@@ -76,7 +76,7 @@ class LoopControl:
 
     def detach(self) -> None:
         """The loop stopped: nobody serves a sleep or an eviction now."""
-        if not self.manager._closed:  # noqa: SLF001 - a manager closed first needs nothing
+        if not self.manager._closed:  # a manager closed first needs nothing
             self.manager.set_sleep_handler(None)
             self.manager.set_evict_handler(None)
 
@@ -191,7 +191,7 @@ class LoopControl:
         if running + waiting > sum(self._published[:2]):
             t.last_request_ns = time.time_ns()
         self._published = figures
-        if self.manager._closed:  # noqa: SLF001
+        if self.manager._closed:
             return
         self.manager.publish_traffic(running, waiting, t.finished, t.prompt_tokens, t.generated_tokens, t.offloads,
                                      t.last_request_ns, self._waiting_sectors() if waiting else 0)

@@ -76,8 +76,9 @@ def print_table(columns: Sequence[Column], rows: Sequence[Sequence[str]], *, ric
     console.print(table)
 
 
-STATUS_STYLES = {"live": "green", "shrinking": "magenta", "late": "yellow", "stale": "red", "legacy": "yellow",
-                 "draining": "yellow", "asleep": "blue"}
+# A model's status and sleep state, one colour each wherever they are shown (kvctl's tables, kvtop's).
+STATUS_STYLES = {"live": "green", "stale": "bold red", "legacy": "cyan", "shrinking": "bold yellow",
+                 "late": "bold yellow", "draining": "yellow", "asleep": "blue"}
 
 
 def cell_style(header: str, cell: str) -> str:

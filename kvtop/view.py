@@ -20,13 +20,11 @@ from kvcached_core.sizes import percent
 from kvtop.history import History
 from kvtop.pagemap import GLYPHS, Cell
 from kvtop.source import Frame
-from kvtop.textfmt import fmt_device
+from kvtop.textfmt import STATUS_STYLES, fmt_device
 
 SORT_KEYS = ("name", "mapped", "waste", "alloc/s", "held")
 MODEL_COLOURS = ("dodger_blue1", "dark_orange", "medium_purple1", "spring_green2", "gold1", "hot_pink",
                  "turquoise2", "salmon1", "chartreuse2", "orchid1", "sky_blue1", "light_goldenrod2")
-STATUS_STYLES = {"live": "green", "stale": "bold red", "legacy": "cyan", "shrinking": "bold yellow",
-                 "late": "bold yellow", "draining": "yellow", "asleep": "blue"}
 STATE_STYLES = {"free": "grey35", "reserved": "steel_blue1", "cached": "magenta", "low": "yellow",
                 "mid": "chartreuse3", "high": "green3", "full": "bold green1"}
 RESERVED_STYLE, OTHERS_STYLE, FREE_STYLE = "steel_blue1", "grey50", "grey27"

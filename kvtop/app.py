@@ -89,7 +89,7 @@ class ControlDone(Message):
 
 
 class KvtopApp(App[int]):
-    """The dashboard. ``source`` is a LiveSource in production and a FakeSource in snapshot tests."""
+    """The dashboard. ``source`` is a LiveSource in production and a FakeSource (tests/fakes.py) in snapshot tests."""
 
     CSS_PATH = "kvtop.tcss"
     TITLE = "kvtop"

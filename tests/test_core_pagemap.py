@@ -164,8 +164,9 @@ def test_the_percentage_checker_sees_each_way(tmp_path: Path) -> None:
 
 
 def test_percent_and_free_pages_come_from_the_core() -> None:
+    from fakes import fake_model, fake_pages
+
     from kvcached_core.sizes import percent
-    from kvtop.source import fake_model, fake_pages
 
     assert percent(1, 4) == 25.0 and percent(3, 0) is None and percent(3, None) is None
     m = fake_model("m", pages=fake_pages(64, inuse=10, reserved=6, bpp=4), page_size=1 << 20, block_bytes=256 << 10)

@@ -612,8 +612,9 @@ def test_kvctl_frag_reads_the_largest_segment(shm_dir):
 
 
 def test_kvtop_logs_a_model_going_late_and_beating_again() -> None:
+    from fakes import fake_model
+
     from kvtop.events import diff
-    from kvtop.source import fake_model
 
     on_time = fake_model("m")
     late = replace(on_time, late=True)

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 from conftest import child_env, send
+from fakes import FakeSource, MiB, fake_model, fake_pages, sample_fleet
 from rich.console import Console
 
 from kvcached_core.backends import nvml
@@ -18,7 +19,7 @@ from kvcached_core.segment.snapshot import Problem, SleepInfo
 from kvtop.events import diff
 from kvtop.history import History
 from kvtop.once import print_once, render
-from kvtop.source import FakeSource, LiveSource, MiB, fake_model, fake_pages, sample_fleet
+from kvtop.source import LiveSource
 from kvtop.view import (
     bar_text,
     device_bars,

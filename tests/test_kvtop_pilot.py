@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 from conftest import send
+from fakes import sample_fleet
 from rich.console import Console
 from textual.command import CommandPalette
 from textual.pilot import Pilot
@@ -20,7 +21,7 @@ import kvcached_core as kc
 from kvcached_core.control.policy import request_policy
 from kvcached_core.segment.reader import snapshot as read_model
 from kvtop.app import KEY_NAMES, KvtopApp
-from kvtop.source import Frame, LiveSource, sample_fleet
+from kvtop.source import Frame, LiveSource
 from kvtop.widgets import ConfirmScreen, DetailsScreen, FilterScreen, HelpScreen, LimitScreen, PolicyScreen
 
 MiB = 1024 * 1024

@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 
 import pytest
+from fakes import FakeSource, sample_fleet
 from textual.pilot import Pilot
 from textual.widgets import Input
 
 from kvtop.app import KvtopApp
-from kvtop.source import FakeSource, sample_fleet
 
 SMALL, LARGE = (80, 24), (160, 50)
 

@@ -443,7 +443,7 @@ def test_the_docs_say_what_trim_says_about_the_refill() -> None:
 # -- kvtop's screen ------------------------------------------------------------------------
 
 def fake_app(**kwargs: object) -> KvtopApp:
-    from kvtop.source import sample_fleet
+    from fakes import sample_fleet
 
     return KvtopApp(sample_fleet(), interval=0.05, **kwargs)  # type: ignore[arg-type]
 
@@ -483,8 +483,9 @@ def test_the_footer_says_what_space_does_now_and_fits_80_columns() -> None:
 
 
 def test_zooming_past_either_end_says_so() -> None:
+    from fakes import sample_fleet
+
     import kvtop.app as kvtop_app
-    from kvtop.source import sample_fleet
 
     class Told(KvtopApp):
         """Keeps every notice it gives: toasts vanish after 3 s of wall time, a busy test machine is slower."""

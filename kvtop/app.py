@@ -22,7 +22,6 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
-from textual.message import Message
 from textual.reactive import var
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Static
@@ -34,6 +33,7 @@ from kvtop.cli.common import Number, Whole
 from kvtop.commands import KvtopCommands
 from kvtop.events import ERROR, GOOD, INFO, WARN, Event, diff, policy_text
 from kvtop.history import History
+from kvtop.messages import ControlDone, FrameReady, PollFailed
 from kvtop.source import Frame, LiveSource, Source
 from kvtop.textfmt import REFILL_NOTE
 from kvtop.view import SORT_KEYS, filter_models, legend_text, sort_models
@@ -62,30 +62,6 @@ CONTROL_WAIT_S = 10.0
 KEY_NAMES = {"question_mark": "?", "space": "space", "plus": "+", "minus": "-", "equals_sign": "=",
              "down": "↓", "up": "↑", "left": "←", "right": "→", "enter": "enter", "pageup": "pgup",
              "pagedown": "pgdn", "escape": "esc"}
-
-
-class FrameReady(Message):
-    """The poller read a frame."""
-
-    def __init__(self, frame: Frame) -> None:
-        super().__init__()
-        self.frame = frame
-
-
-class PollFailed(Message):
-    def __init__(self, error: str) -> None:
-        super().__init__()
-        self.error = error
-
-
-class ControlDone(Message):
-    """A control request's events: its answer (acknowledged, timed out or refused), or a draining sleep's
-    first line (``finished`` empty: the request goes on)."""
-
-    def __init__(self, events: list[Event], finished: tuple[tuple[str, str], ...] = ()) -> None:
-        super().__init__()
-        self.events = events
-        self.finished = finished  # the (kind, model) requests this message ends
 
 
 class KvtopApp(App[int]):

@@ -20,7 +20,7 @@ from typing import ClassVar
 import click
 from textual import on, work
 from textual.app import App, ComposeResult
-from textual.binding import Binding, BindingType
+from textual.binding import BindingType
 from textual.containers import Horizontal, Vertical
 from textual.reactive import var
 from textual.screen import ModalScreen
@@ -29,6 +29,7 @@ from textual.worker import get_current_worker
 
 from kvcached_core import AckTimeout, ControlError, ModelNotFound, __version__, format_bytes, resolve
 from kvcached_core.segment.snapshot import ModelSnapshot
+from kvtop.actions import bindings, help_rows
 from kvtop.cli.common import Number, Whole
 from kvtop.commands import KvtopCommands
 from kvtop.events import ERROR, GOOD, INFO, WARN, Event, diff, policy_text
@@ -59,9 +60,6 @@ INTERVALS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 # it can be generous: on a loaded host an ack can take seconds, and a shorter wait then logs
 # 'not acknowledged' for a request the engine carries out a moment later.
 CONTROL_WAIT_S = 10.0
-KEY_NAMES = {"question_mark": "?", "space": "space", "plus": "+", "minus": "-", "equals_sign": "=",
-             "down": "↓", "up": "↑", "left": "←", "right": "→", "enter": "enter", "pageup": "pgup",
-             "pagedown": "pgdn", "escape": "esc"}
 
 
 class KvtopApp(App[int]):
@@ -72,34 +70,7 @@ class KvtopApp(App[int]):
     COMMANDS = {KvtopCommands}  # ours only: one list, one style (quit, keys and help are in it)
     VERTICAL_BREAKPOINTS = [(0, "-short"), (36, "-tall")]
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("q", "quit", "Quit"),
-        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
-        Binding("question_mark", "help", "Help"),
-        Binding("down,j", "cursor(1)", "Next model", show=False),
-        Binding("up,k", "cursor(-1)", "Previous model", show=False),
-        Binding("home", "cursor(-1000000)", "First model", show=False),
-        Binding("end", "cursor(1000000)", "Last model", show=False),
-        Binding("left", "map_scroll(-1)", "Page map back a row", show=False),
-        Binding("right", "map_scroll(1)", "Page map on a row", show=False),
-        Binding("enter", "details", "Details", show=False),
-        Binding("t", "trim", "Trim"),
-        Binding("T", "trim_all", "Trim all", show=False),
-        Binding("c", "compact", "Compact", show=False),
-        Binding("w", "sleep_wake", "Sleep/wake", show=False),
-        Binding("l", "limit", "Limit"),
-        Binding("p", "policy", "Policy (min, priority)", show=False),
-        Binding("s", "cycle_sort", "Sort"),
-        Binding("f", "filter", "Filter"),
-        Binding("space", "pause", "Pause"),  # one of these two is shown: the one space does now
-        Binding("space", "resume", "Resume"),
-        Binding("plus,equals_sign", "faster", "Faster", show=False),
-        Binding("minus", "slower", "Slower", show=False),
-        Binding("z", "zoom_in", "Zoom"),
-        Binding("Z", "zoom_out", "Unzoom", show=False),
-        Binding("pagedown", "map_page(1)", "Scroll map down", show=False, priority=True),
-        Binding("pageup", "map_page(-1)", "Scroll map up", show=False, priority=True),
-    ]
+    BINDINGS: ClassVar[list[BindingType]] = list(bindings())  # kvtop/actions.py: keys, palette and help in one table
 
     # ``var``: no repaint of the whole screen when one changes; the watchers redraw what changed.
     frame: var[Frame | None] = var(None, always_update=True, init=False)
@@ -329,21 +300,11 @@ class KvtopApp(App[int]):
     # -- view actions ----------------------------------------------------------------------------
     @classmethod
     def help_keys(cls) -> list[tuple[tuple[str, ...], str, str]]:
-        """The help screen's rows: (Textual key names, action, description), from BINDINGS and the palette."""
-        rows = []
-        for binding in cls.BINDINGS:
-            assert isinstance(binding, Binding)
-            if binding.action == "resume":
-                continue  # space is one key: "Pause / resume" below
-            description = "Pause / resume" if binding.action == "pause" else binding.description
-            rows.append((tuple(binding.key.split(",")), binding.action, description))
-        rows.append((("ctrl+p",), "command_palette", "Command palette"))
-        return rows
+        """The help screen's rows: (Textual key names, action, description), from kvtop/actions.py."""
+        return [(tuple(a.keys.split(",")), a.action, a.help_text) for a in help_rows()]
 
     def action_help(self) -> None:
-        keys = [(" ".join(KEY_NAMES.get(k, k) for k in names), description)
-                for names, _action, description in self.help_keys()]
-        self.push_screen(HelpScreen(keys, self.readonly))
+        self.push_screen(HelpScreen([(a.key_text, a.help_text) for a in help_rows()], self.readonly))
 
     def action_details(self) -> None:
         m = self.selected_model()

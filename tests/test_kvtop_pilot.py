@@ -20,7 +20,8 @@ from textual.widgets import OptionList
 import kvcached_core as kc
 from kvcached_core.control.policy import request_policy
 from kvcached_core.segment.reader import snapshot as read_model
-from kvtop.app import KEY_NAMES, KvtopApp
+from kvtop.actions import KEY_NAMES
+from kvtop.app import KvtopApp
 from kvtop.source import Frame, LiveSource
 from kvtop.widgets import ConfirmScreen, DetailsScreen, FilterScreen, HelpScreen, LimitScreen, PolicyScreen
 

@@ -1,0 +1,105 @@
+"""kvtop's one table of actions: the key bindings, the command palette and the help screen are all read from it.
+
+A row is one binding (its keys, the action they run, the label the footer and the help screen show); a row with
+a ``palette`` title is also a command palette entry, whose hint names the row's first key. Nothing else lists
+keys or commands, so the three cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.binding import Binding
+
+# How the help screen and the palette write Textual's key names.
+KEY_NAMES = {"question_mark": "?", "space": "space", "plus": "+", "minus": "-", "equals_sign": "=",
+             "down": "↓", "up": "↑", "left": "←", "right": "→", "enter": "enter", "pageup": "pgup",
+             "pagedown": "pgdn", "escape": "esc"}
+
+
+@dataclass(frozen=True)
+class Action:
+    keys: str  # Textual key names, comma-separated
+    action: str
+    label: str  # the footer's and the help screen's words
+    show: bool = True  # in the footer
+    priority: bool = False  # before any focused widget's own bindings
+    palette: str = ""  # the command palette's title ("": not in the palette)
+    palette_help: str = ""
+    palette_action: str = ""  # the palette runs this instead of ``action`` (one entry for a key's two actions)
+    in_help: bool = True  # a row of the help screen (False: the other half of a key listed once)
+    help_label: str = ""  # the help screen's words where they differ from the footer's
+
+    @property
+    def help_text(self) -> str:
+        return self.help_label or self.label
+
+    @property
+    def key_text(self) -> str:
+        """The keys as a person reads them: ``↓ j``."""
+        return " ".join(KEY_NAMES.get(k, k) for k in self.keys.split(","))
+
+    def binding(self) -> Binding:
+        return Binding(self.keys, self.action, self.label, show=self.show, priority=self.priority)
+
+
+ACTIONS: tuple[Action, ...] = (
+    Action("q", "quit", "Quit", palette="Quit", palette_help="leave kvtop"),
+    Action("ctrl+c", "quit", "Quit", show=False, priority=True),
+    Action("question_mark", "help", "Help", palette="Help", palette_help="keys, legend and terms"),
+    Action("down,j", "cursor(1)", "Next model", show=False),
+    Action("up,k", "cursor(-1)", "Previous model", show=False),
+    Action("home", "cursor(-1000000)", "First model", show=False),
+    Action("end", "cursor(1000000)", "Last model", show=False),
+    Action("left", "map_scroll(-1)", "Page map back a row", show=False),
+    Action("right", "map_scroll(1)", "Page map on a row", show=False),
+    Action("enter", "details", "Details", show=False, palette="Model details",
+           palette_help="everything about the selected model"),
+    Action("t", "trim", "Trim", palette="Trim selected model",
+           palette_help="unmap the selected model's reserved pages now"),
+    Action("T", "trim_all", "Trim all", show=False, palette="Trim all models",
+           palette_help="unmap every live model's reserved pages now"),
+    Action("c", "compact", "Compact", show=False, palette="Compact selected model",
+           palette_help="move its cached blocks out of sparse pages and unmap the pages emptied"),
+    Action("w", "sleep_wake", "Sleep/wake", show=False, palette="Sleep / wake selected model",
+           palette_help="give back its whole KV cache, or wake it when it sleeps"),
+    Action("l", "limit", "Limit", palette="Set limit of selected model",
+           palette_help="cap mapped bytes: 4G, 512MiB, 30%, none"),
+    Action("p", "policy", "Policy (min, priority)", show=False, palette="Set policy of selected model",
+           palette_help="its min (never reclaimed) and priority (lower gives first)"),
+    Action("s", "cycle_sort", "Sort", palette="Cycle sort", palette_help="sort by name, mapped, waste, alloc/s, held"),
+    Action("f", "filter", "Filter", palette="Filter models", palette_help="show only models matching a substring"),
+    # space is one key: the footer shows the one of these two it does now; the help screen and the palette
+    # list it once
+    Action("space", "pause", "Pause", help_label="Pause / resume", palette="Pause / resume", palette_help="stop or restart refreshing",
+           palette_action="toggle_pause"),
+    Action("space", "resume", "Resume", in_help=False),
+    Action("plus,equals_sign", "faster", "Faster", show=False, palette="Refresh faster",
+           palette_help="shorter refresh interval"),
+    Action("minus", "slower", "Slower", show=False, palette="Refresh slower", palette_help="longer refresh interval"),
+    Action("z", "zoom_in", "Zoom", palette="Zoom page map in", palette_help="fewer pages per cell"),
+    Action("Z", "zoom_out", "Unzoom", show=False, palette="Zoom page map out",
+           palette_help="more pages per cell, back to fit"),
+    Action("pagedown", "map_page(1)", "Scroll map down", show=False, priority=True),
+    Action("pageup", "map_page(-1)", "Scroll map up", show=False, priority=True),
+)
+# Textual's own key for the palette: a row of the help screen, no binding of ours.
+PALETTE_KEY = Action("ctrl+p", "command_palette", "Command palette", show=False)
+
+
+def bindings() -> list[Binding]:
+    return [a.binding() for a in ACTIONS]
+
+
+def help_rows() -> list[Action]:
+    """The help screen's rows, in the table's order, the palette's own key last."""
+    return [a for a in ACTIONS if a.in_help] + [PALETTE_KEY]
+
+
+def palette() -> tuple[tuple[str, str, str], ...]:
+    """The command palette's entries: (title, help with the key that does the same, action to run)."""
+    entries = [(a.palette, f"{a.palette_help} ({KEY_NAMES.get(a.keys.split(',')[0], a.keys.split(',')[0])})",
+                a.palette_action or a.action) for a in ACTIONS if a.palette]
+    # what changes a model first, leaving kvtop and its help last
+    last = [e for e in entries if e[2] in ("help", "quit")]
+    return tuple([e for e in entries if e not in last] + sorted(last, key=lambda e: e[2] == "quit"))

@@ -17,7 +17,6 @@ import time
 from array import array
 from pathlib import Path
 
-from kvcached_core.config import shm_dir
 from kvcached_core.interop.legacy import NotLegacy, is_legacy_name, read_legacy
 from kvcached_core.segment import layout as L
 from kvcached_core.segment.liveness import judge, writer_alive
@@ -41,6 +40,7 @@ from kvcached_core.segment.reader import (
     parse_header,
 )
 from kvcached_core.segment.snapshot import ModelSnapshot, Problem, RankInfo, Scan, Traffic
+from kvcached_core.settings import settings
 
 _SUMS: dict[str, tuple[bytes, int]] = {}  # per segment name: the last page map summed, and its sum
 _SUMS_MAX = 4096
@@ -195,7 +195,7 @@ def read_segment(path: Path, *, with_pages: bool = False, now_ns: int | None = N
 
 def scan(*, with_pages: bool = False, directory: Path | None = None) -> Scan:
     """Every segment in the directory, plus a Problem for each file we could not use."""
-    base = directory or shm_dir()
+    base = directory or settings().shm_dir
     models: list[ModelSnapshot] = []
     problems: list[Problem] = []
     try:

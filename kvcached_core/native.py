@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from .config import ConfigError, tristate_env
+from .settings import ConfigError, settings
 
 log = logging.getLogger("kvcached_core")
 
@@ -86,7 +86,7 @@ def report() -> list[tuple[str, bool, str]]:
     rows = []
     for part in PARTS.values():
         try:
-            mode = tristate_env(part.env)
+            mode = settings().mode(part.env)
         except ConfigError as exc:
             rows.append((part.what, False, str(exc)))
             continue

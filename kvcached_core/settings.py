@@ -11,14 +11,16 @@ still runs.
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .bounds import PRIORITY_MAX, PRIORITY_MIN, endpoint_problem
 from .hostmem import total_ram_bytes
-from .segment.layout import endpoint_problem
+from .sizes import SizeError, parse_size
 
 MiB = 1024 * 1024
 
@@ -197,6 +199,18 @@ class Settings:
         """The auto/on/off setting of a native part, by its variable's name."""
         return {"KVCACHED_FASTPATH": self.fastpath, "KVCACHED_CUDA_NATIVE": self.cuda_native}[name]
 
+    def cached_blocks(self, block_tokens: int) -> int | None:
+        """The prefix-cache budget in blocks of ``block_tokens`` tokens; None: unlimited, 0: the cache is off."""
+        blocks = self.max_cached_blocks
+        if blocks is not None:
+            return None if blocks < 0 else blocks
+        tokens = self.max_cached_tokens
+        if tokens < 0:
+            return None
+        if tokens == 0:
+            return 0
+        return max(1, tokens // max(1, block_tokens))
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
@@ -292,8 +306,6 @@ def _cached_blocks(raw: Raw, done: dict[str, Any]) -> int | None:
 
 
 def _host_capacity(raw: Raw, done: dict[str, Any]) -> int:
-    from .sizes import SizeError, parse_size
-
     value = raw["KVCACHED_HOST_CAPACITY"]
     if value:
         try:
@@ -306,8 +318,6 @@ def _host_capacity(raw: Raw, done: dict[str, Any]) -> int:
 
 
 def _device_budget(raw: Raw, done: dict[str, Any]) -> DeviceBudget | None:
-    from .sizes import SizeError, parse_size
-
     value = (raw["KVCACHED_DEVICE_BUDGET"] or "").strip()
     if not value or value.lower() == "none":
         return None
@@ -324,8 +334,6 @@ def _device_budget(raw: Raw, done: dict[str, Any]) -> DeviceBudget | None:
 
 
 def _min_bytes(raw: Raw, done: dict[str, Any]) -> int:
-    from .sizes import SizeError, parse_size
-
     value = (raw["KVCACHED_MIN"] or "").strip()
     if not value:
         return 0
@@ -337,8 +345,6 @@ def _min_bytes(raw: Raw, done: dict[str, Any]) -> int:
 
 
 def _priority(raw: Raw, done: dict[str, Any]) -> int:
-    from .segment.layout import PRIORITY_MAX, PRIORITY_MIN
-
     value = _int(raw, "KVCACHED_PRIORITY")
     if not PRIORITY_MIN <= value <= PRIORITY_MAX:
         raise ConfigError(f"KVCACHED_PRIORITY={value} must be between {PRIORITY_MIN} and {PRIORITY_MAX}")
@@ -464,3 +470,24 @@ def markdown_table() -> str:
 
 if __name__ == "__main__":
     sys.stdout.write(markdown_table())
+
+
+def shm_dir_problem(directory: Path | None = None, *, writable: bool = False) -> str | None:
+    """Why the segment directory (``directory``, else ``KVCACHED_SHM_DIR``'s) cannot be used, as one line; None
+    when it can. A missing directory would otherwise read as an empty fleet; ``writable`` also asks that
+    allocators could create segments there."""
+    path = directory or settings().shm_dir
+    named = f"KVCACHED_SHM_DIR={path}" if directory is None and "KVCACHED_SHM_DIR" in settings().given else str(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return f"segment directory {named} does not exist"
+    except OSError as exc:
+        return f"segment directory {named}: {exc.strerror or exc}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"segment directory {named} is not a directory"
+    if not os.access(path, os.R_OK | os.X_OK):
+        return f"segment directory {named} cannot be read (permission denied)"
+    if writable and not os.access(path, os.W_OK | os.X_OK):
+        return f"segment directory {named} is not writable: allocators cannot create segments there"
+    return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-from .segment.layout import MAX_LIMIT_BYTES
+from .bounds import MAX_LIMIT_BYTES
 
 _UNITS = {
     "b": 1,

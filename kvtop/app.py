@@ -656,7 +656,7 @@ def run(*, demo: bool, demo_models: int, once: bool, interval: float, gpus: list
     with _exit_on_signals():
         try:
             if demo:
-                from kvcached_core.config import shm_dir_problem
+                from kvcached_core.settings import shm_dir_problem
                 from kvtop.demo import DemoFleet
 
                 problem = shm_dir_problem(writable=True)

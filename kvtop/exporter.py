@@ -219,10 +219,10 @@ class KVCachedCollector(Collector):
 
     def _router_families(self, models: tuple[ModelSnapshot, ...]) -> list[Metric]:
         """What a running kvctl route counted per model (kvtop.router.published), beside the engines' own figures."""
-        from kvcached_core.config import shm_dir
+        from kvcached_core.settings import settings
         from kvtop.router.published import read as read_routers
 
-        found = read_routers(shm_dir())
+        found = read_routers(settings().shm_dir)
 
         def counter(name: str, doc: str) -> CounterMetricFamily:
             return CounterMetricFamily(f"{PREFIX}_router_{name}", doc, labels=MODEL_LABELS)

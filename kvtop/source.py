@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Protocol
 
 import kvcached_core as kc
-from kvcached_core import config
 from kvcached_core.backends import nvml
 from kvcached_core.backends.nvml import GpuInfo
 from kvcached_core.segment.reader import read_segment
 from kvcached_core.segment.snapshot import ModelSnapshot, Problem
+from kvcached_core.settings import ConfigError, settings, shm_dir_problem
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,8 @@ class LiveSource:
         self._gpus: tuple[GpuInfo, ...] = ()
         self._gpus_at = float("-inf")
         try:
-            self._host_capacity = config.host_capacity_bytes()
-        except config.ConfigError:
+            self._host_capacity = settings().host_capacity_bytes
+        except ConfigError:
             self._host_capacity = 0
 
     def _probe_gpus(self) -> tuple[GpuInfo, ...]:
@@ -112,10 +112,10 @@ class LiveSource:
             note = "NVML reports no GPU" if self.gpu_filter is None else f"no GPU {self.gpu_filter}"
         from kvtop.router.published import read as read_routers
 
-        router = read_routers(self.directory or config.shm_dir()).models
+        router = read_routers(self.directory or settings().shm_dir).models
         return Frame(found.models, found.problems, gpus, note, self._host_capacity, detail,
                      time.time(), self.host, time.perf_counter() - started,
-                     config.shm_dir_problem(self.directory) or "", router)
+                     shm_dir_problem(self.directory) or "", router)
 
     def reread(self, model: ModelSnapshot) -> ModelSnapshot:
         """The model's counters now (a dialog about to act on it must not show an old frame's figures)."""

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 from kvcached_core.allocator.compact import host_copy
 from kvcached_core.allocator.manager import KVCacheManager
-from kvcached_core.config import max_cached_blocks
 from kvcached_core.segment.frag import fragmentation
 from kvcached_core.segment.reader import snapshot
 
@@ -379,7 +378,7 @@ def run_workload(wl: Workload, policy: str, *, compaction: bool = False) -> Resu
                 hits=engine.hits, hits_after_idle=engine.hits - hits_before, lookups=engine.lookups,
                 peak_pages=engine.peak_pages, alloc_us_median=ns[len(ns) // 2] / 1e3,
                 alloc_us_p99=ns[min(len(ns) - 1, int(len(ns) * 0.99))] / 1e3, allocs=len(ns),
-                compaction=compaction, cache_budget=max_cached_blocks(wl.block_tokens) or 0,
+                compaction=compaction, cache_budget=settings().cached_blocks(wl.block_tokens) or 0,
                 compactions=snap.compaction.compactions if snap.compaction else 0,
                 blocks_moved=snap.compaction.blocks_moved if snap.compaction else 0,
                 copied_bytes=snap.compaction.bytes_copied if snap.compaction else 0,

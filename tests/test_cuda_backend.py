@@ -23,12 +23,11 @@ from kvcached_core.backends import Geometry, cuda_native
 from kvcached_core.backends.cuda import (
     CudaBackend,
     block_spec,
-    layout_from_env,
     range_spec,
     runs,
     tensor_views,
 )
-from kvcached_core.config import ConfigError
+from kvcached_core.settings import ConfigError, Settings
 
 MiB = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,11 +123,11 @@ def test_layer_layout_gives_each_buffer_one_single_stride_tensor() -> None:
 def test_layout_setting_is_validated_before_touching_the_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCACHED_CUDA_LAYOUT", "diagonal")
     with pytest.raises(ConfigError, match="layer, page"):
-        layout_from_env()
+        assert Settings.from_env().cuda_layout
     with pytest.raises(ConfigError, match="KVCACHED_CUDA_LAYOUT"):
         CudaBackend(Geometry(2 * MiB, 4, 2, 2))
     monkeypatch.setenv("KVCACHED_CUDA_LAYOUT", "Page")
-    assert layout_from_env() == "page"
+    assert Settings.from_env().cuda_layout == "page"
     monkeypatch.setenv("KVCACHED_CUDA_POOL_PAGES", "-1")
     with pytest.raises(ConfigError, match="KVCACHED_CUDA_POOL_PAGES"):
         CudaBackend(Geometry(2 * MiB, 4, 2, 2), layout="layer")

@@ -121,25 +121,25 @@ def variables_in_code() -> set[str]:
 
 def effective_defaults() -> dict[str, str]:
     """What the code does with each variable unset, as the table writes it."""
-    from kvcached_core import config
     from kvcached_core.allocator import fastpath, placement
-    from kvcached_core.backends import cuda, cuda_native
+    from kvcached_core.backends import cuda_native
+    from kvcached_core.settings import MiB, settings
     from kvcached_core.tp import broadcast
 
-    bounds = config.reserve_bounds()
+    bounds = settings().reserve
     return {
-        "KVCACHED_SHM_DIR": str(config.shm_dir()),
-        "KVCACHED_PAGE_SIZE_MB": f"{config.page_size_bytes() // config.MiB}",
+        "KVCACHED_SHM_DIR": str(settings().shm_dir),
+        "KVCACHED_PAGE_SIZE_MB": f"{settings().page_size_bytes // MiB}",
         "KVCACHED_MIN_RESERVED_PAGES": f"{bounds.min_pages}",
         "KVCACHED_MAX_RESERVED_PAGES": f"{bounds.max_pages}",
-        "KVCACHED_MAX_CACHED_TOKENS": f"{config.max_cached_blocks(1)}",
+        "KVCACHED_MAX_CACHED_TOKENS": f"{settings().cached_blocks(1)}",
         "KVCACHED_POLICY": placement.DEFAULT_POLICY,
-        "KVCACHED_IDLE_RETURN_S": f"{config.idle_return_s():g}",
-        "KVCACHED_CUDA_LAYOUT": cuda.layout_from_env(),
-        "KVCACHED_CUDA_ASYNC_UNMAP": "1" if cuda.async_unmap_from_env() else "0",
-        "KVCACHED_CUDA_UNMAP_DELAY_MS": f"{cuda.unmap_delay_from_env() * 1000:g}",
-        "KVCACHED_CUDA_NATIVE": cuda_native.native_mode_from_env(),
-        "KVCACHED_FASTPATH": fastpath.mode_from_env(),
+        "KVCACHED_IDLE_RETURN_S": f"{settings().idle_return_s:g}",
+        "KVCACHED_CUDA_LAYOUT": settings().cuda_layout,
+        "KVCACHED_CUDA_ASYNC_UNMAP": "1" if settings().cuda_async_unmap else "0",
+        "KVCACHED_CUDA_UNMAP_DELAY_MS": f"{settings().cuda_unmap_delay_s * 1000:g}",
+        "KVCACHED_CUDA_NATIVE": settings().mode(cuda_native.NATIVE_ENV),
+        "KVCACHED_FASTPATH": settings().mode(fastpath.FASTPATH_ENV),
         "KVCACHED_TP_STRATEGY": broadcast.default_strategy(),
         "KVCACHED_TP_TIMEOUT_S": f"{broadcast.default_timeout():g}",
     }

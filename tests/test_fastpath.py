@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from kvcached_core import KVCacheManager
 from kvcached_core.allocator import fastpath
 from kvcached_core.allocator.placement import POLICIES, Affinity
-from kvcached_core.config import ConfigError
 from kvcached_core.segment import layout as L
 from kvcached_core.segment.reader import snapshot
+from kvcached_core.settings import ConfigError, Settings
 
 MODULE, WHY = fastpath.load()
 needs_build = pytest.mark.skipif(MODULE is None, reason=f"C alloc path unavailable here: {WHY}")
@@ -151,7 +151,7 @@ def test_every_policy_is_served_in_c_and_off_or_a_policy_of_ones_own_stays_in_py
 def test_bad_mode_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCACHED_FASTPATH", "maybe")
     with pytest.raises(ConfigError, match="KVCACHED_FASTPATH='maybe' must be auto, 1 or 0"):
-        fastpath.mode_from_env()
+        Settings.from_env().mode(fastpath.FASTPATH_ENV)
 
 
 @needs_build

@@ -21,9 +21,9 @@ from conftest import ROOT, child_env, freeze, send
 from test_hardening_crash import process_state
 
 import kvcached_core as kc
-from kvcached_core.config import ConfigError
 from kvcached_core.segment import layout as L
 from kvcached_core.segment.writer import SegmentError
+from kvcached_core.settings import ConfigError
 
 SMALL = dict(num_blocks=64, block_bytes=1 << 16, num_layers=1, page_size=1 << 18)
 DOC = ROOT / "docs" / "bad-input.md"

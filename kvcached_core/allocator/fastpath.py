@@ -29,8 +29,8 @@ from types import ModuleType
 from typing import Any
 
 from .. import native
-from ..config import ConfigError, tristate_env
 from ..segment import layout as L
+from ..settings import ConfigError, settings
 
 FASTPATH_ENV = native.PARTS["fastpath"].env
 # The counters fastpath.c's full publish writes (read_full, publish). A counter added to layout.COUNTER_FIELDS
@@ -81,10 +81,6 @@ BINDING: dict[str, tuple[str, str, str]] = {
 POLICY_BEST_FIT, POLICY_AFFINITY, POLICY_FIRST_FIT = 0, 1, 2
 
 
-def mode_from_env() -> str:
-    return tristate_env(FASTPATH_ENV)
-
-
 def load() -> tuple[ModuleType | None, str]:
     """The extension module ``kvcached_core.allocator._fastpath``, or None and why not."""
     return native.load("fastpath")
@@ -121,7 +117,7 @@ def attach(manager: Any, policy: Any, mode: str | None = None) -> tuple[Any | No
     """A FastPath bound to ``manager`` when its policy and mode allow one, else None and why."""
     from .placement import Affinity, FirstFit, Policy  # placement imports nothing from here
 
-    mode = mode_from_env() if mode is None else mode
+    mode = settings().mode(FASTPATH_ENV) if mode is None else mode
     if mode == "off":
         return None, f"{FASTPATH_ENV}=0"
     code = {Policy: POLICY_BEST_FIT, Affinity: POLICY_AFFINITY, FirstFit: POLICY_FIRST_FIT}.get(type(policy))
@@ -141,4 +137,4 @@ def attach(manager: Any, policy: Any, mode: str | None = None) -> tuple[Any | No
     return fast, ""
 
 
-__all__ = ["BINDING", "FASTPATH_ENV", "attach", "load", "mode_from_env", "require"]
+__all__ = ["BINDING", "FASTPATH_ENV", "attach", "load", "require"]

@@ -11,11 +11,11 @@ from collections.abc import Callable, Iterable, Sequence
 from numbers import Integral
 from typing import Any
 
-from .. import config
 from ..backends import Backend, BackendError, Geometry, make_backend
 from ..segment import layout as L
 from ..segment.names import sanitize, segment_path, validate
 from ..segment.writer import Identity, SegmentError, SegmentWriter, owned_stale
+from ..settings import settings
 from ..tp.broadcast import BroadcastBackend
 from ..tp.launch import adopt, spawn_workers
 from . import fastpath, poller
@@ -86,7 +86,7 @@ class KVCacheManager:
         min_bytes: int | None = None,
         priority: int | None = None,
     ) -> None:
-        page_size = config.page_size_bytes() if page_size is None else page_size
+        page_size = settings().page_size_bytes if page_size is None else page_size
         for label, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes),
                              ("num_layers", num_layers), ("num_kv_buffers", num_kv_buffers),
                              ("page_size", page_size), ("block_tokens", block_tokens)):
@@ -127,9 +127,9 @@ class KVCacheManager:
         self.geometry = Geometry(page_size, pages_total, num_layers, num_kv_buffers)
         self.tp_world = tp_world
         self.bundle_bytes = self.geometry.bundle_bytes * tp_world  # one page id on every rank
-        bounds = config.reserve_bounds()
+        bounds = settings().reserve
         self.min_reserved, self.max_reserved = bounds.min_pages, bounds.max_pages
-        fast_mode = fastpath.mode_from_env()
+        fast_mode = settings().mode(fastpath.FASTPATH_ENV)
         fastpath.require(fast_mode)  # KVCACHED_FASTPATH=1 without a build fails before any file exists
 
         self._lock = threading.RLock()
@@ -138,7 +138,7 @@ class KVCacheManager:
         self._closed = False
         self.pages = PageTable(pages_total, bpp, num_blocks)
         self.policy = make_policy(policy)
-        self.cache = PrefixCache(bpp, config.max_cached_blocks(block_tokens))
+        self.cache = PrefixCache(bpp, settings().cached_blocks(block_tokens))
         if tp_workers is not None:
             self.backend: Backend = BroadcastBackend(self.geometry, backend, tp_workers, strategy=tp_strategy,
                                                      timeout=tp_timeout)
@@ -182,12 +182,12 @@ class KVCacheManager:
         self.staged = StagedCompaction(self)  # two-phase compaction (set_compact_poke)
         # Memory pressure between the models of a device (kvcached_core.allocator.pressure): min and priority
         # from the arguments, else KVCACHED_MIN / KVCACHED_PRIORITY; kvctl policy changes them live.
-        self.pressure = PressureControl(self, config.settings().min_bytes if min_bytes is None else min_bytes,
-                                        config.settings().priority if priority is None else priority)
+        self.pressure = PressureControl(self, settings().min_bytes if min_bytes is None else min_bytes,
+                                        settings().priority if priority is None else priority)
         self._fast: Any = None  # the C path, attached below (fastpath.attach): it publishes too
         self._publish()
         self.segment.publish_compaction(self.compaction.values())
-        endpoint = config.settings().endpoint  # KVCACHED_ENDPOINT: an engine's server says where it serves
+        endpoint = settings().endpoint  # KVCACHED_ENDPOINT: an engine's server says where it serves
         if endpoint is not None:
             self.segment.publish_endpoint(endpoint)
         try:
@@ -235,7 +235,7 @@ class KVCacheManager:
 
     @staticmethod
     def _choose_name(name: str | None, model: str) -> str:
-        explicit = name if name is not None else config.ipc_name_override()
+        explicit = name if name is not None else settings().ipc_name
         if explicit is not None:  # an explicit empty name is refused, not replaced by the default
             return validate(explicit)
         base = sanitize(model)
@@ -1201,7 +1201,7 @@ class _WatchState:
         self.last_beat = 0.0
         self.activity: tuple | None = None
         self.active_at = time.monotonic()
-        self.idle_after = config.idle_return_s()
+        self.idle_after = settings().idle_return_s
 
 
 # The background threads (the refill thread, the process's poller) hold their manager only while

@@ -58,7 +58,7 @@ from typing import Any
 from .. import native
 from ..settings import CUDA_LAYOUTS, settings
 from .base import Backend, BackendError, BackendUnavailable, Geometry
-from .cuda_native import NATIVE_ENV, NativeVmm, native_mode_from_env
+from .cuda_native import NATIVE_ENV, NativeVmm
 from .cuda_native import load as load_native
 from .ledger import BUDGET_MAX_AGE_S, CapacityLedger
 
@@ -67,22 +67,6 @@ LAYOUT_ENV = "KVCACHED_CUDA_LAYOUT"
 POOL_ENV = "KVCACHED_CUDA_POOL_PAGES"
 ASYNC_ENV = "KVCACHED_CUDA_ASYNC_UNMAP"
 DELAY_ENV = "KVCACHED_CUDA_UNMAP_DELAY_MS"
-
-
-def layout_from_env() -> str:
-    return settings().cuda_layout
-
-
-def pool_pages_from_env() -> int:
-    return settings().cuda_pool_pages
-
-
-def async_unmap_from_env() -> bool:
-    return settings().cuda_async_unmap
-
-
-def unmap_delay_from_env() -> float:
-    return settings().cuda_unmap_delay_s
 
 
 def runs(pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -222,13 +206,13 @@ class CudaBackend(Backend):
         """``budget_bytes``: this device's KV budget shared with the other allocators on it (default:
         ``KVCACHED_DEVICE_BUDGET``; none: the driver's out-of-memory is the budget)."""
         super().__init__(geometry, device)
-        self.layout = layout_from_env() if layout is None else layout
+        self.layout = settings().cuda_layout if layout is None else layout
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
-        self.pool_pages = pool_pages_from_env() if pool_pages is None else pool_pages
-        self.async_unmap = async_unmap_from_env() if async_unmap is None else async_unmap
-        self.unmap_delay_s = unmap_delay_from_env() if unmap_delay_s is None else unmap_delay_s
-        self.native_mode = native_mode_from_env() if native is None else native
+        self.pool_pages = settings().cuda_pool_pages if pool_pages is None else pool_pages
+        self.async_unmap = settings().cuda_async_unmap if async_unmap is None else async_unmap
+        self.unmap_delay_s = settings().cuda_unmap_delay_s if unmap_delay_s is None else unmap_delay_s
+        self.native_mode = settings().mode(NATIVE_ENV) if native is None else native
         self._native: NativeVmm | None = None
         self.native_reason = "not requested" if self.native_mode == "off" else ""
         g = geometry
@@ -936,5 +920,5 @@ def tensor_views(manager: Any, *, dtype: Any = None, shape: Sequence[int] | None
              for kv in range(manager.num_kv_buffers)] for layer in range(manager.num_layers)]
 
 
-__all__ = ["CudaBackend", "LAYOUTS", "ViewSpec", "block_spec", "layout_from_env", "range_spec", "runs",
+__all__ = ["CudaBackend", "LAYOUTS", "ViewSpec", "block_spec", "range_spec", "runs",
            "tensor_views"]

@@ -21,13 +21,8 @@ from types import ModuleType
 from typing import Any
 
 from .. import native
-from ..config import tristate_env
 
 NATIVE_ENV = native.PARTS["cuda"].env
-
-
-def native_mode_from_env() -> str:
-    return tristate_env(NATIVE_ENV)
 
 
 def load() -> tuple[ModuleType | None, str]:
@@ -82,4 +77,4 @@ class NativeVmm:
         return self._release(self._addr, handles) if handles else 0
 
 
-__all__ = ["NATIVE_ENV", "NativeVmm", "load", "native_mode_from_env"]
+__all__ = ["NATIVE_ENV", "NativeVmm", "load"]

@@ -16,7 +16,7 @@ import mmap
 import os
 from collections.abc import Sequence
 
-from ..config import host_capacity_bytes
+from ..settings import settings
 from .base import Backend, BackendError, Geometry
 from .ledger import BUDGET_MAX_AGE_S, CapacityLedger
 
@@ -40,7 +40,7 @@ class HostBackend(Backend):
 
     def __init__(self, geometry: Geometry, device: int = 0, ledger: CapacityLedger | None = None) -> None:
         super().__init__(geometry, device)
-        self.ledger = ledger or CapacityLedger(host_capacity_bytes())
+        self.ledger = ledger or CapacityLedger(settings().host_capacity_bytes)
         self._ranges = geometry.num_layers * geometry.num_kv_buffers
         size = geometry.range_bytes * self._ranges
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)

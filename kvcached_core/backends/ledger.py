@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..config import shm_dir
 from ..hostmem import available_ram_bytes
 from ..segment import layout as L
 from ..segment.liveness import writer_alive
 from ..segment.names import SEGMENT_PREFIX
+from ..settings import settings
 
 LOCK_NAME = ".kvc-host-capacity.lock"  # the host budget's lock file; a device budget's: lock_name("cuda", device)
 LOCK_WAIT_S = 2.0  # the most _lock waits by default; claims take it without waiting
@@ -61,7 +61,7 @@ class CapacityLedger:
     def __init__(self, capacity: int, directory: Path | None = None, *, backend: str = "host",
                  device: int | None = None) -> None:
         self.capacity = capacity
-        self.directory = directory or shm_dir()
+        self.directory = directory or settings().shm_dir
         self.backend = backend
         self.device = device
         self.claimed = 0

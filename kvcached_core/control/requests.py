@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..allocator.poller import poke
-from ..config import ConfigError, host_capacity_bytes
 from ..fleet import ModelNotFound, resolve, scan
 from ..interop.legacy import flock_within, limit_refusal, percent_base, write_legacy_limit
 from ..segment import layout as L
@@ -23,6 +22,7 @@ from ..segment.control_io import ControlWriteError, open_for_control, wake_token
 from ..segment.names import SEGMENT_PREFIX
 from ..segment.reader import read_segment
 from ..segment.snapshot import ModelSnapshot
+from ..settings import ConfigError, settings
 
 POLL_S = 0.002
 FIRST_POLL_S = 0.0001  # the first looks for the acknowledgement come sooner, doubling up to POLL_S
@@ -180,7 +180,7 @@ def limit_percent_base(model: ModelSnapshot) -> tuple[int | None, str]:
         return model.device_capacity, ""
     if model.backend == "host":
         try:
-            return host_capacity_bytes(), ""
+            return settings().host_capacity_bytes, ""
         except ConfigError:
             return None, ""
     if model.legacy:

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from ..config import ipc_name_override
 from ..segment import layout as L
 from ..segment.names import LEGACY_PREFIX
 from ..segment.pgroups import GroupJudge
 from ..segment.snapshot import ModelSnapshot, Problem
+from ..settings import settings
 from ..sizes import format_bytes
 
 READ_LOCK_TIMEOUT_S = 0.1  # upstream holds its flock for microseconds; longer means a hung holder
@@ -71,7 +71,7 @@ def flock_within(fd: int, operation: int, timeout: float) -> None:
 
 def is_legacy_name(filename: str) -> bool:
     """A name upstream gives its segments: ``kvcached_...`` or this process's ``KVCACHED_IPC_NAME``."""
-    return filename.startswith(LEGACY_PREFIX) or filename == ipc_name_override()
+    return filename.startswith(LEGACY_PREFIX) or filename == settings().ipc_name
 
 
 def parse_name(filename: str) -> tuple[str, int]:

@@ -35,6 +35,14 @@ from __future__ import annotations
 import struct
 import zlib
 
+# Bounds the settings and the size parser share with the segment (kvcached_core/bounds.py, one floor down).
+from ..bounds import ENDPOINT_MAX as ENDPOINT_MAX
+from ..bounds import MAX_LIMIT_BYTES as MAX_LIMIT_BYTES
+from ..bounds import PRIORITY_MAX as PRIORITY_MAX
+from ..bounds import PRIORITY_MIN as PRIORITY_MIN
+from ..bounds import endpoint_problem as endpoint_problem
+from ..bounds import printable as printable
+
 MAGIC = b"KVCSEG\x00\x01"
 LAYOUT_VERSION = 3  # 2: the CONTROL block grew by the compact request (liveness moved), the COMPACT region;
 # 3: COMPACT, TRAFFIC and SLEEP sealed (each its own seqlock and check), the last compaction answers, page map at 1536
@@ -163,7 +171,6 @@ WORDS_START, WORDS_END = COMPACT_OFF, PRESSURE_OFF + SEAL_BYTES + PRESSURE.size 
 # header region's last 128 bytes, which the header struct leaves spare: segments written before it read as none
 # published (the block's seq 0) and readers before it never look there, so the layout version stays. The payload
 # is the URL's length, then the URL (ASCII, ``http(s)://host:port[/path]``, at most ENDPOINT_MAX bytes), zero-padded.
-ENDPOINT_MAX = 104
 ENDPOINT = struct.Struct(f"<Q{ENDPOINT_MAX}s")
 ENDPOINT_OFF = 384
 assert HEADER.size <= ENDPOINT_OFF and ENDPOINT_OFF + SEAL_BYTES + ENDPOINT.size == HEADER_SIZE
@@ -179,7 +186,6 @@ POLICY_CTL = struct.Struct("<QqqQ")
 POLICY_CTL_OFF = CONTROL2_OFF
 POLICY_MIN_NONE, POLICY_MIN_KEEP = -1, -2
 POLICY_PRIORITY_KEEP = -(1 << 63)
-PRIORITY_MIN, PRIORITY_MAX = -1000, 1000  # the priorities a controller may set (readers take others as forged)
 RECLAIM_CTL = struct.Struct("<QQQQ")
 RECLAIM_CTL_OFF = POLICY_CTL_OFF + POLICY_CTL.size
 assert WORDS_END <= CONTROL2_OFF and RECLAIM_CTL_OFF + RECLAIM_CTL.size <= CONTROL2_OFF + CONTROL2_SIZE
@@ -209,30 +215,6 @@ def policy_check(revision: int, min_bytes: int, priority: int) -> int:
     return (zlib.crc32(raw) | (revision << 32)) & 0xFFFFFFFFFFFFFFFF
 
 
-def endpoint_problem(url: object) -> str | None:
-    """Why ``url`` cannot be a published endpoint (see ``ENDPOINT``); None when it can."""
-    from urllib.parse import urlsplit
-
-    if not isinstance(url, str) or not url:
-        return f"an endpoint is a URL such as http://127.0.0.1:8000, not {url!r}"
-    if not url.isascii() or not url.isprintable() or " " in url:
-        return f"endpoint {printable(url)!r}: only printable ASCII, no spaces"
-    if len(url) > ENDPOINT_MAX:
-        return f"endpoint of {len(url)} characters: a segment holds at most {ENDPOINT_MAX}"
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        return f"endpoint {url!r}: {exc}"
-    if parts.scheme not in ("http", "https"):
-        return f"endpoint {url!r}: the scheme must be http or https"
-    if not parts.hostname or port is None or port == 0:
-        return f"endpoint {url!r}: it must name a host and a port (http://HOST:PORT)"
-    if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
-        return f"endpoint {url!r}: no user, query or fragment"
-    return None
-
-
 def reclaim_check(seq: int, want_bytes: int, asker: int) -> int:
     """Ties a reclaim request to its sequence number."""
     raw = U64.pack(seq) + U64.pack(want_bytes) + U64.pack(asker)
@@ -250,7 +232,6 @@ RANK_LOST = 1  # flags: the scheduler lost this rank (it hung up, erred or misse
 
 MAX_PAGES = 1 << 20  # page ids per segment: a 4 MiB page map (2 TiB per range at 2 MiB pages); allocators
 # refuse more and readers take a header claiming more for damaged, so no reader holds more than this
-MAX_LIMIT_BYTES = 2**63 - 1  # the CONTROL block's limit is an int64: no larger limit (or size) can be stored
 
 
 def limit_problem(limit_bytes: object) -> str | None:
@@ -307,14 +288,6 @@ def counters_checksum(payload: bytes, seq: int) -> int:
 def limit_check(limit_bytes: int, revision: int) -> int:
     """Ties a limit value to its revision so a half-written control request is never applied."""
     return (zlib.crc32(I64.pack(limit_bytes) + U64.pack(revision)) | (revision << 32)) & 0xFFFFFFFFFFFFFFFF
-
-
-def printable(text: str) -> str:
-    """``text`` with every control, format and line-separator character (ESC, BEL, DEL, C1, bidi
-    overrides, ...) replaced by ``?``: strings from segment files and file names reach terminals."""
-    if text.isprintable():  # the common case, one C loop (a plain space counts as printable)
-        return text
-    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def decode_text(raw: bytes) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..config import shm_dir
+from ..settings import settings
 
 SEGMENT_PREFIX = "kvc."
 LEGACY_PREFIX = "kvcached_"
@@ -34,4 +34,4 @@ def validate(name: str) -> str:
 
 
 def segment_path(name: str, directory: Path | None = None) -> Path:
-    return (directory or shm_dir()) / (SEGMENT_PREFIX + validate(name))
+    return (directory or settings().shm_dir) / (SEGMENT_PREFIX + validate(name))

@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from zlib import crc32
 
-from ..config import shm_dir
+from ..settings import settings
 from . import layout as L
 from . import liveness
 from .liveness import AliveCheck, AliveMemo, judge, writer_alive
@@ -642,7 +642,7 @@ def scan(*, with_pages: bool = False, directory: Path | None = None, foreign: Fo
 
     ``foreign`` reads the other files (``kvcached_core.fleet`` passes the public kvcached's reader).
     """
-    base = directory or shm_dir()
+    base = directory or settings().shm_dir
     models: list[ModelSnapshot] = []
     problems: list[Problem] = []
     try:

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 from ..backends import Backend, BackendError, Geometry
 from ..backends.ledger import BUDGET_MAX_AGE_S, CapacityLedger
-from ..config import host_capacity_bytes
 from ..segment import layout as L
 from ..settings import TP_STRATEGIES, default_of, settings
 from . import protocol as P
@@ -106,7 +105,7 @@ class BroadcastBackend(Backend):
         self._seq = 0
         self._closed = False
         # On the host all ranks share one machine: claim the whole model's bytes once, here.
-        self.ledger = CapacityLedger(host_capacity_bytes()) if backend_name == "host" else None
+        self.ledger = CapacityLedger(settings().host_capacity_bytes) if backend_name == "host" else None
         try:
             self._attach(connect_timeout if connect_timeout is not None else DEFAULT_CONNECT_TIMEOUT_S)
         except BaseException:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from ..backends import Backend, Geometry, make_backend
 from ..backends.host import HostBackend
 from ..backends.ledger import CapacityLedger
-from ..config import host_capacity_bytes
+from ..settings import settings
 
 RANK_BACKENDS = ("host", "cuda", "null")
 UNLIMITED = 1 << 62
@@ -63,7 +63,7 @@ def make_rank_backend(name: str, geometry: Geometry, device: int = 0, capacity: 
     if name == "null":
         return NullBackend(geometry, device, capacity)
     if name == "host":
-        return HostBackend(geometry, device, ledger=RankLedger(capacity or host_capacity_bytes()))
+        return HostBackend(geometry, device, ledger=RankLedger(capacity or settings().host_capacity_bytes))
     if capacity is not None:
         raise ValueError(f"a per-rank capacity applies to the host and null backends, not {name!r}")
     return make_backend(name, geometry, device)

@@ -10,7 +10,6 @@ from pathlib import Path
 import click
 
 from kvcached_core import ModelSnapshot
-from kvcached_core.config import shm_dir
 from kvcached_core.interop.legacy import dead_segment
 from kvcached_core.segment import layout as L
 from kvcached_core.segment.liveness import heartbeat_late, removable
@@ -18,6 +17,7 @@ from kvcached_core.segment.procinfo import is_alive
 from kvcached_core.segment.reader import parse_header
 from kvcached_core.segment.removal import inode, remove_verified
 from kvcached_core.segment.writer import temp_owner
+from kvcached_core.settings import settings
 from kvtop import textfmt as T
 from kvtop.cli import ExitCode
 from kvtop.cli.common import read, warn
@@ -58,7 +58,7 @@ def _dead_creator(pid: int) -> Callable[[int], bool]:
 def _dead_owned_files(owner: Callable[[str], int | None]) -> list[tuple[str, int, os.stat_result]]:
     """Regular files of ours in the segment directory whose owning process (``owner`` reads its pid from the
     file name; None: not such a file) is gone."""
-    directory = shm_dir()
+    directory = settings().shm_dir
     try:
         names = sorted(os.listdir(directory))
     except OSError:

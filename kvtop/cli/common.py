@@ -84,7 +84,7 @@ def read(*, with_pages: bool = False, include_stale: bool = True, warn_problems:
 
     A directory that is missing or unreadable is a Failure (exit 1), not an empty fleet.
     """
-    from kvcached_core.config import shm_dir_problem
+    from kvcached_core.settings import shm_dir_problem
 
     bad_dir = shm_dir_problem()
     if bad_dir:

@@ -36,7 +36,7 @@ def demo_cmd(models: int, duration: float | None, seed: int) -> None:
       kvctl demo
       kvctl demo --models 6 --duration 60 --seed 7
     """
-    from kvcached_core.config import shm_dir_problem
+    from kvcached_core.settings import shm_dir_problem
     from kvtop.demo import DemoFleet
 
     problem = shm_dir_problem(writable=True)

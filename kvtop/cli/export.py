@@ -33,7 +33,7 @@ def export_cmd(host: str, port: int, interval: float | None) -> None:
       kvctl export                          # http://127.0.0.1:9400/metrics
       kvctl export --host 0.0.0.0 --interval 5
     """
-    from kvcached_core.config import shm_dir_problem
+    from kvcached_core.settings import shm_dir_problem
     from kvtop.exporter import Exporter
 
     problem = shm_dir_problem()

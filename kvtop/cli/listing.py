@@ -50,18 +50,18 @@ def list_cmd(as_json: bool, gpu: int | None, show_all: bool) -> None:
 
 
 def _router_figures(name: str) -> dict | None:
-    from kvcached_core.config import shm_dir
+    from kvcached_core.settings import settings
     from kvtop.router.published import read as read_routers
 
-    return read_routers(shm_dir()).models.get(name)
+    return read_routers(settings().shm_dir).models.get(name)
 
 
 def _add_router_figures(rows: list[dict], *, warn_untrusted: bool) -> None:
     """Each row's ``router`` key: what a running ``kvctl route`` counted for the model (docs/json.md), else null."""
-    from kvcached_core.config import shm_dir
+    from kvcached_core.settings import settings
     from kvtop.router.published import read as read_routers
 
-    found = read_routers(shm_dir())
+    found = read_routers(settings().shm_dir)
     for row in rows:
         row["router"] = found.models.get(row["name"])
     if warn_untrusted:

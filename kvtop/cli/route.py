@@ -77,7 +77,7 @@ def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float, max_i
       curl -s localhost:8080/v1/completions -H 'Content-Type: application/json' \\
            -d '{"model": "llama-3-8b", "prompt": "Hello", "max_tokens": 16}'
     """
-    from kvcached_core.config import shm_dir_problem
+    from kvcached_core.settings import shm_dir_problem
 
     problem = shm_dir_problem()
     if problem:

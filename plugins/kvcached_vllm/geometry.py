@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvcached_core import config
 from kvcached_core.backends import Geometry
+from kvcached_core.settings import settings
 
 
 class UnsupportedLayout(RuntimeError):
@@ -48,7 +48,7 @@ class KVLayout:
 
 def kv_layout(kv_cache_config: Any, page_size: int | None = None) -> KVLayout:
     """The :class:`KVLayout` of ``kv_cache_config``, or :class:`UnsupportedLayout` saying why not."""
-    page_size = config.page_size_bytes() if page_size is None else page_size
+    page_size = settings().page_size_bytes if page_size is None else page_size
     groups = kv_cache_config.kv_cache_groups
     tensors = kv_cache_config.kv_cache_tensors
     if len(groups) != 1 or len(tensors) != 1:

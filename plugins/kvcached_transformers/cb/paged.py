@@ -30,7 +30,8 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from transformers.generation.continuous_batching.cache_allocators import CachePool
 from transformers.generation.continuous_batching.cache_allocators.cache_pool import RegularTrees
 
-from kvcached_core import KVCacheManager, config
+from kvcached_core import KVCacheManager
+from kvcached_core.settings import settings
 
 from ..pools import page_rows
 
@@ -209,7 +210,7 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
     @staticmethod
     def page_size_for(bytes_per_sector: int) -> int:
         """kvcached's page: the configured one if it holds whole sectors, else the least multiple of both."""
-        page = config.page_size_bytes()
+        page = settings().page_size_bytes
         return page if page % bytes_per_sector == 0 else lcm(page, bytes_per_sector)
 
     @property

@@ -33,6 +33,7 @@ from kvcached_core.allocator.compact import host_copy
 from kvcached_core.allocator.manager import KVCacheManager
 from kvcached_core.segment.frag import fragmentation
 from kvcached_core.segment.reader import snapshot
+from kvcached_core.settings import settings
 
 KiB = 1024
 
@@ -347,10 +348,10 @@ def run_workload(wl: Workload, policy: str, *, compaction: bool = False) -> Resu
     ``compaction``: the engine registers a compact handler (the policy's idle packing then compacts
     instead of evicting); a policy without idle packing is compacted once idle, as ``kvctl compact`` would.
     """
-    settings = {"KVCACHED_HOST_CAPACITY": "8GiB", "KVCACHED_MIN_RESERVED_PAGES": "0",
-                "KVCACHED_MAX_RESERVED_PAGES": "10", "KVCACHED_IDLE_RETURN_S": "0.05",
-                "KVCACHED_MAX_CACHED_TOKENS": str(wl.cache_tokens), "KVCACHED_MAX_CACHED_BLOCKS": ""}
-    with _environment(settings):
+    env = {"KVCACHED_HOST_CAPACITY": "8GiB", "KVCACHED_MIN_RESERVED_PAGES": "0",
+           "KVCACHED_MAX_RESERVED_PAGES": "10", "KVCACHED_IDLE_RETURN_S": "0.05",
+           "KVCACHED_MAX_CACHED_TOKENS": str(wl.cache_tokens), "KVCACHED_MAX_CACHED_BLOCKS": ""}
+    with _environment(env):
         longest = 3 * 4096 + max(wl.prefix_tokens)
         num_blocks = (wl.concurrency * 2 * longest) // wl.block_tokens + 4 * wl.cache_tokens // wl.block_tokens
         with KVCacheManager(f"frag-{policy}", num_blocks=num_blocks, block_bytes=wl.block_bytes, num_layers=1,

@@ -26,6 +26,7 @@ NAME = "tiny-compact"
 BLOCK_TOKENS = 128
 TOKENS = 24  # greedy tokens per prompt: long enough that a batch's requests all run before the first ends
 PROMPTS = 32
+STREAM_TOKENS = 1800  # a streamed request's greedy tokens (the tiny model's 2048-token context, less its prompt)
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +47,16 @@ def engine(model_dir: Path, workdir: Path) -> Iterator[tuple[Server, Path]]:
 
 class Streaming:
     """A long greedy request streamed in the background, so the engine stays busy (and never idle-packs) until
-    ``stop()`` closes its connection (vLLM aborts the request)."""
+    ``stop()`` closes its connection (vLLM aborts the request) or its tokens run out (``ended``)."""
 
     def __init__(self, server: Server, prompt: list[int]) -> None:
-        body = {"model": server.name, "prompt": prompt, "max_tokens": 1800, "temperature": 0, "stream": True,
+        body = {"model": server.name, "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         self.conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
         self.conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         self.resp = self.conn.getresponse()
-        self.chunks = 0
+        self.chunks = 0  # lines read: two a token (its event and the blank line after it)
+        self.ended = False  # the engine finished the request: it no longer keeps the engine busy
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
@@ -64,6 +66,7 @@ class Streaming:
         try:
             while not self.done.is_set() and self.resp.readline():
                 self.chunks += 1
+            self.ended = not self.done.is_set()
         except (OSError, ValueError, AttributeError):  # stop() closed the connection under the read
             pass
 
@@ -71,6 +74,30 @@ class Streaming:
         self.done.set()
         self.conn.close()
         self.thread.join(timeout=30)
+
+
+class Busy:
+    """Streamed requests that keep the engine busy however long a test takes: before the newest one runs out
+    of tokens (``keep()`` finds it past half of them), another starts beside it, so the engine never goes
+    idle (and idle-packs by itself) while the test still needs it busy."""
+
+    def __init__(self, server: Server, seed: int) -> None:
+        self.server, self.seed = server, seed
+        self.streams = [Streaming(server, prompts(1, length=100, seed=seed)[0])]
+
+    def keep(self) -> None:
+        newest = self.streams[-1]
+        assert not newest.ended, "the streamed request ended: the engine went idle"
+        if newest.chunks > STREAM_TOKENS:  # past half of its 2 * STREAM_TOKENS lines
+            self.streams.append(Streaming(self.server, prompts(1, length=100, seed=self.seed + len(self.streams))[0]))
+
+    @property
+    def running(self) -> bool:
+        return any(not s.ended and not s.done.is_set() for s in self.streams)
+
+    def stop(self) -> None:
+        for stream in self.streams:
+            stream.stop()
 
 
 def hits(server: Server) -> float:
@@ -109,7 +136,7 @@ def returnable(m: ModelSnapshot) -> int:
     return emptied
 
 
-def spread(server: Server, shm: Path, seed: int) -> tuple[list[list[int]], list[list[int]], ModelSnapshot]:
+def spread(server: Server, shm: Path, seed: int, busy: Busy) -> tuple[list[list[int]], list[list[int]], ModelSnapshot]:
     """Prompts of one full block and a partial one, run together: each page they took is left half cached (the
     full blocks) and half free (the partial blocks, never cached). Requests that reach the engine in different
     steps may refill holes, or share a page with the streamed request's blocks, instead: another batch then,
@@ -117,6 +144,7 @@ def spread(server: Server, shm: Path, seed: int) -> tuple[list[list[int]], list[
     batch: list[list[int]] = []
     tokens: list[list[int]] = []
     for attempt in range(3):
+        busy.keep()
         more = prompts(PROMPTS, length=BLOCK_TOKENS + 100, seed=seed * 10 + attempt)
         tokens += run_together(server, more)
         batch += more
@@ -131,18 +159,19 @@ def test_kvctl_compact_on_a_busy_engine_packs_its_cache_and_keeps_the_hits(engin
     """On the old code kvctl compact is refused: the vLLM engine registered no compact handler."""
     server, shm = engine
     ctl = base_env(shm, enabled=False)
-    busy = Streaming(server, prompts(1, length=100, seed=40)[0])
+    busy = Busy(server, seed=40)
     try:
-        batch, first, before = spread(server, shm, seed=41)
+        batch, first, before = spread(server, shm, seed=41, busy=busy)
         assert returnable(before) > 0, before  # a page only cached blocks hold, that fit elsewhere: to compact
         assert before.compaction is not None and before.compaction.capable
+        busy.keep()
         answer = json.loads(kvctl("compact", NAME, "--json", "--wait", "60", env=ctl).stdout)
         assert answer["status"] == "compacted" and answer["bytes_returned"] > 0 and answer["bytes_copied"] > 0
         after = snapshot(NAME, directory=shm)
         assert after.blocks_cached >= before.blocks_cached  # nothing evicted: moved
         assert after.pages_inuse < before.pages_inuse
         assert after.compaction is not None and after.compaction.blocks_moved > 0
-        assert busy.chunks > 0 and not busy.done.is_set()  # the streamed request ran on through it
+        assert busy.running  # the engine stayed busy through it (no idle packing compacted first)
         start = hits(server)
         again = [server.complete(p, TOKENS) for p in batch]
         assert again == first
@@ -158,9 +187,9 @@ def test_an_idle_engine_packs_by_compacting_and_keeps_its_cache(engine: tuple[Se
     """Idle packing moves the cached blocks together instead of evicting the sparse pages (the old code's
     packing drops them: fewer cached blocks, misses on the same prompts)."""
     server, shm = engine
-    busy = Streaming(server, prompts(1, length=100, seed=50)[0])
+    busy = Busy(server, seed=50)
     try:
-        batch, first, during = spread(server, shm, seed=51)
+        batch, first, during = spread(server, shm, seed=51, busy=busy)
         assert returnable(during) > 0, during
     finally:
         busy.stop()

@@ -28,7 +28,7 @@ def test_begin_holds_both_ends_until_commit_frees_the_sources_and_unmaps() -> No
         srcs, dsts = [s for s, _ in moves], [d for _, d in moves]
         # in flight: both ends used, neither cached, so nothing evicts, frees or unmaps them
         assert all(m.pages.is_used(b) and b not in m.cache for b in srcs + dsts)
-        assert m.pages.pages_inuse == 8 and m.used_blocks == 32 + 8 and m.cached_blocks == 24
+        assert m.pages.pages_inuse == 8 and m.used_blocks == 32 + 8 + len(ticket.held) and m.cached_blocks == 24
         evicted = m.evict(100)
         assert not set(evicted) & set(srcs + dsts) and len(evicted) == 24
         assert all(m.pages.is_used(b) for b in srcs + dsts)
@@ -46,6 +46,33 @@ def test_begin_holds_both_ends_until_commit_frees_the_sources_and_unmaps() -> No
         for src, dst in moves:
             assert src in kept and holds(m, dst, src)
         assert m.compaction.compactions == 1 and m.compaction.blocks_moved == 8
+
+
+def test_a_block_allocated_during_a_round_never_lands_on_a_page_it_empties() -> None:
+    """A busy engine allocates while the round's copies run with its step: the source pages' free slots are
+    held, so the new block goes elsewhere and the commit still returns every page it emptied (on the old code
+    best-fit put it in a source page's hole: 3 pages returned of 4)."""
+    with KVCacheManager("staged-busy", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+        scattered(m)
+        ticket = m.compact_begin()
+        sources = {src // BPP for src, _ in ticket.moves}
+        assert sources == {4, 5, 6, 7} and len(ticket.held) == 4 * 6  # each source page's 6 holes
+        fresh = m.alloc(1)
+        assert fresh is not None and fresh[0] // BPP not in sources
+        host_copy(m.backend, m.block_bytes, ticket.moves)
+        step = m.compact_commit(ticket)
+        assert step.result.bytes_returned == 4 * BUNDLE
+        assert not any(m.pages.is_used(b) for b in ticket.held)  # the held slots went with their pages
+
+
+def test_an_abort_gives_the_held_slots_back() -> None:
+    with KVCacheManager("staged-held", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+        scattered(m)
+        used = m.used_blocks
+        ticket = m.compact_begin()
+        assert ticket.held and all(m.pages.is_used(b) for b in ticket.held)
+        m.compact_abort(ticket)
+        assert not any(m.pages.is_used(b) for b in ticket.held) and m.used_blocks == used
 
 
 def test_moves_per_round_are_capped_whole_source_pages_first() -> None:

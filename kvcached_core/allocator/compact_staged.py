@@ -5,8 +5,9 @@ before the handler returns. An engine that can only have its worker copy blocks 
 registers a poke instead (:meth:`KVCacheManager.set_compact_poke`) and compacts on its own thread:
 
 - :meth:`~KVCacheManager.compact_begin` plans moves of cached blocks (at most ``max_moves``, whole
-  source pages first), takes the destinations and holds the sources: neither is evicted, freed or
-  handed out until the ticket ends, so no page under a pending copy is unmapped. The engine re-points
+  source pages first), takes the destinations and holds the sources and the source pages' free slots:
+  none is evicted, freed or handed out until the ticket ends, so no page under a pending copy is unmapped
+  and no block allocated meanwhile lands on a page the round empties. The engine re-points
   its prefix index to the destinations and queues the copies into its next step;
 - :meth:`~KVCacheManager.compact_commit`, once that step came back, frees the sources, unmaps the pages
   emptied and caches the destinations (a destination a prefix hit took meanwhile, through ``reuse``,
@@ -43,6 +44,9 @@ class CompactTicket:
     moves: tuple[Move, ...]
     started_ns: int
     reused: set[int] = field(default_factory=set)  # destinations a prefix hit took before the commit
+    # the free slots of the source pages, held until the round ends: a block the engine allocates meanwhile (a
+    # busy engine's next step) never lands on a page the round is emptying
+    held: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,12 @@ class StagedCompaction:
             m.pages.take_block(dst)
             m.cache.remove(src)
             m._dirty.update((src // bpp, dst // bpp))  # the allocator's own bookkeeping
-        ticket = CompactTicket(tuple(moves), time.monotonic_ns())
+        held: list[int] = []
+        for page in sorted({src // bpp for src, _ in moves}):
+            free = m.pages.cap[page] - m.pages.used[page]
+            if free:
+                held += m.pages.take_blocks(page, free)
+        ticket = CompactTicket(tuple(moves), time.monotonic_ns(), held=tuple(held))
         self.ticket = ticket
         if moves:
             m._publish()
@@ -146,7 +155,7 @@ class StagedCompaction:
             if dst not in ticket.reused and self._pending_destination(dst):
                 m.cache.add(dst)
         mapped_before = m.pages.mapped_pages
-        m._release_blocks([src for src, _ in moves])
+        m._release_blocks([src for src, _ in moves] + list(ticket.held))
         emptied = {src // m.blocks_per_page for src, _ in moves}
         pool = [p for p in m.pages.reserved if p in emptied]
         if pool:  # an emptied page is unmapped, not kept in the warm pool
@@ -175,7 +184,7 @@ class StagedCompaction:
         m = self.m
         for src, _ in ticket.moves:
             m.cache.add(src)
-        m._release_blocks([dst for _, dst in ticket.moves if self._pending_destination(dst)])
+        m._release_blocks([dst for _, dst in ticket.moves if self._pending_destination(dst)] + list(ticket.held))
         evicted = self._finish(L.COMPACT_FAILED)
         m._publish()
         m.segment.publish_compaction(m.compaction.values())

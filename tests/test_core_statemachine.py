@@ -264,7 +264,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert status == ("applied" if inuse <= pages else "deferred")
             excess = max(0, inuse + reserved + inflight - pages)
             assert m.pages.pages_inuse == inuse, "set_limit changed the pages in use"
-            assert self.reserved() == reserved - min(excess, reserved)
+            # A refill batch in flight lands while set_limit waits for it (the wait lets go of the lock); what
+            # landed may still be reserved if the bounded wait ran out first (a stuck map stays deferred and
+            # is settled when it lands). Without a refill (QuietMachine) nothing lands: the count is exact.
+            landed = inflight - m.pages.inflight
+            assert reserved - min(excess, reserved) <= self.reserved() <= reserved - min(excess, reserved) + landed
 
     # -- prefix-cache rules ------------------------------------------------------------------
     @rule(data=st.data())

@@ -244,7 +244,9 @@ def test_a_freed_place_goes_to_the_model_of_highest_priority(fleet, workdir: Pat
             with pytest.raises(TimeoutError):  # gives up and closes its connection
                 post(router + "/v1/completions", completion("m0", PROMPTS[2], 16), timeout=1)
             m1 = pool.submit(send, "org/m1", completion(M1, PROMPTS[2], 16, priority=3))
-            wait_for(lambda: _figures(router)["waiting"] == {"m0": 2, "org_m1": 1}, timeout=30)
+            # org/m1 waits beside m0's late request (the one given up on counts until the router drops it)
+            wait_for(lambda: _figures(router)["waiting"].get("org_m1") == 1, timeout=30)
+            assert _figures(router)["waiting"].get("m0") in (1, 2)
             assert not long.done()  # both wait behind the long request
             answers = [long.result(), late_m0.result(), m1.result()]
         assert [status for status, _ in answers] == [200, 200, 200], answers

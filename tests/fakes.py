@@ -163,7 +163,7 @@ class FakeSource:
         return kc.Ack(model.name, "limit", status, len(self.requests), limit_bytes)
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the fake holds no segment and no NVML handle (the Source protocol asks for it)."""
 
 
 def sample_fleet(*, gpus: bool = False, big_pages: int = 100_000, steps: int = 6) -> FakeSource:

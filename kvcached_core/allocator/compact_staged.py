@@ -154,6 +154,7 @@ class StagedCompaction:
         for _, dst in moves:
             if dst not in ticket.reused and self._pending_destination(dst):
                 m.cache.add(dst)
+                m._dirty.add(dst // m.blocks_per_page)  # a publish since begin wrote it as used, not cached
         mapped_before = m.pages.mapped_pages
         m._release_blocks([src for src, _ in moves] + list(ticket.held))
         emptied = {src // m.blocks_per_page for src, _ in moves}
@@ -184,6 +185,7 @@ class StagedCompaction:
         m = self.m
         for src, _ in ticket.moves:
             m.cache.add(src)
+            m._dirty.add(src // m.blocks_per_page)
         m._release_blocks([dst for _, dst in ticket.moves if self._pending_destination(dst)] + list(ticket.held))
         evicted = self._finish(L.COMPACT_FAILED)
         m._publish()

@@ -77,21 +77,31 @@ class Streaming:
 
 
 class Busy:
-    """Streamed requests that keep the engine busy however long a test takes: before the newest one runs out
-    of tokens (``keep()`` finds it past half of them), another starts beside it, so the engine never goes
-    idle (and idle-packs by itself) while the test still needs it busy."""
+    """Streamed requests that keep the engine busy however long a test takes: a thread starts another beside the
+    newest before it runs out of tokens (past half of them), so the engine never goes idle (and idle-packs by
+    itself) while the test still needs it busy, whatever the host's speed."""
 
     def __init__(self, server: Server, seed: int) -> None:
         self.server, self.seed = server, seed
         self.streams = [Streaming(server, prompts(1, length=100, seed=seed)[0])]
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._keep, daemon=True)
+        self.thread.start()
 
-    def keep(self) -> None:
-        newest = self.streams[-1]
-        assert not newest.ended, "the streamed request ended: the engine went idle"
-        if newest.chunks > STREAM_TOKENS:  # past half of its 2 * STREAM_TOKENS lines
-            self.streams.append(Streaming(self.server, prompts(1, length=100, seed=self.seed + len(self.streams))[0]))
+    def _keep(self) -> None:
+        while not self.done.wait(0.05):
+            newest = self.streams[-1]
+            if newest.chunks > STREAM_TOKENS or newest.ended:  # past half of its 2 * STREAM_TOKENS lines
+                self.streams.append(Streaming(self.server, prompts(1, length=100,
+                                                                   seed=self.seed + len(self.streams))[0]))
+
+    def running(self) -> bool:
+        """A streamed request is still running (the engine is busy now)."""
+        return any(not s.ended for s in self.streams)
 
     def stop(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=90)
         for stream in self.streams:
             stream.stop()
 
@@ -132,7 +142,7 @@ def returnable(m: ModelSnapshot) -> int:
     return emptied
 
 
-def spread(server: Server, shm: Path, seed: int, busy: Busy) -> tuple[list[list[int]], list[list[int]], ModelSnapshot]:
+def spread(server: Server, shm: Path, seed: int) -> tuple[list[list[int]], list[list[int]], ModelSnapshot]:
     """Prompts of one full block and a partial one, run together: each page they took is left half cached (the
     full blocks) and half free (the partial blocks, never cached). Requests that reach the engine in different
     steps may refill holes, or share a page with the streamed request's blocks, instead: another batch then,
@@ -140,7 +150,6 @@ def spread(server: Server, shm: Path, seed: int, busy: Busy) -> tuple[list[list[
     batch: list[list[int]] = []
     tokens: list[list[int]] = []
     for attempt in range(3):
-        busy.keep()
         more = prompts(PROMPTS, length=BLOCK_TOKENS + 100, seed=seed * 10 + attempt)
         tokens += run_together(server, more)
         batch += more
@@ -157,10 +166,10 @@ def test_kvctl_compact_on_a_busy_engine_packs_its_cache_and_keeps_the_hits(engin
     ctl = base_env(shm, enabled=False)
     busy = Busy(server, seed=40)
     try:
-        batch, first, before = spread(server, shm, seed=41, busy=busy)
+        batch, first, before = spread(server, shm, seed=41)
         assert returnable(before) > 0, before  # a page only cached blocks hold, that fit elsewhere: to compact
         assert before.compaction is not None and before.compaction.capable
-        busy.keep()
+        assert busy.running()
         answer = json.loads(kvctl("compact", NAME, "--json", "--wait", "60", env=ctl).stdout)
         assert answer["status"] == "compacted"
         after = snapshot(NAME, directory=shm)
@@ -186,7 +195,7 @@ def test_an_idle_engine_packs_by_compacting_and_keeps_its_cache(engine: tuple[Se
     server, shm = engine
     busy = Busy(server, seed=50)
     try:
-        batch, first, during = spread(server, shm, seed=51, busy=busy)
+        batch, first, during = spread(server, shm, seed=51)
         assert returnable(during) > 0, during
     finally:
         busy.stop()

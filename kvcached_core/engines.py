@@ -1,5 +1,6 @@
 """Engine plugins: discovery through the ``kvcached.engines`` entry-point group, and the pieces
-every plugin shares (the exhaustion error, allocation that may wait).
+every plugin shares (the exhaustion error, allocation that may wait): the one face plugins import,
+with :mod:`kvcached_core` and :mod:`kvcached_core.settings`.
 
 Listing reads installed distributions' metadata only; nothing is imported until
 :func:`load_engine` is called, so ``kvctl`` can show plugins whose engine (torch, vLLM, ...) is
@@ -14,8 +15,25 @@ from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
+from .lazy import lazy_exports
+
 if TYPE_CHECKING:
+    from .allocator.compact_staged import CompactStep, CompactTicket
     from .allocator.manager import KVCacheManager
+    from .backends import Geometry
+    from .bounds import endpoint_problem
+    from .segment.layout import LIMIT_DEFERRED
+    from .segment.names import sanitize
+    from .tp import TPWorker
+
+# What plugins use of the allocator, loaded on first use (listing plugins imports none of it).
+_EXPORTS = {
+    "KVCacheManager": "allocator.manager", "CompactStep": "allocator.compact_staged",
+    "CompactTicket": "allocator.compact_staged", "Geometry": "backends", "TPWorker": "tp",
+    "endpoint_problem": "bounds", "sanitize": "segment.names",
+    "LIMIT_DEFERRED": "segment.layout",  # KVCacheManager.limit_status while a lowered limit waits for room
+}
+__getattr__, __dir__ = lazy_exports("kvcached_core", _EXPORTS, None, globals(), submodules=False)
 
 GROUP = "kvcached.engines"
 WAIT_POLL_S = 0.01
@@ -122,3 +140,10 @@ def alloc_blocks(manager: KVCacheManager, n: int, *, wait: float = 0.0) -> list[
 
 __all__ = ["GROUP", "EngineEntry", "EngineInfo", "KVCacheExhausted", "alloc_blocks", "installed_engines",
            "load_engine"]
+
+
+__all__ = [
+    "GROUP", "LIMIT_DEFERRED", "CompactStep", "CompactTicket", "EngineEntry", "EngineInfo", "Geometry",
+    "KVCacheExhausted", "KVCacheManager", "TPWorker", "alloc_blocks", "endpoint_problem", "installed_engines",
+    "load_engine", "sanitize",
+]

@@ -27,8 +27,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Static
 from textual.worker import get_current_worker
 
-from kvcached_core import AckTimeout, ControlError, ModelNotFound, __version__, format_bytes, resolve
-from kvcached_core.segment.snapshot import ModelSnapshot
+from kvcached_core import AckTimeout, ControlError, ModelNotFound, ModelSnapshot, __version__, format_bytes, resolve
 from kvtop.actions import bindings, help_rows
 from kvtop.cli.common import Number, Whole
 from kvtop.commands import KvtopCommands
@@ -453,7 +452,7 @@ class KvtopApp(App[int]):
             "Trim all"), confirmed)
 
     def action_compact(self) -> None:
-        from kvcached_core.control.compact import compact_problem
+        from kvcached_core.control import compact_problem
 
         m = self._control_target("compact", "compaction", compact_problem)
         if m is None:
@@ -473,7 +472,7 @@ class KvtopApp(App[int]):
 
     def action_sleep_wake(self) -> None:
         """Put the selected model's KV cache to sleep, or wake it when it sleeps (or drains)."""
-        from kvcached_core.control.sleep import sleep_problem
+        from kvcached_core.control import sleep_problem
 
         m = self._control_target("sleep/wake", "sleep", sleep_problem)
         if m is None:
@@ -512,7 +511,7 @@ class KvtopApp(App[int]):
 
     def action_policy(self) -> None:
         """Set the selected model's memory policy: its min and its priority."""
-        from kvcached_core.control.policy import KEEP, policy_problem
+        from kvcached_core.control import KEEP, policy_problem
 
         m = self._control_target("policy", "policy", lambda m: policy_problem(m, KEEP, 0))
         if m is None:

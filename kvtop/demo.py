@@ -317,7 +317,7 @@ class DemoFleet:
 
     def _remove_leftovers(self) -> None:
         """A child killed hard cannot unlink its segment: do it for it."""
-        from kvcached_core.segment.names import segment_path
+        from kvcached_core import segment_path
 
         for name in self.names():
             with contextlib.suppress(FileNotFoundError, ValueError):

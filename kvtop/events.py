@@ -15,9 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvcached_core import format_bytes
-from kvcached_core.segment.layout import model_id
-from kvcached_core.segment.snapshot import ModelSnapshot, Problem
+from kvcached_core import ModelSnapshot, Problem, format_bytes, model_id
 
 INFO, GOOD, WARN, ERROR = "info", "good", "warn", "error"
 

@@ -29,8 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
 import kvcached_core
-from kvcached_core.backends import nvml
-from kvcached_core.segment.snapshot import ModelSnapshot
+from kvcached_core import ModelSnapshot, nvml
 from kvtop.http_page import Page, PageServer
 
 PREFIX = "kvcached"

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvcached_core.segment.snapshot import ModelSnapshot
+from kvcached_core import ModelSnapshot
 
 DEPTH = 32
 

@@ -1,25 +1,17 @@
 """Page-map cells for the screen: glyphs and legend over the core's folded cells.
 
-The folding itself (and every page state) is :mod:`kvcached_core.segment.pagemap`, shared by ``kvctl show``
+The folding itself (and every page state) is :data:`kvcached_core.pagemap`, shared by ``kvctl show``
 (characters) and the kvtop page-map widget (colours).
 """
 
 from __future__ import annotations
 
-from kvcached_core.segment.pagemap import (  # noqa: F401 - the cell API, as the screen modules import it
-    CACHED,
-    FREE,
-    FULL,
-    HIGH,
-    LOW,
-    MID,
-    RESERVED,
-    STATES,
-    Cell,
-    fold,
-    mapped_flags,
-    occupancy_state,
-)
+from kvcached_core import pagemap as core
+
+Cell = core.Cell
+fold = core.fold  # the cell API, as the screen modules import it
+FREE, RESERVED, CACHED, LOW, MID, HIGH, FULL = core.FREE, core.RESERVED, core.CACHED, core.LOW, core.MID, core.HIGH, \
+    core.FULL
 
 GLYPHS = {FREE: "·", RESERVED: "○", CACHED: "c", LOW: "░", MID: "▒", HIGH: "▓", FULL: "█"}
 LEGEND = (

@@ -15,10 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 import kvcached_core as kc
-from kvcached_core.backends import nvml
-from kvcached_core.backends.nvml import GpuInfo
-from kvcached_core.segment.reader import read_segment
-from kvcached_core.segment.snapshot import ModelSnapshot, Problem
+from kvcached_core import GpuInfo, ModelSnapshot, Problem, nvml, read_segment
 from kvcached_core.settings import ConfigError, settings, shm_dir_problem
 
 
@@ -128,13 +125,13 @@ class LiveSource:
         return kc.request_trim(model, wait=wait)
 
     def compact(self, model: ModelSnapshot, wait: float) -> kc.Ack:
-        from kvcached_core.control.compact import request_compact
+        from kvcached_core.control import request_compact
 
         return request_compact(model, wait=wait)
 
     def sleep(self, model: ModelSnapshot, action: str, wait: float) -> kc.Ack:
         """``action``: sleep or wake; returns once the model took it (``draining`` while requests finish)."""
-        from kvcached_core.control.sleep import request_sleep
+        from kvcached_core.control import request_sleep
 
         return request_sleep(model, action, wait=wait)
 
@@ -144,7 +141,7 @@ class LiveSource:
     def policy(self, model: ModelSnapshot, min_bytes: int | None | object, priority: int | object,
                wait: float) -> kc.Ack:
         """``min_bytes`` and ``priority`` as ``request_policy`` takes them (``KEEP``: as it is)."""
-        from kvcached_core.control.policy import request_policy
+        from kvcached_core.control import request_policy
 
         return request_policy(model, min_bytes=min_bytes, priority=priority, wait=wait)
 

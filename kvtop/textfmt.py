@@ -12,9 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvcached_core.segment.frag import Fragmentation
-from kvcached_core.segment.snapshot import ModelSnapshot
-from kvcached_core.sizes import format_bytes
+from kvcached_core import Fragmentation, ModelSnapshot, format_bytes
 from kvtop.pagemap import GLYPHS, LEGEND, fold, grid_lines
 
 # What a trim of a busy model leads to, said wherever a trim is asked for or answered.

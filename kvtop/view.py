@@ -12,11 +12,7 @@ from dataclasses import dataclass, replace
 from rich.table import Table
 from rich.text import Text
 
-from kvcached_core import format_bytes
-from kvcached_core.segment import pagemap
-from kvcached_core.segment.frag import fragmentation
-from kvcached_core.segment.snapshot import ModelSnapshot
-from kvcached_core.sizes import percent
+from kvcached_core import ModelSnapshot, format_bytes, fragmentation, pagemap, percent
 from kvtop.history import History
 from kvtop.pagemap import GLYPHS, Cell
 from kvtop.source import Frame

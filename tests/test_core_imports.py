@@ -76,3 +76,26 @@ def test_the_core_holds_no_demo_and_imports_no_front_end() -> None:
                          if n.split(".")[0] == "kvtop" or (n.startswith("kvcached_") and n.split(".")[0] != "kvcached_core")]
     assert reaching == []
     assert "Demo" not in " ".join(dir(__import__("kvcached_core")))
+
+
+FACES = ("kvcached_core", "kvcached_core.control", "kvcached_core.engines")
+FACE_PROBE = """
+import importlib, json, sys
+face = importlib.import_module(sys.argv[1])
+before = sorted(m for m in sys.modules if m.startswith("kvcached_core."))
+missing = [n for n in face.__all__ if not hasattr(face, n)]
+print(json.dumps({"before": before, "missing": missing, "listed": sorted(set(face.__all__) - set(dir(face)))}))
+"""
+
+
+def test_every_name_of_the_public_face_resolves_and_loads_on_first_use() -> None:
+    """The faces front ends and plugins import (pyproject.toml's contract allows nothing else) name each
+    export once in a table loaded on use: a wrong module in that table, or a name in ``__all__`` the table
+    lacks, fails here; importing a face loads neither the allocator nor the controller."""
+    for face in FACES:
+        out = subprocess.run([sys.executable, "-c", FACE_PROBE, face], capture_output=True, text=True,
+                             env=child_env(), check=True)
+        result = json.loads(out.stdout)
+        assert result["missing"] == [] and result["listed"] == [], (face, result)
+        assert not {"kvcached_core.allocator.manager", "kvcached_core.control.requests"} & set(result["before"]), (
+            face, result["before"])

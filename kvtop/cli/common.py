@@ -11,8 +11,7 @@ from typing import Any
 
 import click
 
-from kvcached_core import ModelNotFound, ModelSnapshot, Problem, Scan, resolve, scan
-from kvcached_core.segment.names import SEGMENT_PREFIX
+from kvcached_core import SEGMENT_PREFIX, ModelNotFound, ModelSnapshot, Problem, Scan, resolve, scan
 from kvtop.cli import Failure
 
 SHOWN_BY_DEFAULT = frozenset({"live", "legacy"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from kvcached_core import ControlError
-from kvcached_core.control.requests import AckTimeout
+from kvcached_core.control import AckTimeout
 from kvtop import textfmt as T
 from kvtop.cli import Failure, model_argument
 from kvtop.cli.common import Number, emit_json, pick, read
@@ -32,7 +32,7 @@ def compact_cmd(model: str, wait: float, as_json: bool) -> None:
       kvctl compact llama-3-8b
       kvctl compact llama-3-8b --json | jq .bytes_returned
     """
-    from kvcached_core.control.compact import request_compact
+    from kvcached_core.control import request_compact
 
     m = pick(model, read())
     try:

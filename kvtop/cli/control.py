@@ -20,8 +20,7 @@ REFUSED = (ControlError, AckTimeout, OSError, ValueError)
 
 def capacity_of(m: ModelSnapshot) -> int | None:
     """What a percentage is taken of (the core's ``limit_percent_base``); its note, when it has one, on stderr."""
-    from kvcached_core.control.requests import limit_percent_base
-    from kvcached_core.interop.legacy import NoDeviceTotal
+    from kvcached_core.control import NoDeviceTotal, limit_percent_base
 
     try:
         total, note = limit_percent_base(m)
@@ -128,7 +127,7 @@ def run_all(models: list[ModelSnapshot], act: Callable[[ModelSnapshot], tuple[Ac
 
 def wait_until_applied(ack: Ack, requested: int | None, timeout: float) -> Ack:
     """Wait for a deferred limit to apply (a live line on a terminal's stderr, nothing in a pipe)."""
-    from kvcached_core.control.applied import NotApplied, wait_applied
+    from kvcached_core.control import NotApplied, wait_applied
 
     started = time.monotonic()
     live = sys.stderr.isatty()

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvcached_core import fragmentation
-from kvcached_core.segment.pagemap import decoded
+from kvcached_core import fragmentation, pagemap
 from kvtop.cli import Failure, model_argument
 from kvtop.cli.common import Whole, emit_json, pick, problem_line, read, warn
 
@@ -93,7 +92,7 @@ def show_cmd(model: str, as_json: bool, width: int, rows: int) -> None:
     if as_json:
         out = snap.to_dict()
         out["fragmentation"] = None if snap.legacy else frag.to_dict()  # upstream publishes no page map
-        out["pages"] = [[int(mapped), used, cached] for mapped, used, cached in decoded(snap.page_entries())]
+        out["pages"] = [[int(mapped), used, cached] for mapped, used, cached in pagemap.decoded(snap.page_entries())]
         _add_router_figures([out], warn_untrusted=False)
         emit_json(out)
         return

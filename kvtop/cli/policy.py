@@ -5,8 +5,7 @@ from __future__ import annotations
 import click
 
 from kvcached_core import Ack, ModelSnapshot
-from kvcached_core.control.policy import KEEP, request_policy
-from kvcached_core.segment.layout import PRIORITY_MAX, PRIORITY_MIN
+from kvcached_core.control import KEEP, PRIORITY_MAX, PRIORITY_MIN, request_policy
 from kvtop import textfmt as T
 from kvtop.cli import SIZE, Failure, SizeSpec, model_argument
 from kvtop.cli.common import Number, Whole, emit_json, pick, read

@@ -6,9 +6,8 @@ import re
 
 import click
 
-from kvcached_core import ControlError, ModelSnapshot
-from kvcached_core.control.requests import AckTimeout
-from kvcached_core.segment.reader import ModelNotFound, resolve
+from kvcached_core import ControlError, ModelNotFound, ModelSnapshot, resolve
+from kvcached_core.control import AckTimeout
 from kvtop import textfmt as T
 from kvtop.cli import Failure, check_model_name, model_argument
 from kvtop.cli.common import Number, emit_json, read
@@ -76,7 +75,7 @@ class DurationType(click.ParamType):
         if match is None:
             self.fail(f"{value!r} is not a duration (like 30s, 5m, 1h, or off)", param, ctx)
         seconds = float(match.group(1)) * _UNIT_S[match.group(2) or "s"]
-        from kvcached_core.control.sleep import after_idle_ms
+        from kvcached_core.control import after_idle_ms
 
         try:
             after_idle_ms(seconds)  # one a model can hold, or a usage error now
@@ -100,7 +99,7 @@ def _answer(ack_dict: dict, text: str, as_json: bool) -> None:
 
 
 def _run(m: ModelSnapshot, action: str, after_idle: float | None | bool, wait: bool, timeout: float) -> dict:
-    from kvcached_core.control.sleep import request_sleep
+    from kvcached_core.control import request_sleep
 
     try:
         ack = request_sleep(m, action, after_idle_s=after_idle, wait=timeout if wait else 2.0, until_done=wait)

@@ -24,9 +24,9 @@ def _show(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
         return
     click.echo(f"kvctl {__version__}")
     if ctx.meta.get(VERBOSE_KEY):
-        from kvcached_core import native  # only here: plain kvctl never needs it
+        from kvcached_core import native_report  # only here: plain kvctl never needs it
 
-        for what, active, why in native.report():
+        for what, active, why in native_report():
             click.echo(f"{what}: {'active' if active else f'off ({why})'}")
     ctx.exit()
 

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kvcached_core import ModelSnapshot
-from kvcached_core.segment.reader import scan
+from kvcached_core import ModelSnapshot, scan
 
 LIVE, ASLEEP, DRAINING, GONE = "live", "asleep", "draining", "gone"
 SERVED_TIMEOUT_S = 5.0  # an engine's /v1/models, asked once per engine process

@@ -16,7 +16,7 @@ import aiohttp
 from aiohttp import web
 
 from kvcached_core import ControlError
-from kvcached_core.control.requests import AckTimeout
+from kvcached_core.control import AckTimeout
 from kvcached_core.settings import settings
 
 from . import published
@@ -72,7 +72,7 @@ async def health(request: web.Request) -> web.Response:
 async def _wake(app: web.Application, engine: Engine) -> str | None:
     """Wake ``engine``'s model and wait until it is awake (one wake per model, shared by its waiting requests);
     None once awake, else why not."""
-    from kvcached_core.control.sleep import request_sleep
+    from kvcached_core.control import request_sleep
 
     waking: dict[str, asyncio.Future] = app[WAKING]
     future = waking.get(engine.name)

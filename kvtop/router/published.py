@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcached_core.segment.procinfo import start_time
+from kvcached_core import process_start_time as start_time
 
 PREFIX = ".kvroute."
 VERSION = 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import RenderableType
 from textual.widget import Widget
 
-from kvcached_core.segment.snapshot import ModelSnapshot
+from kvcached_core import ModelSnapshot
 from kvtop.view import frag_table
 
 

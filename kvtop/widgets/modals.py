@@ -15,13 +15,16 @@ from textual.screen import ModalScreen
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Button, Input, Label, Static
 
-from kvcached_core import SizeError, format_bytes, parse_size
-from kvcached_core.control.policy import KEEP, policy_problem
-from kvcached_core.control.requests import limit_percent_base
-from kvcached_core.interop.legacy import NoDeviceTotal, limit_refusal
-from kvcached_core.segment.frag import fragmentation
-from kvcached_core.segment.layout import PRIORITY_MAX, PRIORITY_MIN
-from kvcached_core.segment.snapshot import ModelSnapshot
+from kvcached_core import ModelSnapshot, SizeError, format_bytes, fragmentation, parse_size
+from kvcached_core.control import (
+    KEEP,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    NoDeviceTotal,
+    limit_percent_base,
+    limit_refusal,
+    policy_problem,
+)
 from kvtop.pagemap import GLYPHS, LEGEND
 from kvtop.textfmt import fmt_device
 from kvtop.view import STATE_STYLES, frag_table

@@ -18,7 +18,7 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from kvcached_core.segment.snapshot import ModelSnapshot
+from kvcached_core import ModelSnapshot
 from kvtop.history import History
 from kvtop.view import COLUMNS, model_cells
 

@@ -17,8 +17,7 @@ from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from kvcached_core import format_bytes
-from kvcached_core.segment.snapshot import ModelSnapshot
+from kvcached_core import ModelSnapshot, format_bytes
 from kvtop.pagemap import GLYPHS, Cell, fold
 from kvtop.view import STATE_STYLES, fit_per_cell
 

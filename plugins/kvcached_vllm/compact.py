@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
-from kvcached_core.allocator.compact_staged import CompactStep, CompactTicket
+from kvcached_core.engines import CompactStep, CompactTicket
 
 if TYPE_CHECKING:
     from .block_pool import KvcachedBlockPool

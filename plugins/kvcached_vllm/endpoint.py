@@ -19,7 +19,7 @@ import socket
 import sys
 from typing import Any
 
-from kvcached_core.segment.layout import endpoint_problem
+from kvcached_core.engines import endpoint_problem
 from kvcached_core.settings import settings
 
 log = logging.getLogger("kvcached_vllm")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvcached_core.backends import Geometry
+from kvcached_core.engines import Geometry
 from kvcached_core.settings import settings
 
 

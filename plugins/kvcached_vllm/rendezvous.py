@@ -13,7 +13,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from kvcached_core.segment.names import sanitize
+from kvcached_core.engines import sanitize
 
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 

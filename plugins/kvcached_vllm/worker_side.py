@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvcached_core.tp import TPWorker
+from kvcached_core.engines import TPWorker
 
 from .geometry import KVLayout
 

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from kvcached_core.segment import layout as L
+from kvcached_core.engines import LIMIT_DEFERRED
 
 from .paged import KvcachedPagedAttentionCache
 
@@ -140,7 +140,7 @@ class LoopControl:
     def service(self) -> None:
         """Serve a pending action, and evict prefix blocks a lowered limit or a reclaim waits on."""
         manager = self.manager
-        if manager.limit_status == L.LIMIT_DEFERRED or manager.pressure.give_target is not None:
+        if manager.limit_status == LIMIT_DEFERRED or manager.pressure.give_target is not None:
             self.cache.evict_for_kvcached()
         if self._pending is None:
             return

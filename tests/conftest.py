@@ -8,9 +8,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+
+from kvcached_core.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,8 +66,14 @@ def kvctl(*args: str):  # a click Result
     return result
 
 
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
+def configured(overrides: Mapping[str, str]) -> Settings:
+    """The test's settings with ``overrides`` (``{"KVCACHED_...": value}``), for ``KVCacheManager(settings=...)``:
+    an in-process allocator is configured by what it is passed, not by changing os.environ."""
+    return Settings.from_env({**os.environ, **overrides})
+
+
+def child_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **(overrides or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")])
     return env
 
@@ -73,11 +82,12 @@ def child_env() -> dict[str, str]:
 def spawn_allocator():
     """Start ``KVCacheManager(**kwargs)`` in a child process that runs ``script`` then waits for stdin to close.
 
-    The child prints READY once its segment exists. Returns the Popen; it is killed at teardown.
+    The child prints READY once its segment exists; ``env``: variables for its environment beside the test's.
+    Returns the Popen; it is killed at teardown.
     """
     procs: list[subprocess.Popen] = []
 
-    def start(name: str = "m1", script: str = "", **kwargs) -> subprocess.Popen:
+    def start(name: str = "m1", script: str = "", env: Mapping[str, str] | None = None, **kwargs) -> subprocess.Popen:
         params = dict(num_blocks=512, block_bytes=64 * 1024, num_layers=2, page_size=256 * 1024)
         params.update(kwargs)
         code = textwrap.dedent(f"""
@@ -92,7 +102,7 @@ def spawn_allocator():
             m.close()
         """)
         proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                env=child_env(), text=True)
+                                env=child_env(env), text=True)
         procs.append(proc)
         line = proc.stdout.readline()
         assert line.strip() == "READY", f"allocator child failed to start: {line!r}"

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import configured
 
 from kvcached_core import KVCacheManager
 from kvcached_core.allocator.compact import Move, host_copy
+from kvcached_core.settings import Settings
 
 MiB = 1024 * 1024
 # 2 MiB pages x 8 layers x K/V: one page id costs 32 MiB; 8 blocks a page.
@@ -24,11 +26,12 @@ def rss() -> int:
     raise AssertionError("no VmRSS line")
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+# No warm pool and no idle return, so every page a test sees is one its blocks hold (children get the same).
+ENV = {"KVCACHED_IDLE_RETURN_S": "-1", "KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_MAX_RESERVED_PAGES": "0"}
+
+
+def cfg() -> Settings:
+    return configured(ENV)
 
 
 def pattern(block: int, layer: int, kv: int) -> bytes:
@@ -64,7 +67,7 @@ def scattered(m: KVCacheManager) -> list[int]:
 
 
 def test_compaction_moves_the_bytes_and_returns_the_emptied_pages_rss() -> None:
-    with KVCacheManager("compact", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+    with KVCacheManager("compact", policy="best-fit", settings=cfg(), **MODEL) as m:  # type: ignore[arg-type]
         kept = scattered(m)
         assert m.pages.pages_inuse == 8
         m.set_compact_handler(lambda moves: host_copy(m.backend, m.block_bytes, moves))
@@ -86,7 +89,7 @@ def test_compaction_moves_the_bytes_and_returns_the_emptied_pages_rss() -> None:
 
 
 def test_only_confirmed_moves_happen() -> None:
-    with KVCacheManager("compact-part", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+    with KVCacheManager("compact-part", policy="best-fit", settings=cfg(), **MODEL) as m:  # type: ignore[arg-type]
         kept = scattered(m)
 
         def half(moves: list[Move]) -> list[Move]:
@@ -105,7 +108,7 @@ def test_only_confirmed_moves_happen() -> None:
 
 
 def test_a_failing_handler_changes_nothing() -> None:
-    with KVCacheManager("compact-fail", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+    with KVCacheManager("compact-fail", policy="best-fit", settings=cfg(), **MODEL) as m:  # type: ignore[arg-type]
         kept = scattered(m)
 
         def boom(moves: list[Move]) -> list[Move]:
@@ -120,7 +123,7 @@ def test_a_failing_handler_changes_nothing() -> None:
 
 
 def test_without_a_handler_compact_refuses() -> None:
-    with KVCacheManager("compact-none", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+    with KVCacheManager("compact-none", policy="best-fit", settings=cfg(), **MODEL) as m:  # type: ignore[arg-type]
         scattered(m)
         with pytest.raises(RuntimeError, match="set_compact_handler"):
             m.compact()
@@ -135,7 +138,7 @@ def test_the_segment_counts_compactions_and_kvctl_frag_shows_them() -> None:
 
     from kvcached_core import snapshot
 
-    with KVCacheManager("compact-count", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+    with KVCacheManager("compact-count", policy="best-fit", settings=cfg(), **MODEL) as m:  # type: ignore[arg-type]
         scattered(m)
         fresh = snapshot("compact-count").compaction
         assert fresh is not None and not fresh.capable and fresh.compactions == 0
@@ -181,7 +184,7 @@ def test_kvctl_compact_returns_pages_and_refuses_a_failing_engine(spawn_allocato
 
     from kvcached_core import snapshot
 
-    proc = spawn_allocator("cc", policy="best-fit", script=SCATTER + """
+    proc = spawn_allocator("cc", env=ENV, policy="best-fit", script=SCATTER + """
 def boom(moves):
     raise OSError("copy failed")
 m.set_compact_handler(boom)

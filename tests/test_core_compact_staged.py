@@ -5,22 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_core_compact import BPP, BUNDLE, MODEL, holds, rss, scattered, write
+from test_core_compact import BPP, BUNDLE, ENV, MODEL, cfg, holds, rss, scattered, write
 
 from kvcached_core import KVCacheManager
 from kvcached_core.allocator.compact import host_copy
 from kvcached_core.allocator.compact_staged import cap_moves
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
-
-
 def test_begin_holds_both_ends_until_commit_frees_the_sources_and_unmaps() -> None:
-    with KVCacheManager("staged", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+    with KVCacheManager("staged", policy="best-fit", settings=cfg(), **MODEL) as m:  # type: ignore[arg-type]
         kept = scattered(m)
         ticket = m.compact_begin()
         moves = ticket.moves
@@ -52,7 +45,7 @@ def test_a_block_allocated_during_a_round_never_lands_on_a_page_it_empties() -> 
     """A busy engine allocates while the round's copies run with its step: the source pages' free slots are
     held, so the new block goes elsewhere and the commit still returns every page it emptied (on the old code
     best-fit put it in a source page's hole: 3 pages returned of 4)."""
-    with KVCacheManager("staged-busy", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+    with KVCacheManager("staged-busy", policy="best-fit", settings=cfg(), **MODEL) as m:  # type: ignore[arg-type]
         scattered(m)
         ticket = m.compact_begin()
         sources = {src // BPP for src, _ in ticket.moves}
@@ -66,7 +59,7 @@ def test_a_block_allocated_during_a_round_never_lands_on_a_page_it_empties() -> 
 
 
 def test_an_abort_gives_the_held_slots_back() -> None:
-    with KVCacheManager("staged-held", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+    with KVCacheManager("staged-held", policy="best-fit", settings=cfg(), **MODEL) as m:  # type: ignore[arg-type]
         scattered(m)
         used = m.used_blocks
         ticket = m.compact_begin()
@@ -79,7 +72,7 @@ def test_moves_per_round_are_capped_whole_source_pages_first() -> None:
     assert cap_moves([(32, 0), (33, 1), (40, 2), (41, 3)], 3, BPP) == [(32, 0), (33, 1)]
     assert cap_moves([(32, 0), (33, 1), (34, 2)], 2, BPP) == [(32, 0), (33, 1)]  # one page over the cap: part
     assert cap_moves([(32, 0)], None, BPP) == [(32, 0)]
-    with KVCacheManager("staged-cap", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+    with KVCacheManager("staged-cap", policy="best-fit", settings=cfg(), **MODEL) as m:  # type: ignore[arg-type]
         kept = scattered(m)
         rounds, remap = 0, {}
         while True:
@@ -100,7 +93,7 @@ def test_moves_per_round_are_capped_whole_source_pages_first() -> None:
 
 
 def test_abort_restores_everything() -> None:
-    with KVCacheManager("staged-abort", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+    with KVCacheManager("staged-abort", policy="best-fit", settings=cfg(), **MODEL) as m:  # type: ignore[arg-type]
         kept = scattered(m)
         first = m.compact_begin()
         with pytest.raises(RuntimeError, match="in flight"):
@@ -116,7 +109,7 @@ def test_abort_restores_everything() -> None:
 
 
 def test_a_prefix_hit_may_take_a_destination_before_the_commit() -> None:
-    with KVCacheManager("staged-reuse", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+    with KVCacheManager("staged-reuse", policy="best-fit", settings=cfg(), **MODEL) as m:  # type: ignore[arg-type]
         scattered(m)
         ticket = m.compact_begin()
         (src0, dst0), (src1, dst1) = ticket.moves[:2]
@@ -136,7 +129,7 @@ def test_a_prefix_hit_may_take_a_destination_before_the_commit() -> None:
 def test_idle_packing_waits_for_the_engine_and_keeps_the_cache() -> None:
     """Affinity packs an idle model: with a two-phase engine it compacts instead of evicting (on the old
     code, or with no poke, the sparse cached pages are evicted)."""
-    with KVCacheManager("staged-idle", policy="affinity", **MODEL) as m:  # type: ignore[arg-type]
+    with KVCacheManager("staged-idle", policy="affinity", settings=cfg(), **MODEL) as m:  # type: ignore[arg-type]
         pokes: list[int] = []
         m.set_compact_poke(lambda: pokes.append(1))
         assert m.compaction.capable and not m.compact_wanted
@@ -189,7 +182,7 @@ def test_kvctl_compact_is_answered_when_the_two_phase_engine_finishes(spawn_allo
 
     from kvcached_core import snapshot
 
-    spawn_allocator("cs", policy="best-fit", script=SCATTER, **MODEL)
+    spawn_allocator("cs", env=ENV, policy="best-fit", script=SCATTER, **MODEL)
     before = snapshot("cs")
     assert before.pages_inuse == 8 and before.compaction is not None and before.compaction.capable
     done = kvctl("compact", "cs", "--json")
@@ -206,7 +199,7 @@ def test_kvctl_compact_is_answered_when_the_two_phase_engine_finishes(spawn_allo
 
 
 def test_set_compact_handler_and_poke_replace_each_other() -> None:
-    with KVCacheManager("staged-swap", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+    with KVCacheManager("staged-swap", policy="best-fit", settings=cfg(), **MODEL) as m:  # type: ignore[arg-type]
         m.set_compact_poke(lambda: None)
         m.set_compact_handler(lambda moves: host_copy(m.backend, m.block_bytes, moves))
         assert m.staged.poke is None and m.compaction.capable
@@ -219,7 +212,7 @@ def test_set_compact_handler_and_poke_replace_each_other() -> None:
 
 def test_a_closed_allocator_wants_no_compaction() -> None:
     """An engine steps while compact_wanted: after close (the engine shutting down) it must not step for it."""
-    m = KVCacheManager("staged-closed", policy="affinity", **MODEL)  # type: ignore[arg-type]
+    m = KVCacheManager("staged-closed", policy="affinity", settings=cfg(), **MODEL)  # type: ignore[arg-type]
     m.set_compact_poke(lambda: None)
     ids = [b for _ in range(8) for b in m.alloc(BPP) or []]
     m.free([b for b in ids if b % 2])
@@ -238,7 +231,7 @@ def test_the_published_page_map_counts_the_cached_blocks_after_the_round(end: st
     from kvcached_core.segment.pagemap import decoded
     from kvcached_core.segment.reader import snapshot
 
-    with KVCacheManager(f"staged-map-{end}", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+    with KVCacheManager(f"staged-map-{end}", policy="best-fit", settings=cfg(), **MODEL) as m:  # type: ignore[arg-type]
         scattered(m)
         ticket = m.compact_begin()
         assert m.alloc(1) is not None  # the step in between publishes the pages touched so far

@@ -7,19 +7,20 @@ import threading
 import time
 
 import pytest
-from conftest import wait_for
+from conftest import configured, wait_for
 
 from kvcached_core import KVCacheManager
 from kvcached_core.allocator import manager as manager_mod
+from kvcached_core.settings import Settings
 
 MODEL = dict(num_blocks=64 * 16, block_bytes=16 * 1024, num_layers=1, page_size=256 * 1024)  # 16 blocks a page
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "2")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "6")
+ENV = {"KVCACHED_IDLE_RETURN_S": "-1", "KVCACHED_MIN_RESERVED_PAGES": "2", "KVCACHED_MAX_RESERVED_PAGES": "6"}
+
+
+def cfg() -> Settings:
+    return configured(ENV)
 
 
 def settled_pool(m: KVCacheManager) -> int:
@@ -30,7 +31,7 @@ def settled_pool(m: KVCacheManager) -> int:
 
 @pytest.mark.parametrize(("batch", "expected"), [(1, 2), (3, 3), (9, 6)])
 def test_a_short_pool_refills_in_the_backends_batch_up_to_the_maximum(batch: int, expected: int) -> None:
-    with KVCacheManager("batch", **MODEL) as m:
+    with KVCacheManager("batch", settings=cfg(), **MODEL) as m:
         m.backend.refill_batch = batch
         assert m.alloc(16) is not None  # maps one page on the spot; the pool (empty) is short
         assert settled_pool(m) == expected
@@ -38,7 +39,7 @@ def test_a_short_pool_refills_in_the_backends_batch_up_to_the_maximum(batch: int
 
 def test_a_refill_after_the_thread_went_back_to_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(manager_mod, "REFILL_LINGER_S", 0.02)
-    with KVCacheManager("linger", **MODEL) as m:
+    with KVCacheManager("linger", settings=cfg(), **MODEL) as m:
         m.alloc(16)
         assert settled_pool(m) == 2
         wait_for(lambda: not m._refill_polling, what="the refill thread to stop polling")
@@ -47,7 +48,7 @@ def test_a_refill_after_the_thread_went_back_to_sleep(monkeypatch: pytest.Monkey
 
 
 def test_without_lingering_the_refill_thread_sleeps_until_an_alloc_wakes_it() -> None:
-    with KVCacheManager("nolinger", refill_linger_s=0.0, **MODEL) as m:
+    with KVCacheManager("nolinger", refill_linger_s=0.0, settings=cfg(), **MODEL) as m:
         for _ in range(3):
             assert m.alloc(32) is not None  # takes the pool's pages (or maps on the spot): the pool is short
             assert settled_pool(m) == 2
@@ -57,13 +58,13 @@ def test_without_lingering_the_refill_thread_sleeps_until_an_alloc_wakes_it() ->
 @pytest.mark.parametrize("bad", [-1, "0.1", None.__class__])
 def test_a_bad_refill_linger_is_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="refill_linger_s"):
-        KVCacheManager("badlinger", refill_linger_s=bad, **MODEL)  # type: ignore[arg-type]
+        KVCacheManager("badlinger", refill_linger_s=bad, settings=cfg(), **MODEL)  # type: ignore[arg-type]
 
 
 def test_the_refill_thread_runs_nicer_than_the_engine() -> None:
     """Mapping ahead yields the CPU to the engine's threads (Linux: a nice value per thread)."""
     own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    with KVCacheManager("nice", **MODEL) as m:
+    with KVCacheManager("nice", settings=cfg(), **MODEL) as m:
         m.alloc(16)
         (refill,) = [t for t in threading.enumerate() if t.name == "kvc-refill-nice"]
         assert refill.native_id is not None

@@ -15,7 +15,8 @@ from ..backends import Backend, BackendError, Geometry, make_backend
 from ..segment import layout as L
 from ..segment.names import sanitize, segment_path, validate
 from ..segment.writer import Identity, SegmentError, SegmentWriter, owned_stale
-from ..settings import settings
+from ..settings import Settings
+from ..settings import settings as process_settings
 from ..tp.broadcast import BroadcastBackend
 from ..tp.launch import adopt, spawn_workers
 from . import fastpath, poller
@@ -85,8 +86,12 @@ class KVCacheManager:
         refill_linger_s: float | None = None,
         min_bytes: int | None = None,
         priority: int | None = None,
+        settings: Settings | None = None,
     ) -> None:
-        page_size = settings().page_size_bytes if page_size is None else page_size
+        # Every default below, and the backend's, come from ``settings`` (the process's environment, read once,
+        # when None): a test or an embedding passes its own instead of changing os.environ.
+        cfg = self.settings = process_settings() if settings is None else settings
+        page_size = cfg.page_size_bytes if page_size is None else page_size
         for label, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes),
                              ("num_layers", num_layers), ("num_kv_buffers", num_kv_buffers),
                              ("page_size", page_size), ("block_tokens", block_tokens)):
@@ -127,9 +132,9 @@ class KVCacheManager:
         self.geometry = Geometry(page_size, pages_total, num_layers, num_kv_buffers)
         self.tp_world = tp_world
         self.bundle_bytes = self.geometry.bundle_bytes * tp_world  # one page id on every rank
-        bounds = settings().reserve
+        bounds = cfg.reserve
         self.min_reserved, self.max_reserved = bounds.min_pages, bounds.max_pages
-        fast_mode = settings().mode(fastpath.FASTPATH_ENV)
+        fast_mode = cfg.mode(fastpath.FASTPATH_ENV)
         fastpath.require(fast_mode)  # KVCACHED_FASTPATH=1 without a build fails before any file exists
 
         self._lock = threading.RLock()
@@ -137,22 +142,22 @@ class KVCacheManager:
         self._mapping_done = threading.Condition(self._lock)  # the refill thread finished a batch
         self._closed = False
         self.pages = PageTable(pages_total, bpp, num_blocks)
-        self.policy = make_policy(policy)
-        self.cache = PrefixCache(bpp, settings().cached_blocks(block_tokens))
+        self.policy = make_policy(cfg.policy if policy is None else policy)
+        self.cache = PrefixCache(bpp, cfg.cached_blocks(block_tokens))
         if tp_workers is not None:
             self.backend: Backend = BroadcastBackend(self.geometry, backend, tp_workers, strategy=tp_strategy,
-                                                     timeout=tp_timeout)
+                                                     timeout=tp_timeout, settings=cfg)
         else:
-            self.backend = make_backend(backend, self.geometry, device)
+            self.backend = make_backend(backend, self.geometry, device, settings=cfg)
         try:
-            seg_name = self._choose_name(name, model)
+            seg_name = self._choose_name(name, model, cfg)
             self.segment = SegmentWriter(Identity(
                 name=seg_name, model=model, engine=engine, backend=self.backend.name, device=self.backend.device,
                 page_size=page_size, block_bytes=block_bytes, num_layers=num_layers,
                 num_kv_buffers=num_kv_buffers, blocks_per_page=bpp, num_blocks=num_blocks,
                 pages_total=pages_total, tp_rank=tp_rank, tp_world=tp_world,
                 ranks_max=max(1, tp_world), device_capacity=self.backend.capacity_bytes(),
-            ))
+            ), cfg.shm_dir)
         except BaseException:
             self.backend.close()
             raise
@@ -182,12 +187,12 @@ class KVCacheManager:
         self.staged = StagedCompaction(self)  # two-phase compaction (set_compact_poke)
         # Memory pressure between the models of a device (kvcached_core.allocator.pressure): min and priority
         # from the arguments, else KVCACHED_MIN / KVCACHED_PRIORITY; kvctl policy changes them live.
-        self.pressure = PressureControl(self, settings().min_bytes if min_bytes is None else min_bytes,
-                                        settings().priority if priority is None else priority)
+        self.pressure = PressureControl(self, cfg.min_bytes if min_bytes is None else min_bytes,
+                                        cfg.priority if priority is None else priority)
         self._fast: Any = None  # the C path, attached below (fastpath.attach): it publishes too
         self._publish()
         self.segment.publish_compaction(self.compaction.values())
-        endpoint = settings().endpoint  # KVCACHED_ENDPOINT: an engine's server says where it serves
+        endpoint = cfg.endpoint  # KVCACHED_ENDPOINT: an engine's server says where it serves
         if endpoint is not None:
             self.segment.publish_endpoint(endpoint)
         try:
@@ -210,7 +215,7 @@ class KVCacheManager:
         for thread in self._threads:
             thread.start()
         # Controls, idle return and the heartbeat: the process's one poller thread (see kvcached_core.allocator.poller).
-        self._watch = poller.register(self, self.segment.wake_token, _watch_tick, _WatchState())
+        self._watch = poller.register(self, self.segment.wake_token, _watch_tick, _WatchState(cfg.idle_return_s))
 
     @classmethod
     def tensor_parallel(cls, model: str, *, world: int, backend: str = "host", devices: Sequence[int] | None = None,
@@ -234,12 +239,12 @@ class KVCacheManager:
         return manager
 
     @staticmethod
-    def _choose_name(name: str | None, model: str) -> str:
-        explicit = name if name is not None else settings().ipc_name
+    def _choose_name(name: str | None, model: str, cfg: Settings) -> str:
+        explicit = name if name is not None else cfg.ipc_name
         if explicit is not None:  # an explicit empty name is refused, not replaced by the default
             return validate(explicit)
         base = sanitize(model)
-        path = segment_path(base)
+        path = segment_path(base, cfg.shm_dir)
         if not path.exists() or owned_stale(path):  # our own dead segment is replaced on create
             return base
         return f"{base[:50]}-{os.getpid()}"
@@ -1197,11 +1202,11 @@ class _WatchState:
 
     __slots__ = ("activity", "active_at", "idle_after", "last_beat")
 
-    def __init__(self) -> None:
+    def __init__(self, idle_after: float | None) -> None:
         self.last_beat = 0.0
         self.activity: tuple | None = None
         self.active_at = time.monotonic()
-        self.idle_after = settings().idle_return_s
+        self.idle_after = idle_after  # KVCACHED_IDLE_RETURN_S; None: never
 
 
 # The background threads (the refill thread, the process's poller) hold their manager only while

@@ -56,7 +56,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import native
-from ..settings import CUDA_LAYOUTS, settings
+from ..settings import CUDA_LAYOUTS, Settings
+from ..settings import settings as process_settings
 from .base import Backend, BackendError, BackendUnavailable, Geometry
 from .cuda_native import NATIVE_ENV, NativeVmm
 from .cuda_native import load as load_native
@@ -202,17 +203,19 @@ class CudaBackend(Backend):
     def __init__(self, geometry: Geometry, device: int = 0, *, layout: str | None = None,
                  pool_pages: int | None = None, async_unmap: bool | None = None,
                  unmap_delay_s: float | None = None, native: str | None = None,
-                 budget_bytes: int | None = None) -> None:
+                 budget_bytes: int | None = None, settings: Settings | None = None) -> None:
         """``budget_bytes``: this device's KV budget shared with the other allocators on it (default:
-        ``KVCACHED_DEVICE_BUDGET``; none: the driver's out-of-memory is the budget)."""
+        ``KVCACHED_DEVICE_BUDGET``; none: the driver's out-of-memory is the budget). ``settings``: the defaults of
+        the other arguments (default: the process's)."""
         super().__init__(geometry, device)
-        self.layout = settings().cuda_layout if layout is None else layout
+        cfg = self.settings = settings or process_settings()
+        self.layout = cfg.cuda_layout if layout is None else layout
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
-        self.pool_pages = settings().cuda_pool_pages if pool_pages is None else pool_pages
-        self.async_unmap = settings().cuda_async_unmap if async_unmap is None else async_unmap
-        self.unmap_delay_s = settings().cuda_unmap_delay_s if unmap_delay_s is None else unmap_delay_s
-        self.native_mode = settings().mode(NATIVE_ENV) if native is None else native
+        self.pool_pages = cfg.cuda_pool_pages if pool_pages is None else pool_pages
+        self.async_unmap = cfg.cuda_async_unmap if async_unmap is None else async_unmap
+        self.unmap_delay_s = cfg.cuda_unmap_delay_s if unmap_delay_s is None else unmap_delay_s
+        self.native_mode = cfg.mode(NATIVE_ENV) if native is None else native
         self._native: NativeVmm | None = None
         self.native_reason = "not requested" if self.native_mode == "off" else ""
         g = geometry
@@ -296,11 +299,11 @@ class CudaBackend(Backend):
                     f"{self.granularity}: set KVCACHED_PAGE_SIZE_MB to a multiple of {self.granularity >> 20 or 1}"
                 )
             _free, self._total = self._check("cuMemGetInfo", d.cuMemGetInfo())
-        budget, configured = self._budget_arg, settings().device_budget
+        budget, configured = self._budget_arg, self.settings.device_budget
         if budget is None and configured is not None:
             budget = configured.of(int(self._total))
         if budget is not None:
-            self.ledger = CapacityLedger(budget, backend=self.name, device=self.device)
+            self.ledger = CapacityLedger(budget, self.settings.shm_dir, backend=self.name, device=self.device)
         with self._context():
             self._va = int(self._check("cuMemAddressReserve", d.cuMemAddressReserve(self.va_bytes, g.page_size, 0, 0)))
         # where slice s of page 0 starts; slice s of page p is p * slice_bytes further

@@ -16,7 +16,8 @@ import mmap
 import os
 from collections.abc import Sequence
 
-from ..settings import settings
+from ..settings import Settings
+from ..settings import settings as process_settings
 from .base import Backend, BackendError, Geometry
 from .ledger import BUDGET_MAX_AGE_S, CapacityLedger
 
@@ -38,9 +39,11 @@ def _madvise(address: int, length: int, advice: int) -> None:
 class HostBackend(Backend):
     name = "host"
 
-    def __init__(self, geometry: Geometry, device: int = 0, ledger: CapacityLedger | None = None) -> None:
+    def __init__(self, geometry: Geometry, device: int = 0, ledger: CapacityLedger | None = None, *,
+                 settings: Settings | None = None) -> None:
         super().__init__(geometry, device)
-        self.ledger = ledger or CapacityLedger(settings().host_capacity_bytes)
+        cfg = settings or process_settings()
+        self.ledger = ledger or CapacityLedger(cfg.host_capacity_bytes, cfg.shm_dir)
         self._ranges = geometry.num_layers * geometry.num_kv_buffers
         size = geometry.range_bytes * self._ranges
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)

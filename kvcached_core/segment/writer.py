@@ -362,6 +362,35 @@ class SegmentWriter:
             return ControlRequest(None, 0, trim_seq, compact_seq)
         return ControlRequest(None if limit < 0 else limit, revision, trim_seq, compact_seq)
 
+    def read_sleep_request(self) -> tuple[int, int, int] | None:
+        """``(revision, action, after_idle_ms)`` of the sleep record, or None when there is none or it is not
+        whole (its check does not tie it to its revision: a write under way, or a controller killed half way)."""
+        revision, action, after_idle_ms, check = L.SLEEP_CTL.unpack_from(self._buf, L.SLEEP_CTL_OFF)
+        if revision == 0 or check != L.sleep_check(action, after_idle_ms, revision):
+            return None
+        return revision, action, after_idle_ms
+
+    def read_policy_request(self) -> tuple[int, int, int] | None:
+        """``(revision, min, priority)`` of the policy record as written (``layout.POLICY_*`` words), or None
+        when there is none or it is not whole."""
+        revision, min_bytes, priority, check = L.POLICY_CTL.unpack_from(self._buf, L.POLICY_CTL_OFF)
+        if revision == 0 or check != L.policy_check(revision, min_bytes, priority):
+            return None
+        return revision, min_bytes, priority
+
+    def read_reclaim_request(self) -> tuple[int, int, int] | None:
+        """``(sequence, bytes wanted, the asker's model id)`` of another model's reclaim record, or None when
+        there is none or it is not whole."""
+        seq, want, asker, check = L.RECLAIM_CTL.unpack_from(self._buf, L.RECLAIM_CTL_OFF)
+        if seq == 0 or check != L.reclaim_check(seq, want, asker):
+            return None
+        return seq, want, asker
+
+    def request_numbers(self) -> tuple[int, int]:
+        """The policy record's revision and the reclaim record's sequence, whole or not: two plain reads for
+        the poller's look without the lock (a number past the last taken means a request to read)."""
+        return (L.U64.unpack_from(self._buf, L.POLICY_CTL_OFF)[0], L.U64.unpack_from(self._buf, L.RECLAIM_CTL_OFF)[0])
+
     def publish_compaction(self, values: tuple) -> None:
         """The COMPACT words (``layout.COMPACT_FIELDS`` then ``COMPACT_ANSWERS`` answers), sealed."""
         self._seal("compact", _pack_compact, *values)

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from ..backends import Backend, BackendError, Geometry
 from ..backends.ledger import BUDGET_MAX_AGE_S, CapacityLedger
 from ..segment import layout as L
-from ..settings import TP_STRATEGIES, default_of, settings
+from ..settings import TP_STRATEGIES, Settings, default_of
+from ..settings import settings as process_settings
 from . import protocol as P
 
 STRATEGIES = TP_STRATEGIES
@@ -69,11 +70,11 @@ class RankState:
 
 
 def default_strategy() -> str:
-    return settings().tp_strategy
+    return process_settings().tp_strategy
 
 
 def default_timeout() -> float:
-    return settings().tp_timeout_s
+    return process_settings().tp_timeout_s
 
 
 class BroadcastBackend(Backend):
@@ -85,15 +86,16 @@ class BroadcastBackend(Backend):
 
     def __init__(self, geometry: Geometry, backend_name: str, workers: Sequence[str | os.PathLike], *,
                  strategy: str | None = None, timeout: float | None = None,
-                 connect_timeout: float | None = None) -> None:
+                 connect_timeout: float | None = None, settings: Settings | None = None) -> None:
         super().__init__(geometry, 0)
+        cfg = settings or process_settings()
         if not workers:
             raise ValueError("tensor parallelism needs at least one worker socket")
         self.name = backend_name
-        self.strategy = strategy or default_strategy()
+        self.strategy = strategy or cfg.tp_strategy
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown broadcast strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}")
-        self.timeout = timeout if timeout is not None else default_timeout()
+        self.timeout = timeout if timeout is not None else cfg.tp_timeout_s
         self.world = len(workers)
         self.ranks = [RankState(i, str(path)) for i, path in enumerate(workers)]
         self.errors: list[str] = []
@@ -105,7 +107,7 @@ class BroadcastBackend(Backend):
         self._seq = 0
         self._closed = False
         # On the host all ranks share one machine: claim the whole model's bytes once, here.
-        self.ledger = CapacityLedger(settings().host_capacity_bytes) if backend_name == "host" else None
+        self.ledger = CapacityLedger(cfg.host_capacity_bytes, cfg.shm_dir) if backend_name == "host" else None
         try:
             self._attach(connect_timeout if connect_timeout is not None else DEFAULT_CONNECT_TIMEOUT_S)
         except BaseException:

@@ -15,9 +15,15 @@ ROOT = Path(__file__).parent
 
 
 def native(module: str, source: str) -> Extension:
-    digest = hashlib.sha256((ROOT / source).read_bytes()).hexdigest()[:16]
+    """One extension from ``source`` and the headers it includes from ``<stem>_c/`` beside it; the digest covers
+    them all, in that order (kvcached_core/native.py computes the same at import)."""
+    headers = sorted((ROOT / source).parent.joinpath(Path(source).stem + "_c").glob("*.h"))
+    digest = hashlib.sha256()
+    for path in [ROOT / source, *headers]:
+        digest.update(path.read_bytes())
     return Extension(module, [source], optional=True, extra_compile_args=["-O2"],
-                     define_macros=[("KVC_SOURCE_DIGEST", f'"{digest}"')])
+                     depends=[str(h.relative_to(ROOT)) for h in headers],
+                     define_macros=[("KVC_SOURCE_DIGEST", f'"{digest.hexdigest()[:16]}"')])
 
 
 setup(ext_modules=[

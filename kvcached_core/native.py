@@ -63,11 +63,19 @@ def _import(part: Part) -> tuple[ModuleType | None, str]:
     except ImportError as exc:  # a build for another interpreter, a missing symbol
         return None, f"cannot load {part.module}: {exc}"
     source = Path(__file__).parent / part.source
-    if source.is_file():  # a checkout (installed packages carry no sources): the build must match it
-        digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-        if getattr(module, "SOURCE_DIGEST", None) != digest:
-            return None, f"built from an older {source.name} (rebuild: {REBUILD})"
+    # a checkout (installed packages carry no sources): the build must match it
+    if source.is_file() and getattr(module, "SOURCE_DIGEST", None) != source_digest(source):
+        return None, f"built from an older {source.name} (rebuild: {REBUILD})"
     return module, ""
+
+
+def source_digest(source: Path) -> str:
+    """What setup.py records in a build: the digest of ``source`` and of the headers it includes from
+    ``<stem>_c/`` beside it (sorted), so an edit to any of them shows the build is older."""
+    digest = hashlib.sha256()
+    for path in [source, *sorted(source.parent.joinpath(source.stem + "_c").glob("*.h"))]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def say_unavailable(key: str, why: str) -> None:

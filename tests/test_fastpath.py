@@ -406,7 +406,7 @@ def test_a_binding_without_a_role_is_refused_by_name(monkeypatch: pytest.MonkeyP
         for role in ("seq", "release_blocks"):  # a field and an object
             partial = {k: v for k, v in names.items() if k != role}
             with pytest.raises(KeyError, match=f"no attribute for {role} "):
-                MODULE.FastPath(m, False, 0.0, fastpath._offsets(m.bundle_bytes, m.pages.pages_total), partial)
+                MODULE.FastPath(m, False, 0.0, m.segment.c_offsets(m.bundle_bytes), partial)
         assert m.alloc(3) is not None  # the allocator's own binding is untouched
 
 

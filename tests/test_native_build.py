@@ -61,6 +61,22 @@ def test_a_build_older_than_its_source_is_reported_not_used(tmp_path: Path) -> N
     assert module is not None, why
 
 
+def test_an_edited_header_of_the_c_path_makes_the_build_older_too(tmp_path: Path) -> None:
+    """fastpath.c includes its parts from fastpath_c/: a build whose headers were edited since is not used (the
+    digest of fastpath.c alone would not change)."""
+    part = native.PARTS["fastpath"]
+    source = Path(native.__file__).parent / part.source
+    copy = tmp_path / source.name
+    copy.write_bytes(source.read_bytes())
+    shutil.copytree(source.parent / "fastpath_c", tmp_path / "fastpath_c")
+    module, why = native._import(native.Part(part.key, part.module, str(copy), part.env, part.what, part.fallback))
+    assert module is not None, why  # the same files: the build is current
+    placement = tmp_path / "fastpath_c" / "placement.h"
+    placement.write_bytes(placement.read_bytes() + b"/* edited */\n")
+    module, why = native._import(native.Part(part.key, part.module, str(copy), part.env, part.what, part.fallback))
+    assert module is None and why.startswith("built from an older fastpath.c (rebuild: pip install -e .")
+
+
 def _wheel(tmp_path: Path, env: dict[str, str], umask: int = 0o022) -> tuple[Path, list[str]]:
     """Build the wheel from a copy of the sources under ``env`` and ``umask``; unpack it: (site, its .so files)."""
     src = tmp_path / "src"

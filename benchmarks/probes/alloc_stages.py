@@ -58,7 +58,7 @@ def profiled(m: KVCacheManager):
     module = build_profiled()
     policy = m.policy
     fast = module.FastPath(m, int(type(policy) is Affinity), float(getattr(policy, "slack", 0.0)),
-                           fastpath._offsets(m.bundle_bytes, m.pages.pages_total), fastpath.binding_names())
+                           m.segment.c_offsets(m.bundle_bytes), fastpath.binding_names())
     return module, fast
 
 

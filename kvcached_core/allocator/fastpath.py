@@ -11,7 +11,7 @@ publish (``KVCacheManager._publish`` calls it once attached): every counter, the
 ``_publish_python``, without the interpreter inside the seqlock window.
 
 The C code names no Python attribute and no segment offset: :data:`BINDING` says which attribute of
-which object plays each role it needs, :func:`_offsets` where the segment keeps what it writes; both are
+which object plays each role it needs, :meth:`SegmentWriter.c_offsets` where the segment keeps what it writes; both are
 passed in when an allocator binds it.
 
 ``KVCACHED_FASTPATH``: ``auto`` (default: use it when it was built, else say once why not and stay
@@ -24,7 +24,6 @@ take the Python path.
 
 from __future__ import annotations
 
-import struct
 from types import ModuleType
 from typing import Any
 
@@ -86,20 +85,6 @@ def load() -> tuple[ModuleType | None, str]:
     return native.load("fastpath")
 
 
-def _offsets(bundle_bytes: int, pages_total: int, tp_world: int = 1) -> dict[str, int]:
-    """Where the segment keeps what an alloc changes (layout.py is the contract; C reads it from here)."""
-    fmt = L.COUNTERS.format.lstrip("<")
-    offsets = {name: L.COUNTERS_OFF + struct.calcsize("<" + fmt[:i]) for i, name in enumerate(L.COUNTER_FIELDS)}
-    offsets.update(seq=L.SEQ_OFF, counters=L.COUNTERS_OFF, counters_len=L.CHECKSUM_OFF - L.COUNTERS_OFF,
-                   checksum=L.CHECKSUM_OFF, page_map=L.PAGE_MAP_OFF, cached_shift=L.PAGE_CACHED_SHIFT,
-                   page_mapped=L.PAGE_MAPPED, limit_deferred=L.LIMIT_DEFERRED, bundle_bytes=bundle_bytes,
-                   ranks=L.ranks_offset(pages_total), rank_size=L.RANK.size, ranks_max=max(1, tp_world),
-                   tp_world=tp_world)
-    rank_fmt = L.RANK.format.lstrip("<")
-    offsets.update({f"rank_{name}": struct.calcsize("<" + rank_fmt[:i]) for i, name in enumerate(L.RANK_FIELDS)})
-    return offsets
-
-
 def binding_names() -> dict[str, str]:
     """:data:`BINDING` as FastPath() takes it: role -> attribute name."""
     return {role: attr for role, (_owner, attr, _how) in BINDING.items()}
@@ -132,7 +117,7 @@ def attach(manager: Any, policy: Any, mode: str | None = None) -> tuple[Any | No
         native.say_unavailable("fastpath", why)
         return None, why
     fast = module.FastPath(manager, code, float(getattr(policy, "slack", 0.0)),
-                           _offsets(manager.bundle_bytes, manager.pages.pages_total, manager.tp_world),
+                           manager.segment.c_offsets(manager.bundle_bytes),
                            binding_names())
     return fast, ""
 

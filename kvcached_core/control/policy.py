@@ -7,11 +7,11 @@ block, as a limit is: a request replaced by another controller's later one says 
 
 from __future__ import annotations
 
-import mmap
 import time
 from pathlib import Path
 
 from ..segment import layout as L
+from ..segment.control_io import write_policy
 from ..segment.snapshot import ModelSnapshot
 from .requests import DEFAULT_WAIT_S, Ack, ControlError, _target, _wait, write_request
 
@@ -61,15 +61,7 @@ def request_policy(name: str | ModelSnapshot, *, min_bytes: int | None | object 
     raw_priority = L.POLICY_PRIORITY_KEEP if priority is KEEP else int(priority)  # type: ignore[arg-type]
     started = time.monotonic()
 
-    def write(mm: mmap.mmap) -> int:
-        revision = L.U64.unpack_from(mm, L.POLICY_CTL_OFF)[0] + 1
-        L.I64.pack_into(mm, L.POLICY_CTL_OFF + 8, raw_min)
-        L.I64.pack_into(mm, L.POLICY_CTL_OFF + 16, raw_priority)
-        L.U64.pack_into(mm, L.POLICY_CTL_OFF + 24, L.policy_check(revision, raw_min, raw_priority))
-        L.U64.pack_into(mm, L.POLICY_CTL_OFF, revision)  # last: the allocator keys on it
-        return revision
-
-    revision = write_request(Path(model.path), write)
+    revision = write_request(Path(model.path), lambda mm: write_policy(mm, raw_min, raw_priority))
     pending = Ack(model.name, "policy", "pending", revision)
     if wait <= 0:
         return pending

@@ -18,7 +18,7 @@ from ..allocator.poller import poke
 from ..fleet import ModelNotFound, resolve, scan
 from ..interop.legacy import flock_within, limit_refusal, percent_base, write_legacy_limit
 from ..segment import layout as L
-from ..segment.control_io import ControlWriteError, open_for_control, wake_token
+from ..segment.control_io import ControlWriteError, next_sequence, open_for_control, wake_token, write_limit
 from ..segment.names import SEGMENT_PREFIX
 from ..segment.reader import read_segment
 from ..segment.snapshot import ModelSnapshot
@@ -104,12 +104,7 @@ def write_request(path: Path, write: Callable[[mmap.mmap], int]) -> int:
 def bump_sequence(path: Path, offset: int) -> int:
     """A sequence-numbered request (trim, compact): add one to the u64 at ``offset`` under the controllers'
     lock, wake the allocator, and return the new sequence number."""
-    def write(mm: mmap.mmap) -> int:
-        seq = L.U64.unpack_from(mm, offset)[0] + 1
-        L.U64.pack_into(mm, offset, seq)
-        return seq
-
-    return write_request(path, write)
+    return write_request(path, lambda mm: next_sequence(mm, offset))
 
 
 BUSY_RETRIES = 5  # scans (each retries its copy for ~0.4 s), while the named model's writer is too busy to read
@@ -213,15 +208,7 @@ def request_limit(name: str | ModelSnapshot, limit_bytes: int | None, *, wait: f
     if model.status != "live":
         raise ControlError(f"{model.name} is {model.status}: its process is gone, nothing would apply the limit")
     started = time.monotonic()
-    def write(mm: mmap.mmap) -> int:
-        revision = L.U64.unpack_from(mm, L.LIMIT_REV_OFF)[0] + 1
-        value = -1 if limit_bytes is None else limit_bytes
-        L.I64.pack_into(mm, L.LIMIT_OFF, value)
-        L.U64.pack_into(mm, L.LIMIT_CHECK_OFF, L.limit_check(value, revision))
-        L.U64.pack_into(mm, L.LIMIT_REV_OFF, revision)  # last: the allocator keys on it
-        return revision
-
-    revision = write_request(Path(model.path), write)
+    revision = write_request(Path(model.path), lambda mm: write_limit(mm, limit_bytes))
     pending = Ack(model.name, "limit", "pending", revision, limit_bytes)
     if wait <= 0:
         return pending

@@ -7,12 +7,12 @@ answered ``superseded`` with what the model did instead.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import time
 from pathlib import Path
 
 from ..segment import layout as L
+from ..segment.control_io import write_sleep
 from ..segment.reader import read_segment
 from ..segment.snapshot import ModelSnapshot, SleepInfo
 from .requests import DEFAULT_WAIT_S, Ack, ControlError, _target, _wait, write_request
@@ -74,10 +74,7 @@ def request_sleep(name: str | ModelSnapshot, action: str, *, after_idle_s: float
         raise ControlError(problem)
     started = time.monotonic()
     before = _last_sleep(model)
-    def write(mm: mmap.mmap) -> int:
-        return write_sleep_request(mm, code, idle_ms)
-
-    revision = write_request(Path(model.path), write)
+    revision = write_request(Path(model.path), lambda mm: write_sleep(mm, code, idle_ms))
     pending = Ack(model.name, action, "pending", revision)
     if wait <= 0:
         return pending
@@ -122,21 +119,6 @@ def _refused(path: Path, revision: int) -> bool:
     finally:
         os.close(fd)
     return len(raw) == 8 and L.U64.unpack(raw)[0] == revision
-
-
-def write_sleep_request(mm: mmap.mmap, action: int, idle_ms: int) -> int:
-    """Write one sleep request record (under the controllers' lock) and return its revision: the action, the
-    policy and the check tied to the new revision first, the revision word last. A controller killed half way
-    leaves the last whole request's revision with a check that no longer matches it: nothing is taken, and
-    the next request numbers on from it."""
-    revision = L.U64.unpack_from(mm, L.SLEEP_CTL_OFF)[0] + 1
-    if revision > L.MAX_SLEEP_REVISION:  # a damaged word: start again (the allocator takes any revision but its last)
-        revision = 1
-    L.U64.pack_into(mm, L.SLEEP_CTL_OFF + 8, action)
-    L.I64.pack_into(mm, L.SLEEP_CTL_OFF + 16, idle_ms)
-    L.U64.pack_into(mm, L.SLEEP_CTL_OFF + 24, L.sleep_check(action, idle_ms, revision))
-    L.U64.pack_into(mm, L.SLEEP_CTL_OFF, revision)  # last: the allocator keys on it
-    return revision
 
 
 def _last_sleep(model: ModelSnapshot) -> tuple[int, float] | None:

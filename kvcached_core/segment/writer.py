@@ -9,6 +9,7 @@ import mmap
 import os
 import secrets
 import stat
+import struct
 import sys
 import threading
 import time
@@ -361,6 +362,22 @@ class SegmentWriter:
         if revision and check != L.limit_check(limit, revision):
             return ControlRequest(None, 0, trim_seq, compact_seq)
         return ControlRequest(None if limit < 0 else limit, revision, trim_seq, compact_seq)
+
+    def c_offsets(self, bundle_bytes: int) -> dict[str, int]:
+        """Where this segment keeps what the C path (allocator/fastpath.c) writes for an alloc, a free or a publish,
+        by name: the counters (layout.COUNTER_FIELDS), the seqlock's word, the checksum, the page map and the rank
+        records. The C code has no offset of its own: it writes through these."""
+        ident = self.ident
+        fmt = L.COUNTERS.format.lstrip("<")
+        offsets = {name: L.COUNTERS_OFF + struct.calcsize("<" + fmt[:i]) for i, name in enumerate(L.COUNTER_FIELDS)}
+        offsets.update(seq=L.SEQ_OFF, counters=L.COUNTERS_OFF, counters_len=L.CHECKSUM_OFF - L.COUNTERS_OFF,
+                       checksum=L.CHECKSUM_OFF, page_map=L.PAGE_MAP_OFF, cached_shift=L.PAGE_CACHED_SHIFT,
+                       page_mapped=L.PAGE_MAPPED, limit_deferred=L.LIMIT_DEFERRED, bundle_bytes=bundle_bytes,
+                       ranks=L.ranks_offset(ident.pages_total), rank_size=L.RANK.size, ranks_max=ident.ranks_max,
+                       tp_world=ident.tp_world)
+        rank_fmt = L.RANK.format.lstrip("<")
+        offsets.update({f"rank_{name}": struct.calcsize("<" + rank_fmt[:i]) for i, name in enumerate(L.RANK_FIELDS)})
+        return offsets
 
     def read_sleep_request(self) -> tuple[int, int, int] | None:
         """``(revision, action, after_idle_ms)`` of the sleep record, or None when there is none or it is not

@@ -10,7 +10,7 @@ import pytest
 from conftest import configured, wait_for
 
 from kvcached_core import KVCacheManager
-from kvcached_core.allocator import manager as manager_mod
+from kvcached_core.allocator import refill as refill_mod
 from kvcached_core.settings import Settings
 
 MODEL = dict(num_blocks=64 * 16, block_bytes=16 * 1024, num_layers=1, page_size=256 * 1024)  # 16 blocks a page
@@ -38,7 +38,7 @@ def test_a_short_pool_refills_in_the_backends_batch_up_to_the_maximum(batch: int
 
 
 def test_a_refill_after_the_thread_went_back_to_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(manager_mod, "REFILL_LINGER_S", 0.02)
+    monkeypatch.setattr(refill_mod, "REFILL_LINGER_S", 0.02)
     with KVCacheManager("linger", settings=cfg(), **MODEL) as m:
         m.alloc(16)
         assert settled_pool(m) == 2
@@ -69,6 +69,6 @@ def test_the_refill_thread_runs_nicer_than_the_engine() -> None:
         (refill,) = [t for t in threading.enumerate() if t.name == "kvc-refill-nice"]
         assert refill.native_id is not None
         wait_for(lambda: os.getpriority(os.PRIO_PROCESS, refill.native_id) != own, what="the thread to lower itself")
-        assert os.getpriority(os.PRIO_PROCESS, refill.native_id) == min(19, own + manager_mod.REFILL_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, refill.native_id) == min(19, own + refill_mod.REFILL_NICE)
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the caller's own is untouched
         assert settled_pool(m) >= 2  # and it still refills

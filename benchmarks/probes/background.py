@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import vmm
 
 from kvcached_core import KVCacheManager
-from kvcached_core.allocator import manager as manager_module
 from kvcached_core.allocator import poller as poller_module
+from kvcached_core.allocator import refill as refill_module
 
 SIZES = [1, 1, 2, 2, 4, 8, 16]
 LIBC = ctypes.CDLL(None, use_errno=True)
@@ -46,9 +46,9 @@ VARIANTS = {  # name: (refill poll s, watch interval s, pin the engine thread)
 
 def run(pacer: vmm.Pacer, layout: str, variant: str, seed: int) -> dict:
     poll, watch, pin = VARIANTS[variant]
-    saved = manager_module.REFILL_POLL_S, poller_module.HEARTBEAT_INTERVAL_S
+    saved = refill_module.REFILL_POLL_S, poller_module.HEARTBEAT_INTERVAL_S
     if poll is not None:
-        manager_module.REFILL_POLL_S = poll
+        refill_module.REFILL_POLL_S = poll
     if watch is not None:  # the watcher is the process's poller: it wakes when poked and at each heartbeat
         poller_module.HEARTBEAT_INTERVAL_S = watch
     os.environ["KVCACHED_CUDA_LAYOUT"] = layout
@@ -82,7 +82,7 @@ def run(pacer: vmm.Pacer, layout: str, variant: str, seed: int) -> dict:
             if ids:
                 m.free(ids)
         m.close()
-        manager_module.REFILL_POLL_S, poller_module.HEARTBEAT_INTERVAL_S = saved
+        refill_module.REFILL_POLL_S, poller_module.HEARTBEAT_INTERVAL_S = saved
     lat = [r[0] for r in rows]
     top = sorted(rows)[int(0.99 * len(rows)):]
     calm = [r[0] for r in rows if not (r[1] or r[2] or r[3])]

@@ -32,7 +32,7 @@ from ..segment import layout as L
 from .compact import CompactResult, Move, plan
 
 if TYPE_CHECKING:
-    from .manager import KVCacheManager
+    from .parts import Allocator
 
 CompactPoke = Callable[[], None]  # asks the engine's thread to compact (begin, its step, commit); must not block
 
@@ -81,7 +81,7 @@ def cap_moves(moves: list[Move], max_moves: int | None, blocks_per_page: int) ->
 class StagedCompaction:
     """The allocator's side of two-phase compaction; every method runs with the manager's lock held."""
 
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, manager: Allocator) -> None:
         self.m = manager
         self.poke: CompactPoke | None = None
         self.ticket: CompactTicket | None = None

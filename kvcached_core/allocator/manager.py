@@ -7,7 +7,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from numbers import Integral
 from typing import Any
 
@@ -19,31 +19,16 @@ from ..settings import Settings
 from ..settings import settings as process_settings
 from ..tp.broadcast import BroadcastBackend
 from ..tp.launch import adopt, spawn_workers
-from . import fastpath, poller
+from . import fastpath, poller, refill, serving
 from .compact import CompactHandler, CompactResult, CompactStats, Move, plan
 from .compact_staged import CompactPoke, CompactStep, CompactTicket, StagedCompaction
 from .pages import PageTable
+from .parts import EvictHandler
 from .placement import Policy, drain_victims, make_policy, place_draining
-from .poller import HEARTBEAT_INTERVAL_S
 from .prefix_cache import PrefixCache
 from .pressure import PressureControl
 from .sleep import SleepControl, SleepHandler
 
-# While traffic keeps draining the pool, the refill thread looks for work every REFILL_POLL_S
-# instead of being woken: waking a thread costs the waker a futex syscall and a GIL hand-off
-# inside alloc (benchmarks/vmm.py: with polling, grow and nogrow p99 agree). After REFILL_LINGER_S
-# without a request it sleeps until an alloc wakes it again.
-REFILL_POLL_S = 0.0005
-REFILL_LINGER_S = 0.25
-RELEASE_CHECK_S = 5.0  # an idle refill thread looks again this often, waiting without holding its manager
-# The refill thread runs this much nicer than the engine: on a busy host, mapping ahead (a whole warm
-# pool right after a wake) must not take CPU from the step that serves the request (benchmarks/sleep.py).
-REFILL_NICE = 10
-_IDLE = -1.0  # _refill_step: nothing to do until an alloc asks
-# The engine's evict handler: a lowered limit is deferred while whole cached pages pin memory. Called with the
-# allocator's lock held (from the poller or the thread that set the limit); it returns at once and has the
-# engine call evict_for_limit() where its prefix index may change (its own thread, or under this lock).
-EvictHandler = Callable[[], None]
 INFLIGHT_WAIT_S = 1.0  # the most a limit waits for the refill thread's batch in flight to land
 # (the process's poller serves the other allocators only after this: it stays well under a late heartbeat)
 
@@ -120,11 +105,11 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.blocks_per_page = bpp
         self.block_tokens = block_tokens
-        # How long the refill thread keeps polling after traffic (REFILL_LINGER_S); 0: it sleeps until an
+        # How long the refill thread keeps polling after traffic (refill.REFILL_LINGER_S); 0: it sleeps until an
         # alloc wakes it, for engines whose steps are long next to a wake-up (vLLM's scheduler).
         if refill_linger_s is not None and (not isinstance(refill_linger_s, (int, float)) or refill_linger_s < 0):
             raise ValueError(f"refill_linger_s must be a number of seconds >= 0, got {refill_linger_s!r}")
-        self.refill_linger_s = REFILL_LINGER_S if refill_linger_s is None else refill_linger_s
+        self.refill_linger_s = refill.REFILL_LINGER_S if refill_linger_s is None else refill_linger_s
         pages_total = -(-num_blocks // bpp)
         if pages_total > L.MAX_PAGES:
             raise ValueError(f"{num_blocks} blocks of {block_bytes} bytes make {pages_total} pages of {page_size} bytes, "
@@ -208,14 +193,14 @@ class KVCacheManager:
             self.segment.close(unlink=True)
             raise
 
-        me = weakref.ref(self)  # never a strong reference from a thread: see _refill_loop
+        me = weakref.ref(self)  # never a strong reference from a thread: see refill.loop
         self._threads = [
-            threading.Thread(target=_refill_loop, args=(me,), name=f"kvc-refill-{self.name}", daemon=True),
+            threading.Thread(target=refill.loop, args=(me,), name=f"kvc-refill-{self.name}", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
         # Controls, idle return and the heartbeat: the process's one poller thread (see kvcached_core.allocator.poller).
-        self._watch = poller.register(self, self.segment.wake_token, _watch_tick, _WatchState(cfg.idle_return_s))
+        self._watch = poller.register(self, self.segment.wake_token, serving.tick, serving.WatchState(cfg.idle_return_s))
 
     @classmethod
     def tensor_parallel(cls, model: str, *, world: int, backend: str = "host", devices: Sequence[int] | None = None,
@@ -1027,220 +1012,6 @@ class KVCacheManager:
             self.trim_ack_seq, self.trim_bytes, self.requested_limit, self.trimmed_total,
             self.idle_returned, max(1, len(ranks)),
         ))
-
-    # -- background threads ------------------------------------------------------------------
-    def _refill_step(self, linger_until: float) -> float | None:
-        """One look of the refill thread (see :func:`_refill_loop`): the new ``linger_until``, None once
-        closed, or ``_IDLE`` when there is nothing to do until an alloc wakes it.
-
-        Keeps the pool at its minimum, mapping outside the lock so alloc never waits on it.
-        """
-        if self.pressure.wanted and self.pressure.relieve():
-            with self._lock:  # other models gave memory: map what the refused growth needed now
-                self._refill_requested = True
-        if not (self._refill_requested or self._closed) and time.monotonic() < linger_until:
-            time.sleep(REFILL_POLL_S)  # nothing asked: look again without touching the lock
-            return linger_until
-        with self._lock:
-            while not self._closed and not self._refill_due():
-                if time.monotonic() < linger_until:
-                    break  # traffic was here lately: look again soon, unwoken
-                self._refill_polling = False
-                return _IDLE  # the loop waits for the wake-up without holding the manager
-            if self._closed:
-                return None
-            if not self._refill_due():
-                asked = None
-            else:
-                asked = self.pages.take_unmapped(self._refill_need())
-                self._refill_requested = False
-                linger_until = time.monotonic() + self.refill_linger_s
-        if asked is None:
-            time.sleep(REFILL_POLL_S)
-            return linger_until
-        try:
-            mapped = self.backend.map_pages(asked) if asked else []
-        except BackendError:
-            mapped = []  # a failed device (or lost rank) is a miss here; alloc's own map reports it
-        with self._lock:
-            self.pages.finish_mapping(asked, mapped)
-            self._dirty.update(mapped)
-            if self.sleep.state == L.SLEEP_ASLEEP:  # the model fell asleep while we mapped: nothing stays mapped
-                self._unmap_reserved(len(self.pages.reserved))
-            if self.limit_pages is not None:  # the limit fell while we mapped
-                self._unmap_excess(newest=True)
-                if self.limit_status == L.LIMIT_DEFERRED:
-                    self._update_limit_status()
-            self._mapping_done.notify_all()
-            if not self._closed:
-                self._publish()
-            if mapped and len(mapped) == len(asked):
-                self.pressure.satisfied()
-            if len(mapped) < len(asked):
-                # The device said no. While a refused growth waits, ask the other models again (next step); a warm
-                # pool alone never takes memory from another model. Then wait for the next alloc.
-                if self.pressure.wanted:
-                    self.pressure.note_refused((len(asked) - len(mapped)) * self.bundle_bytes)
-                linger_until = 0.0
-                self._refill_polling = False
-                self._refill_wanted.wait(timeout=0.05)
-                self._refill_polling = True
-        return linger_until
-
-    def _serve_controls(self, idle: bool) -> None:
-        """Apply a new limit, answer a trim, or return an idle model's pool (the watcher found one)."""
-        with self._lock:
-            if self._closed:
-                return
-            if idle and self.pages.reserved:
-                self._return_idle_pool()
-            request = self.segment.read_control()
-            changed = False
-            if request is not None and request.limit_revision > self.applied_revision:
-                self._apply_limit(request.limit_bytes)
-                self.applied_revision = request.limit_revision
-                changed = True
-            if request is not None and request.trim_seq > self.trim_ack_seq:
-                freed = self._unmap_reserved(len(self.pages.reserved))
-                self.backend.trim_pool(0)
-                self.trimmed_total += freed
-                self.trim_bytes = freed
-                self.trim_ack_seq = request.trim_seq
-                changed = True
-            if changed:
-                self._publish()
-            if request is not None and request.compact_seq > self.compaction.acked_seq:
-                self._serve_compact(request.compact_seq)
-
-    def _serve_compact(self, seq: int) -> None:
-        """Answer a controller's compact request (lock held): compacted with its bytes, no handler, or failed."""
-        stats = self.compaction
-        if self._compact_handler is None and self.staged.poke is not None:
-            self.staged.request(seq)  # answered when the engine's two-phase compaction ends
-            return
-        if self._compact_handler is None:
-            stats.answer(seq, L.COMPACT_NO_HANDLER)
-        else:
-            try:
-                result = self._compact()
-            except BaseException:  # the engine's copy failed (SystemExit included): nothing moved,
-                # the controller is told, and the poller goes on serving the process's other allocators
-                logging.getLogger(__name__).exception("%s: the engine's compact handler failed", self.name)
-                stats.answer(seq, L.COMPACT_FAILED)
-            else:
-                stats.answer(seq, L.COMPACT_DONE, result.bytes_copied, result.bytes_returned)
-        self.segment.publish_compaction(stats.values())
-
-    def _refill_due(self) -> bool:
-        """An alloc asked for a refill and there is room to map; a stale request is dropped."""
-        if self._refill_requested and self._refill_need() > 0:
-            return True
-        self._refill_requested = False
-        return False
-
-    def _return_idle_pool(self) -> None:
-        """No traffic for a while: the warm pool goes back too (it refills when traffic resumes)."""
-        freed = self._unmap_reserved(len(self.pages.reserved))
-        self.backend.trim_pool(0)
-        self.idle_returned += freed
-        self._publish()
-
-    def _refill_need(self) -> int:
-        if self.sleep.state != L.SLEEP_AWAKE or self.pressure.holding():
-            return 0  # draining or asleep, or it just gave memory to another model: nothing is mapped ahead of need
-        pool = len(self.pages.reserved) + self.pages.inflight
-        want = self.min_reserved - pool
-        if want > 0:  # a batch when the backend asks for one, never past the pool's maximum
-            want = max(want, min(self.backend.refill_batch, self.max_reserved - pool))
-        return min(want, self._headroom())
-
-    def _watch_step(self, state: _WatchState) -> bool:
-        """One tick of the process's poller (poked by a controller, or every heartbeat interval): apply
-        controllers' limit and trim requests, return an idle pool, keep the heartbeat fresh; False once closed."""
-        if self._closed:
-            return False
-        # Look without the lock first (plain reads; the control block is the controllers' to
-        # write): most ticks find nothing to do and must not make an alloc wait.
-        now = time.monotonic()
-        seen = (self.alloc_count, self.free_count, self.pages.blocks_used, len(self.cache), self.traffic_published)
-        if seen != state.activity:
-            state.activity, state.active_at = seen, now
-        idle_after = state.idle_after
-        idle = idle_after is not None and now - state.active_at >= idle_after and bool(self.pages.reserved)
-        request = self.segment.read_control()
-        asked = request is not None and (request.limit_revision > self.applied_revision
-                                         or request.trim_seq > self.trim_ack_seq
-                                         or request.compact_seq > self.compaction.acked_seq)
-        if idle or asked:
-            self._serve_controls(idle)
-        if self.pressure.pending():
-            with self._lock:
-                if not self._closed:
-                    self.pressure.tick()
-        elif self.limit_status == L.LIMIT_DEFERRED and self._evict_handler is not None and self.cache.blocks:
-            with self._lock:  # still deferred: the engine may have cached blocks since (an idle one evicts nothing)
-                self._ask_evict()
-        self.sleep.tick(now - state.active_at)
-        now = time.monotonic()
-        if now - state.last_beat >= HEARTBEAT_INTERVAL_S * 0.9:  # every tick: ticks come at the interval
-            self.segment.heartbeat()
-            state.last_beat = now
-        return True
-
-
-def _lower_priority() -> None:
-    """Linux gives each thread its own nice value: this one yields the CPU to the engine's threads."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + REFILL_NICE))
-    except (AttributeError, OSError):  # no per-thread priority here: the thread runs as it did
-        pass
-
-
-class _WatchState:
-    """What the watcher remembers between ticks."""
-
-    __slots__ = ("activity", "active_at", "idle_after", "last_beat")
-
-    def __init__(self, idle_after: float | None) -> None:
-        self.last_beat = 0.0
-        self.activity: tuple | None = None
-        self.active_at = time.monotonic()
-        self.idle_after = idle_after  # KVCACHED_IDLE_RETURN_S; None: never
-
-
-# The background threads (the refill thread, the process's poller) hold their manager only while
-# a step runs: a manager dropped without close() is then collected like any object (its __del__
-# closes it), threads, memory and segment too.
-def _refill_loop(ref: weakref.ref[KVCacheManager]) -> None:
-    _lower_priority()
-    linger_until = 0.0
-    while True:
-        manager = ref()
-        if manager is None:
-            return
-        step = manager._refill_step(linger_until)
-        if step is None:
-            return
-        if step == _IDLE:
-            wanted = manager._refill_wanted
-            del manager  # (its last reference may go here: __del__ closes it, and the wait below ends)
-            with wanted:  # an alloc that asked since the step returned has notified nobody: look first
-                manager = ref()
-                asked = manager is not None and (manager._refill_requested or manager._closed)
-                del manager
-                if not asked:
-                    wanted.wait(RELEASE_CHECK_S)
-            manager = ref()
-            if manager is not None:
-                manager._refill_polling = True
-        else:
-            linger_until = step
-        del manager
-
-
-def _watch_tick(manager: KVCacheManager, state: _WatchState) -> bool:
-    return manager._watch_step(state)
 
 
 __all__ = ["KVCacheManager", "SegmentError"]

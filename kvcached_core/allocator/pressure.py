@@ -30,13 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..segment import layout as L
-from ..segment.control_io import ControlWriteError, write_without_waiting
+from ..segment.control_io import ControlWriteError, write_reclaim, write_without_waiting
 from ..segment.reader import read_segment, scan
 from ..segment.snapshot import ModelSnapshot
 from .poller import poke
 
 if TYPE_CHECKING:
-    from .manager import KVCacheManager
+    from .parts import Allocator
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class PressureControl:
     thread (:meth:`relieve`, lock not held). Figures go to the segment's PRESSURE block.
     """
 
-    def __init__(self, manager: KVCacheManager, min_bytes: int = 0, priority: int = 0) -> None:
+    def __init__(self, manager: Allocator, min_bytes: int = 0, priority: int = 0) -> None:
         self._m = manager
         self.min_bytes = min_bytes
         self.priority = priority
@@ -138,9 +138,8 @@ class PressureControl:
 
     def pending(self) -> bool:
         """A policy request or a reclaim waits for :meth:`tick` (plain reads, no lock: the poller looks every tick)."""
-        buf = self._m.segment._buf
-        return (self._giving is not None or L.U64.unpack_from(buf, L.POLICY_CTL_OFF)[0] > self.policy_revision
-                or L.U64.unpack_from(buf, L.RECLAIM_CTL_OFF)[0] > self.acked_seq)
+        policy_revision, reclaim_seq = self._m.segment.request_numbers()
+        return self._giving is not None or policy_revision > self.policy_revision or reclaim_seq > self.acked_seq
 
     def satisfied(self) -> None:
         """A growth succeeded (lock held): nothing waits for memory any more."""
@@ -168,18 +167,18 @@ class PressureControl:
     def tick(self) -> None:
         """Take a controller's policy request and serve a reclaim (lock held by the caller)."""
         m = self._m
-        buf = m.segment._buf
-        revision, min_bytes, priority, check = L.POLICY_CTL.unpack_from(buf, L.POLICY_CTL_OFF)
-        if revision > self.policy_revision and check == L.policy_check(revision, min_bytes, priority):
+        policy = m.segment.read_policy_request()
+        if policy is not None and policy[0] > self.policy_revision:
+            revision, min_bytes, priority = policy
             self.policy_revision = revision
             self.set_policy(None if min_bytes == L.POLICY_MIN_KEEP else max(0, min_bytes),
                             None if priority == L.POLICY_PRIORITY_KEEP else priority)
         if self._giving is not None:
             self._finish_give(force=False)
             return
-        seq, want, asker, check = L.RECLAIM_CTL.unpack_from(buf, L.RECLAIM_CTL_OFF)
-        if seq > self.acked_seq and check == L.reclaim_check(seq, want, asker):
-            self._give(seq, want, asker)
+        reclaim = m.segment.read_reclaim_request()
+        if reclaim is not None and reclaim[0] > self.acked_seq:
+            self._give(*reclaim)
 
     def _give(self, seq: int, want: int, asker: int) -> None:
         m = self._m
@@ -297,19 +296,8 @@ class PressureControl:
         pressure = donor.pressure
         assert pressure is not None
 
-        def write(mm) -> int:  # the segment's mmap
-            seq = L.U64.unpack_from(mm, L.RECLAIM_CTL_OFF)[0]
-            if seq > pressure.reclaim_acked_seq:
-                return 0  # one request per donor: another model's is outstanding
-            seq += 1
-            L.U64.pack_into(mm, L.RECLAIM_CTL_OFF + 8, want)
-            L.U64.pack_into(mm, L.RECLAIM_CTL_OFF + 16, self.id)
-            L.U64.pack_into(mm, L.RECLAIM_CTL_OFF + 24, L.reclaim_check(seq, want, self.id))
-            L.U64.pack_into(mm, L.RECLAIM_CTL_OFF, seq)  # last: the donor keys on it
-            return seq
-
-        try:
-            written = write_without_waiting(path, write)
+        try:  # 0: one request per donor, and another model's is outstanding
+            written = write_without_waiting(path, lambda mm: write_reclaim(mm, want, self.id, pressure.reclaim_acked_seq))
         except (ControlWriteError, OSError, ValueError):
             return None
         if written is None or not written[0]:

@@ -36,7 +36,7 @@ from ..segment import layout as L
 from . import poller
 
 if TYPE_CHECKING:
-    from .manager import KVCacheManager
+    from .parts import Allocator
 
 # handler(action): action is "sleep", "sleep_now" or "wake"; called from the poller thread, it must
 # return at once and have its engine call ready() (after a sleep) once no block is in use.
@@ -46,7 +46,7 @@ SleepHandler = Callable[[str], None]
 class SleepControl:
     """One allocator's sleep state, policy and acknowledgement (written to the segment's SLEEP words)."""
 
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, manager: Allocator) -> None:
         self._m = manager
         self.handler: SleepHandler | None = None
         self.state = L.SLEEP_AWAKE
@@ -83,10 +83,10 @@ class SleepControl:
         (or it is half-written: its check does not match). A whole request whose revision is not the one last
         taken is new, even a lower one: a record left damaged (its revision word 0) must not make the next
         requests look old."""
-        revision, action, after_idle_ms, check = L.SLEEP_CTL.unpack_from(self._m.segment._buf, L.SLEEP_CTL_OFF)
-        if revision in (0, self.acked_revision) or check != L.sleep_check(action, after_idle_ms, revision):
+        request = self._m.segment.read_sleep_request()
+        if request is None or request[0] == self.acked_revision:
             return None
-        return revision, action, after_idle_ms
+        return request
 
     def tick(self, idle_s: float) -> None:
         """From the poller: take a controller's request, or sleep by the policy after ``idle_s`` without traffic.

@@ -24,15 +24,23 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
-from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 
-from kvcached_core.engines import CompactStep, CompactTicket
+from kvcached_core.engines import CompactStep, CompactTicket, KVCacheManager
 
-if TYPE_CHECKING:
-    from .block_pool import KvcachedBlockPool
+
+class Pool(Protocol):
+    """What compaction uses of the block pool (block_pool.KvcachedBlockPool, which holds a Compactor)."""
+
+    manager: KVCacheManager
+    blocks: list[KVCacheBlock]
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None: ...
+    def _forget(self, block_ids: Iterable[int]) -> None: ...
+    def pack_if_idle(self) -> None: ...
 
 log = logging.getLogger("kvcached_vllm")
 
@@ -42,7 +50,7 @@ MAX_MOVES_PER_STEP = 64  # blocks copied with one step at most (a step's copy st
 class Compactor:
     """One engine's compaction rounds (its scheduler's thread only)."""
 
-    def __init__(self, pool: KvcachedBlockPool, max_moves: int = MAX_MOVES_PER_STEP) -> None:
+    def __init__(self, pool: Pool, max_moves: int = MAX_MOVES_PER_STEP) -> None:
         self.pool = pool
         self.max_moves = max_moves
         self.attached = False

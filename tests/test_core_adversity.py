@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import send
+from conftest import configured, send
 
 from kvcached_core import KVCacheManager, snapshot
 from kvcached_core.allocator.compact import Move
@@ -36,12 +36,11 @@ def _accounting_holds(m: KVCacheManager, held: set[int]) -> None:
 
 @pytest.mark.parametrize("mistake", ["frees its sources", "not a move", "not a list", "frees a destination"])
 def test_a_compact_handlers_mistake_moves_nothing_and_keeps_the_accounting(
-        mistake: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        mistake: str) -> None:
     from test_core_compact import MODEL, scattered
 
-    for var in ("KVCACHED_MIN_RESERVED_PAGES", "KVCACHED_MAX_RESERVED_PAGES"):
-        monkeypatch.setenv(var, "0")
-    with KVCacheManager("compact", policy="best-fit", **MODEL) as m:  # type: ignore[arg-type]
+    no_pool = configured({"KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_MAX_RESERVED_PAGES": "0"})
+    with KVCacheManager("compact", policy="best-fit", settings=no_pool, **MODEL) as m:  # type: ignore[arg-type]
         held = set(scattered(m))
         freed: set[int] = set()
 
@@ -119,16 +118,15 @@ LAG_MODEL = dict(num_blocks=24 * 8, block_bytes=256 * 1024, num_layers=8, page_s
 
 
 def test_the_segment_never_lags_the_page_table_under_controllers_and_churn(
-        spawn_allocator, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        spawn_allocator, tmp_path: Path) -> None:
     import json
     import random
     import time
 
     from kvcached_core.control.requests import AckTimeout, request_limit, request_trim
 
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "3")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "6")
-    proc = spawn_allocator("lag", script=LAG_ENGINE, **LAG_MODEL)
+    proc = spawn_allocator("lag", script=LAG_ENGINE, env={"KVCACHED_MIN_RESERVED_PAGES": "3",
+                                                          "KVCACHED_MAX_RESERVED_PAGES": "6"}, **LAG_MODEL)
     rng = random.Random(11)
     deadline = time.monotonic() + 6.0
     while time.monotonic() < deadline:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 from conftest import send, wait_for
 
 import kvcached_core as kc
@@ -22,15 +21,12 @@ def rss(pid: int) -> int:
 
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "3")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "3")
+# The children's pool: three pages, kept (no idle return).
+POOL = {"KVCACHED_IDLE_RETURN_S": "-1", "KVCACHED_MIN_RESERVED_PAGES": "3", "KVCACHED_MAX_RESERVED_PAGES": "3"}
 
 
 def test_rss_rises_with_mapped_pages_and_drops_after_a_trim(spawn_allocator):
-    proc = spawn_allocator("rss", **MODEL)
+    proc = spawn_allocator("rss", env=POOL, **MODEL)
     baseline = rss(proc.pid)
     send(proc, "a = m.alloc(8)")  # one page in use; the refill thread maps three more
     snap = wait_for(lambda: (s := kc.snapshot("rss")).pages_reserved == 3 and s, what="the pool to fill")
@@ -50,7 +46,7 @@ def test_rss_rises_with_mapped_pages_and_drops_after_a_trim(spawn_allocator):
 
 
 def test_pages_freed_beyond_the_pool_maximum_return_their_memory_at_once(spawn_allocator):
-    proc = spawn_allocator("spill", **MODEL)
+    proc = spawn_allocator("spill", env=POOL, **MODEL)
     send(proc, "a = m.alloc(8 * 7)")  # seven pages in use, then the pool fills to three
     wait_for(lambda: kc.snapshot("spill").pages_reserved == 3, what="the pool to fill")
     full = rss(proc.pid)
@@ -61,7 +57,7 @@ def test_pages_freed_beyond_the_pool_maximum_return_their_memory_at_once(spawn_a
 
 
 def test_a_lowered_limit_returns_memory_as_pages_empty(spawn_allocator):
-    proc = spawn_allocator("capped", **MODEL)
+    proc = spawn_allocator("capped", env=POOL, **MODEL)
     baseline = rss(proc.pid)
     send(proc, "a = m.alloc(8 * 4)")
     wait_for(lambda: kc.snapshot("capped").pages_reserved == 3, what="the pool to fill")

@@ -9,13 +9,12 @@ each held block (a page that was unmapped while it held blocks would read back a
 
 from __future__ import annotations
 
-import contextlib
-import os
 import struct
 from collections import Counter
 
 import hypothesis.strategies as st
 import pytest
+from conftest import configured
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -34,20 +33,6 @@ PAGE = 64 * KiB
 TOKEN = struct.Struct("<Q")
 INDEX = st.integers(0, 1 << 16)
 
-
-@contextlib.contextmanager
-def env(**values: str):
-    """Set environment variables while the manager reads its configuration, then restore them."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -75,10 +60,11 @@ class AllocatorMachine(RuleBasedStateMachine):
     )
     def start(self, num_layers: int, block_bytes: int, num_blocks: int, budget: int, policy: str, data) -> None:
         lo, hi = data.draw(st.sampled_from(self.BOUNDS), label="reserve bounds")
-        with env(KVCACHED_MIN_RESERVED_PAGES=str(lo), KVCACHED_MAX_RESERVED_PAGES=str(hi),
-                 KVCACHED_MAX_CACHED_BLOCKS=str(budget)):
-            self.m = KVCacheManager("sm", num_blocks=num_blocks, block_bytes=block_bytes,
-                                    num_layers=num_layers, page_size=PAGE, policy=policy)
+        # No idle return: the watcher would empty the pool between rules; keep each example's pool ours.
+        cfg = configured({"KVCACHED_MIN_RESERVED_PAGES": str(lo), "KVCACHED_MAX_RESERVED_PAGES": str(hi),
+                          "KVCACHED_MAX_CACHED_BLOCKS": str(budget), "KVCACHED_IDLE_RETURN_S": "-1"})
+        self.m = KVCacheManager("sm", num_blocks=num_blocks, block_bytes=block_bytes,
+                                num_layers=num_layers, page_size=PAGE, policy=policy, settings=cfg)
         m = self.m
         self.policy = policy
         assert (m.min_reserved, m.max_reserved) == (lo, hi)
@@ -429,13 +415,6 @@ class RefillMachine(AllocatorMachine):
 
 SETTINGS = settings(max_examples=150, stateful_step_count=50, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-@pytest.fixture(autouse=True)
-def _no_idle_return(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The watcher's idle return would empty the pool between rules; keep each example's pool ours."""
-    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
-    monkeypatch.delenv("KVCACHED_POLICY", raising=False)
 
 
 def test_allocator_invariants_without_refill() -> None:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import child_env
+from conftest import child_env, configured
 
 import kvcached_core as kc
 from kvcached_core.segment import layout as L
@@ -90,12 +90,11 @@ def test_a_reader_never_accepts_a_torn_copy_of_a_busy_writer(shm_dir):
 
 
 @pytest.fixture
-def quiet_segment(shm_dir, monkeypatch):
+def quiet_segment(shm_dir):
     """A real segment at two moments (A, then B after more traffic), with no thread publishing."""
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
+    quiet = configured({"KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_IDLE_RETURN_S": "-1"})
     with kc.KVCacheManager("copy", name="copy", num_blocks=64, block_bytes=8192, num_layers=1,
-                           page_size=65536) as m:
+                           page_size=65536, settings=quiet) as m:
         first = m.alloc(11)
         m.mark_cached(first[:3])
         with m._lock:

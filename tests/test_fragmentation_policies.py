@@ -11,6 +11,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
+from conftest import configured
 
 from kvcached_core.allocator.manager import KVCacheManager
 from kvcached_core.allocator.placement import POLICIES, make_policy
@@ -23,16 +24,14 @@ BPP = 4
 PAGE_AWARE = ["best-fit", "affinity"]
 
 
-@pytest.fixture(autouse=True)
-def quiet_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "2")
-    monkeypatch.setenv("KVCACHED_MAX_CACHED_BLOCKS", "-1")
+QUIET = {"KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_MAX_RESERVED_PAGES": "2", "KVCACHED_MAX_CACHED_BLOCKS": "-1"}
 
 
-def manager(policy: str, num_blocks: int = 256) -> KVCacheManager:
+def manager(policy: str, num_blocks: int = 256, **env: str) -> KVCacheManager:
+    """A small allocator with a quiet pool and an unbounded prefix cache; ``env``: other settings
+    (``KVCACHED_...=value``), passed in, not set in the environment."""
     return KVCacheManager(f"pol-{policy}", num_blocks=num_blocks, block_bytes=16 * KiB, num_layers=1,
-                          page_size=64 * KiB, policy=policy)
+                          page_size=64 * KiB, policy=policy, settings=configured({**QUIET, **env}))
 
 
 def page_of(block: int) -> int:
@@ -110,9 +109,8 @@ def test_default_eviction_spares_young_whole_pages() -> None:
     assert pages_of(evicted["affinity"]).isdisjoint(pages_of(young))
 
 
-def test_budget_eviction_keeps_the_cache_within_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVCACHED_MAX_CACHED_BLOCKS", "6")
-    with manager("affinity") as m:
+def test_budget_eviction_keeps_the_cache_within_budget() -> None:
+    with manager("affinity", KVCACHED_MAX_CACHED_BLOCKS="6") as m:
         m.alloc(1)
         a, b = m.alloc(4), m.alloc(4)
         assert m.mark_cached(a) == []
@@ -229,11 +227,9 @@ def test_pack_on_request_leaves_active_pages_alone() -> None:
         assert m.pages.pages_inuse <= 1.10 * -(-m.pages.blocks_used // BPP)
 
 
-def test_idle_model_returns_its_warm_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "3")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "4")
-    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "0.1")
-    with manager("affinity") as m:
+def test_idle_model_returns_its_warm_pool() -> None:
+    with manager("affinity", KVCACHED_MIN_RESERVED_PAGES="3", KVCACHED_MAX_RESERVED_PAGES="4",
+                 KVCACHED_IDLE_RETURN_S="0.1") as m:
         m.free(m.alloc(2))
         deadline = time.monotonic() + 10
         snap = snapshot(m.name)
@@ -249,10 +245,8 @@ def test_idle_model_returns_its_warm_pool(monkeypatch: pytest.MonkeyPatch) -> No
         assert len(m.pages.reserved) >= 2
 
 
-def test_idle_return_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "2")
-    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
-    with manager("affinity") as m:
+def test_idle_return_can_be_turned_off() -> None:
+    with manager("affinity", KVCACHED_MIN_RESERVED_PAGES="2", KVCACHED_IDLE_RETURN_S="-1") as m:
         m.free(m.alloc(2))
         deadline = time.monotonic() + 5
         while len(m.pages.reserved) < 2 and time.monotonic() < deadline:
@@ -277,9 +271,8 @@ def test_unknown_policy_is_a_clear_error() -> None:
 
 
 @pytest.mark.parametrize("policy", PAGE_AWARE)
-def test_a_run_splits_over_holes_when_no_page_can_be_mapped(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
-    with manager(policy) as m:
+def test_a_run_splits_over_holes_when_no_page_can_be_mapped(policy: str) -> None:
+    with manager(policy, KVCACHED_MAX_RESERVED_PAGES="0") as m:
         a, b = m.alloc(4), m.alloc(4)
         m.free(a[:2] + b[:2])  # two holes of 2 blocks, on two pages
         assert m.set_limit(2 * m.bundle_bytes) == "applied"  # and no third page

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
+from conftest import configured
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,29 +23,28 @@ BPP = 8  # 16 KiB blocks on 128 KiB pages
 SKIP = {L.COUNTERS_OFF + 8 * L.COUNTER_FIELDS.index("updated_ns")}  # the clock differs; so does the checksum
 
 
-@pytest.fixture
-def deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No background mapping or idle return: every page is mapped by alloc itself, so runs repeat exactly."""
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "2")
-    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
+# No background mapping or idle return: every page is mapped by alloc itself, so runs repeat exactly.
+DETERMINISTIC = {"KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_MAX_RESERVED_PAGES": "2", "KVCACHED_IDLE_RETURN_S": "-1"}
 
 
-def pair(policy: str, monkeypatch: pytest.MonkeyPatch, pages: int = 24,
-         bpp: int = BPP) -> tuple[KVCacheManager, KVCacheManager]:
+def pair(policy: str, pages: int = 24, bpp: int = BPP,
+         env: Mapping[str, str] | None = None) -> tuple[KVCacheManager, KVCacheManager]:
+    """The same allocator twice, on the C path and on the Python path; ``env``: their other settings."""
     made = []
     for mode in ("1", "0"):
-        monkeypatch.setenv("KVCACHED_FASTPATH", mode)
         made.append(KVCacheManager(f"fp-{mode}", num_blocks=bpp * pages - 3, block_bytes=16 << 10, num_layers=1,
-                                   page_size=bpp * (16 << 10), policy=policy))
+                                   page_size=bpp * (16 << 10), policy=policy,
+                                   settings=configured({**(env or {}), "KVCACHED_FASTPATH": mode})))
     fast, slow = made
     assert fast._fast is not None and slow._fast is None, fast.fastpath_reason
     return fast, slow
 
 
-def small(name: str, pages: int = 8, cls: type[KVCacheManager] = KVCacheManager) -> KVCacheManager:
-    """A one-layer manager of ``pages`` pages of BPP 16 KiB blocks."""
-    return cls(name, num_blocks=BPP * pages, block_bytes=16 << 10, num_layers=1, page_size=BPP * (16 << 10))
+def small(name: str, pages: int = 8, cls: type[KVCacheManager] = KVCacheManager,
+          env: Mapping[str, str] | None = None) -> KVCacheManager:
+    """A one-layer manager of ``pages`` pages of BPP 16 KiB blocks; ``env``: its settings (KVCACHED_...)."""
+    return cls(name, num_blocks=BPP * pages, block_bytes=16 << 10, num_layers=1, page_size=BPP * (16 << 10),
+               settings=configured(env or {}))
 
 
 def state(m: KVCacheManager) -> tuple:
@@ -74,10 +76,9 @@ ops = st.lists(st.one_of(
                                            ("affinity", 80), ("first-fit", 80)])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(script=ops)
-def test_same_blocks_and_bytes(policy: str, bpp: int, script: list, deterministic: None,
-                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_same_blocks_and_bytes(policy: str, bpp: int, script: list) -> None:
     """Pages of 8, 64 and 80 blocks: the C path finds buckets by bitmask up to 64, by scanning above."""
-    fast, slow = pair(policy, monkeypatch, bpp=bpp)
+    fast, slow = pair(policy, bpp=bpp, env=DETERMINISTIC)
     held: list[list[int]] = []  # active requests' blocks
     cached: list[list[int]] = []  # cached requests' blocks, minus those evicted since
     try:
@@ -118,47 +119,44 @@ def test_same_blocks_and_bytes(policy: str, bpp: int, script: list, deterministi
 
 
 @needs_build
-def test_alloc_publishes_at_once(deterministic: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    with small("fp-live") as m:
+def test_alloc_publishes_at_once() -> None:
+    with small("fp-live", env={**DETERMINISTIC, "KVCACHED_FASTPATH": "1"}) as m:
         ids = m.alloc(BPP + 3)
         snap = snapshot(m.name)
         assert (snap.blocks_used, snap.pages_inuse, snap.alloc_count) == (BPP + 3, 2, 1)
         assert sorted(b // BPP for b in ids) == [0] * BPP + [1] * 3
 
 
-def test_every_policy_is_served_in_c_and_off_or_a_policy_of_ones_own_stays_in_python(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVCACHED_FASTPATH", "auto")
+def test_every_policy_is_served_in_c_and_off_or_a_policy_of_ones_own_stays_in_python() -> None:
+    auto = configured({"KVCACHED_FASTPATH": "auto"})
     for policy in POLICIES:
         with KVCacheManager("fp-pol", num_blocks=64, block_bytes=16 << 10, num_layers=1, page_size=128 << 10,
-                            policy=policy) as m:
+                            policy=policy, settings=auto) as m:
             assert (m._fast is not None) == (MODULE is not None), (policy, m.fastpath_reason)
 
     class Mine(Affinity):
         name = "mine"
 
     with KVCacheManager("fp-mine", num_blocks=64, block_bytes=16 << 10, num_layers=1, page_size=128 << 10,
-                        policy=Mine()) as m:
+                        policy=Mine(), settings=auto) as m:
         assert m._fast is None and "'mine' runs in Python" in m.fastpath_reason
         assert m.alloc(3) is not None
-    monkeypatch.setenv("KVCACHED_FASTPATH", "0")
-    with KVCacheManager("fp-off", num_blocks=64, block_bytes=16 << 10, num_layers=1, page_size=128 << 10) as m:
+    with KVCacheManager("fp-off", num_blocks=64, block_bytes=16 << 10, num_layers=1, page_size=128 << 10,
+                        settings=configured({"KVCACHED_FASTPATH": "0"})) as m:
         assert m._fast is None and m.fastpath_reason == "KVCACHED_FASTPATH=0"
         assert m.alloc(3) is not None
 
 
-def test_bad_mode_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVCACHED_FASTPATH", "maybe")
+def test_bad_mode_is_one_clear_error() -> None:
     with pytest.raises(ConfigError, match="KVCACHED_FASTPATH='maybe' must be auto, 1 or 0"):
-        Settings.from_env().mode(fastpath.FASTPATH_ENV)
+        Settings.from_env({"KVCACHED_FASTPATH": "maybe"}).mode(fastpath.FASTPATH_ENV)
 
 
 @needs_build
 @pytest.mark.parametrize("policy", ["affinity", "best-fit"])
-def test_ties_go_to_the_lowest_page(policy: str, deterministic: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ties_go_to_the_lowest_page(policy: str) -> None:
     """Two pages with the same free slots: both paths fill the lower one first (the placement rule)."""
-    fast, slow = pair(policy, monkeypatch)
+    fast, slow = pair(policy, env=DETERMINISTIC)
     try:
         for m in (fast, slow):
             assert [b // BPP for b in m.alloc(5) + m.alloc(5)] == [0] * 5 + [1] * 5
@@ -172,10 +170,10 @@ def test_ties_go_to_the_lowest_page(policy: str, deterministic: None, monkeypatc
 
 @needs_build
 @pytest.mark.parametrize("bpp", [8, 64, 80])
-def test_a_whole_page_request_that_cannot_grow(bpp: int, deterministic: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_whole_page_request_that_cannot_grow(bpp: int) -> None:
     """A limit stops growth and a page's worth of blocks is asked for: both paths fill what is mapped,
     find it short and give everything back (a 64-block page once sent the C path past its buckets)."""
-    fast, slow = pair("affinity", monkeypatch, pages=4, bpp=bpp)
+    fast, slow = pair("affinity", pages=4, bpp=bpp, env=DETERMINISTIC)
     try:
         for m in (fast, slow):
             assert m.alloc(10) is not None
@@ -190,9 +188,8 @@ def test_a_whole_page_request_that_cannot_grow(bpp: int, deterministic: None, mo
 
 @needs_build
 @pytest.mark.parametrize("bad", [[3, 3], [999999], [-1], [5, 0, 5], ["x"]])
-def test_a_bad_free_changes_nothing_on_either_path(bad: list, deterministic: None,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    fast, slow = pair("affinity", monkeypatch)
+def test_a_bad_free_changes_nothing_on_either_path(bad: list) -> None:
+    fast, slow = pair("affinity", env=DETERMINISTIC)
     try:
         messages = []
         for m in (fast, slow):
@@ -212,11 +209,9 @@ def test_a_bad_free_changes_nothing_on_either_path(bad: list, deterministic: Non
 
 
 @needs_build
-def test_a_page_table_that_disagrees_with_itself_raises_instead_of_crashing(deterministic: None,
-                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_page_table_that_disagrees_with_itself_raises_instead_of_crashing() -> None:
     """The C path bounds-checks what it reads from the Python objects: damage them and it raises."""
-    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    with small("fp-damaged") as m:
+    with small("fp-damaged", env={**DETERMINISTIC, "KVCACHED_FASTPATH": "1"}) as m:
         m.alloc(3)
         m.pages.reserved.append(10**6)  # a pool page that does not exist
         with pytest.raises(RuntimeError, match="pool page 1000000 out of range"):
@@ -228,12 +223,10 @@ def test_a_page_table_that_disagrees_with_itself_raises_instead_of_crashing(dete
 
 
 @needs_build
-def test_alloc_is_the_c_entry_and_hands_the_rest_to_python(deterministic: None,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_alloc_is_the_c_entry_and_hands_the_rest_to_python() -> None:
     """The manager's alloc is the C entry (lock and all); odd arguments and a closed manager get
     the Python method's answers."""
-    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    m = small("fp-entry")
+    m = small("fp-entry", env={**DETERMINISTIC, "KVCACHED_FASTPATH": "1"})
     assert m.alloc.__name__ == "manager_alloc"
     assert m.alloc(0) == [] and m.alloc(-3) == []
     first = m.alloc(2)
@@ -254,12 +247,9 @@ def test_alloc_is_the_c_entry_and_hands_the_rest_to_python(deterministic: None,
 
 
 @needs_build
-def test_the_c_entry_holds_the_lock_and_lets_go_on_errors(deterministic: None,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_c_entry_holds_the_lock_and_lets_go_on_errors() -> None:
     import threading
-
-    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    with small("fp-lock") as m:
+    with small("fp-lock", env={**DETERMINISTIC, "KVCACHED_FASTPATH": "1"}) as m:
         got: list = []
         worker = threading.Thread(target=lambda: got.append(m.alloc(1)))
         with m._lock:
@@ -279,14 +269,11 @@ def test_the_c_entry_holds_the_lock_and_lets_go_on_errors(deterministic: None,
 
 
 @needs_build
-def test_the_c_entry_asks_for_a_refill(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_c_entry_asks_for_a_refill() -> None:
     """Draining the pool below its minimum wakes the refill thread, which maps pages again."""
-    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "2")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "4")
     import time
 
-    with small("fp-refill", pages=16) as m:
+    with small("fp-refill", pages=16, env={"KVCACHED_FASTPATH": "1", "KVCACHED_MIN_RESERVED_PAGES": "2", "KVCACHED_MAX_RESERVED_PAGES": "4"}) as m:
         assert not m.pages.reserved  # the pool fills once traffic comes
         assert m.alloc(3 * BPP) is not None  # maps its pages itself, then asks for the pool
         deadline = time.monotonic() + 5
@@ -296,19 +283,17 @@ def test_the_c_entry_asks_for_a_refill(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_build
-def test_the_c_entry_has_alloc_s_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_c_entry_has_alloc_s_signature() -> None:
     import inspect
-
-    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    with small("fp-sig", pages=4) as m:
+    with small("fp-sig", pages=4, env={"KVCACHED_FASTPATH": "1"}) as m:
         assert str(inspect.signature(m.alloc)) == "(n, *, near=None)"
         assert len(m.alloc(n=2)) == 2  # n by keyword: the Python method serves it
 
 
 @needs_build
-def test_odd_hints_and_subclasses_behave_as_in_python(deterministic: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_odd_hints_and_subclasses_behave_as_in_python() -> None:
     """A hint beyond any block is ignored on both paths; a subclass's own alloc is not bypassed."""
-    fast, slow = pair("affinity", monkeypatch)
+    fast, slow = pair("affinity", env=DETERMINISTIC)
     try:
         got = [[m.alloc(2), m.alloc(1, near=2**70), m.alloc(1, near=-2**70), m.alloc(3, near=10**6)]
                for m in (fast, slow)]
@@ -324,19 +309,15 @@ def test_odd_hints_and_subclasses_behave_as_in_python(deterministic: None, monke
         def alloc(self, n: int, *, near: int | None = None) -> list[int] | None:
             calls.append(n)
             return super().alloc(n, near=near)
-
-    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    with small("fp-sub", pages=4, cls=Counting) as m:
+    with small("fp-sub", pages=4, cls=Counting, env={**DETERMINISTIC, "KVCACHED_FASTPATH": "1"}) as m:
         assert m._fast is not None and "alloc" not in m.__dict__
         assert len(m.alloc(3)) == 3 and calls == [3]
 
 
 @needs_build
-def test_the_c_publish_writes_every_counter_as_python_does(deterministic: None,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_c_publish_writes_every_counter_as_python_does() -> None:
     """manager._publish is the C publish once attached: every counter the Python publish writes, the same bytes."""
-    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    m = small("fp-publish")
+    m = small("fp-publish", env={**DETERMINISTIC, "KVCACHED_FASTPATH": "1"})
     try:
         held = m.alloc(BPP + 2)
         assert held is not None
@@ -373,22 +354,19 @@ def test_the_c_publish_writes_every_counter_as_python_does(deterministic: None,
 
 def test_a_counter_the_c_publish_does_not_write_keeps_the_python_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fastpath, "C_COUNTERS", fastpath.C_COUNTERS - {"trim_bytes"})
-    monkeypatch.setenv("KVCACHED_FASTPATH", "auto")
-    with small("fp-unknown") as m:
+    with small("fp-unknown", env={"KVCACHED_FASTPATH": "auto"}) as m:
         assert m._fast is None and "trim_bytes" in m.fastpath_reason
         assert m.alloc(3) is not None
 
 
 @needs_build
-def test_the_binding_names_every_role_c_needs_and_each_exists_on_a_live_allocator(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_binding_names_every_role_c_needs_and_each_exists_on_a_live_allocator() -> None:
     """fastpath.BINDING is the whole contract between fastpath.c and the Python objects: a role C needs and the
     table lacks, or an attribute renamed in Python but not there, fails here rather than inside an alloc."""
     assert MODULE is not None
     assert set(fastpath.BINDING) == set(MODULE.FIELD_ROLES) | set(MODULE.OBJECT_ROLES)
     assert {r for r, (_o, _a, how) in fastpath.BINDING.items() if how == "field"} == set(MODULE.FIELD_ROLES)
-    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    with small("fp-binding") as m:
+    with small("fp-binding", env={"KVCACHED_FASTPATH": "1"}) as m:
         owners = {"manager": m, "pages": m.pages, "cache": m.cache, "segment": m.segment}
         for role, (owner, attr, how) in fastpath.BINDING.items():
             if how == "field":  # read through the owner's __dict__: a property or a slot would not do
@@ -398,10 +376,9 @@ def test_the_binding_names_every_role_c_needs_and_each_exists_on_a_live_allocato
 
 
 @needs_build
-def test_a_binding_without_a_role_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_binding_without_a_role_is_refused_by_name() -> None:
     assert MODULE is not None
-    monkeypatch.setenv("KVCACHED_FASTPATH", "1")
-    with small("fp-unbound") as m:
+    with small("fp-unbound", env={"KVCACHED_FASTPATH": "1"}) as m:
         names = fastpath.binding_names()
         for role in ("seq", "release_blocks"):  # a field and an object
             partial = {k: v for k, v in names.items() if k != role}
@@ -412,9 +389,8 @@ def test_a_binding_without_a_role_is_refused_by_name(monkeypatch: pytest.MonkeyP
 
 @needs_build
 @pytest.mark.parametrize("policy", ["first-fit", "affinity"])
-def test_first_fit_and_a_waiting_limit_place_in_c_as_python_does(policy: str, deterministic: None,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    fast, slow = pair(policy, monkeypatch)
+def test_first_fit_and_a_waiting_limit_place_in_c_as_python_does(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    fast, slow = pair(policy, env=DETERMINISTIC)
     try:
         def boom(*_args: object, **_kwargs: object) -> None:
             raise AssertionError("the Python placement ran")

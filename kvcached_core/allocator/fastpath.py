@@ -30,6 +30,7 @@ from typing import Any
 from .. import native
 from ..segment import layout as L
 from ..settings import ConfigError, settings
+from .placement import Affinity, FirstFit, Policy
 
 FASTPATH_ENV = native.PARTS["fastpath"].env
 # The counters fastpath.c's full publish writes (read_full, publish). A counter added to layout.COUNTER_FIELDS
@@ -100,8 +101,6 @@ def require(mode: str) -> None:
 
 def attach(manager: Any, policy: Any, mode: str | None = None) -> tuple[Any | None, str]:
     """A FastPath bound to ``manager`` when its policy and mode allow one, else None and why."""
-    from .placement import Affinity, FirstFit, Policy  # placement imports nothing from here
-
     mode = settings().mode(FASTPATH_ENV) if mode is None else mode
     if mode == "off":
         return None, f"{FASTPATH_ENV}=0"

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from ..backends import nvml
 from ..segment import layout as L
 from ..segment.names import LEGACY_PREFIX
 from ..segment.pgroups import GroupJudge
@@ -44,8 +45,6 @@ class NoDeviceTotal(ValueError):
 def percent_base() -> tuple[int, str]:
     """What a percentage limit of an upstream segment is taken of: device 0's memory total by NVML,
     and the line that says so; NoDeviceTotal (with NVML's reason) when NVML cannot tell it."""
-    from ..backends import nvml
-
     gpus = nvml.probe([ASSUMED_DEVICE])
     total = gpus[0].total_bytes if gpus else None
     if not total:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import child_env, freeze, wait_for
+from conftest import child_env, configured, freeze, wait_for
 
 from kvcached_core.allocator import fastpath
 from kvcached_core.allocator.manager import KVCacheManager
@@ -281,6 +281,32 @@ def test_embedded_workers_expose_their_buffers(tmp_path: Path) -> None:
         m.close()
     for w in workers:
         assert w.finished.wait(5) and not w.mapped
+
+
+@pytest.mark.parametrize("known", ["at start", "from the scheduler"])
+def test_a_pinned_page_is_mapped_before_any_scheduler_and_outlives_its_unmaps(tmp_path: Path, known: str) -> None:
+    """vLLM's warm-up reads block 0 before the scheduler exists: its worker pins page 0. Mapped from the start
+    (or once the scheduler's HELLO gives the geometry), a scheduler's map of it is a no-op and its unmaps and
+    trims leave it; the worker's close releases it (on the old code a worker maps nothing by itself)."""
+    geometry = Geometry(256 * KiB, 16, 2, 2)
+    path = str(tmp_path / "r0.sock")
+    worker = TPWorker(path, 0, 0, "host", geometry if known == "at start" else None, pinned=(0,))
+    assert worker.mapped == ({0} if known == "at start" else set())
+    worker.start()
+    no_pool = configured({"KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_MAX_RESERVED_PAGES": "0"})
+    m = KVCacheManager("tp-pin", name="tp-pin", tp_workers=[path], settings=no_pool, **GEOM)
+    try:
+        assert worker.mapped == {0}  # before any block is handed out
+        ids = m.alloc(4)
+        assert ids is not None and {b // m.blocks_per_page for b in ids} == {0} and worker.mapped == {0}
+        worker.buffer(1, 0)[:4] = b"kept"
+        m.free(ids)
+        m.trim()
+        assert m.pages.mapped_pages == 0 and worker.mapped == {0}  # the scheduler unmapped it; the worker kept it
+        assert bytes(worker.buffer(1, 0)[:4]) == b"kept"
+    finally:
+        m.close()
+    assert worker.finished.wait(5) and not worker.mapped  # the end of the worker's life releases it
 
 
 def test_closing_an_embedded_worker_hangs_up_on_its_scheduler(tmp_path: Path) -> None:

@@ -83,11 +83,37 @@ def test_blocks_the_scheduler_hands_out_are_mapped_in_the_worker_views(device: s
         assert worker.mapped_bytes == len(worker.mapped) * bundle
         manager.free(ids)
         trim_all(manager, worker)
-        assert not worker.mapped and manager.pages.mapped_pages == 0  # the trim reached the worker's memory
+        # the trim reached the worker's memory (on a GPU but page 0, pinned: see the next test)
+        assert worker.mapped == PINNED[device] and manager.pages.mapped_pages == 0
     finally:
         manager.close()
         close_workers()
     assert not worker.mapped  # the scheduler's close released the worker's memory
+
+
+PINNED = {"cpu": set(), "cuda": {0}}
+
+
+@BACKENDS
+def test_block_0_is_readable_before_the_scheduler_exists(device: str) -> None:
+    """vLLM's warm-up and CUDA-graph capture run kernels over block 0 (every block table's padding) before the
+    EngineCore's scheduler exists: on a GPU its page is mapped by the worker at start and kept, so they read
+    memory, not an unmapped address (a fault that kills the engine; on the old code the worker mapped
+    nothing before the scheduler attached). On the host an unmapped page reads as zeros: nothing is pinned."""
+    layout = KVLayout(LAYERS, num_blocks=320, block_bytes=BLOCK_BYTES, block_tokens=BLOCK_TOKENS, page_size=2 * MiB)
+    path = os.path.join(tempfile.mkdtemp(prefix="kvc-vllm-test-"), "rank0.sock")
+    torch_device = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    worker = start_worker(path, 0, layout, torch_device)
+    try:
+        assert worker.mapped == PINNED[device]
+        for layer, cache in enumerate(views(worker, layout, device)):  # a warm-up's writes and reads of block 0
+            cache[0].fill_(float(layer + 1))
+            assert float(cache[0].float().sum()) == float(layer + 1) * cache[0].numel()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        close_workers()
+    assert not worker.mapped
 
 
 def test_worker_rss_follows_the_pages_the_scheduler_maps() -> None:

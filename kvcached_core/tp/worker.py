@@ -76,10 +76,16 @@ class TPWorker:
 
     ``geometry`` may be None: the worker then takes the geometry the scheduler announces; when
     given it must match, so a mis-sharded worker is refused at attach time, not at first use.
+
+    ``pinned``: pages mapped as soon as the geometry is known and kept mapped until the worker closes,
+    whatever the scheduler maps and unmaps (a scheduler's map of one is a no-op, its unmap leaves it). An
+    engine whose kernels read a page before any scheduler exists (vLLM's warm-up and CUDA-graph capture read
+    block 0, the padding of every block table) pins that page: on a GPU an unmapped page is a fault.
     """
 
     def __init__(self, socket_path: str | os.PathLike, rank: int, device: int = 0, backend_name: str = "host",
-                 geometry: Geometry | None = None, *, capacity: int | None = None) -> None:
+                 geometry: Geometry | None = None, *, capacity: int | None = None,
+                 pinned: tuple[int, ...] = ()) -> None:
         if not isinstance(rank, int) or rank < 0:
             raise WorkerError(f"rank must be a non-negative integer, got {rank!r}")
         if backend_name not in RANK_BACKENDS:
@@ -92,14 +98,17 @@ class TPWorker:
         self.geometry = geometry
         self.backend: Backend | None = None
         self.mapped: set[int] = set()
+        self.pinned = frozenset(pinned)
+        self._closing = False  # close() was called (a serving thread that starts after it just returns)
         self.world = 0
         self.attached = threading.Event()
         self.finished = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: socket.socket | None = None
-        if geometry is not None:
-            self.backend = make_rank_backend(backend_name, geometry, device, capacity)
         try:
+            if geometry is not None:
+                self.backend = make_rank_backend(backend_name, geometry, device, capacity)
+                self._map_pinned()
             self._listener: socket.socket | None = _listen(self.path)
         except BaseException:
             if self.backend is not None:
@@ -127,6 +136,8 @@ class TPWorker:
         """Accept the scheduler, apply its requests until it closes or hangs up, then release everything."""
         listener = self._listener
         if listener is None:
+            if self._closing:
+                return  # closed before it began to serve: close() releases everything
             raise WorkerError("this worker has already served its scheduler")
         try:
             conn, _ = listener.accept()
@@ -150,14 +161,15 @@ class TPWorker:
 
     def close(self) -> None:
         """Stop serving (hang up on the scheduler, or stop listening) and release all memory."""
+        self._closing = True
         if self._conn is not None:
             with contextlib.suppress(OSError):
                 self._conn.shutdown(socket.SHUT_RDWR)  # the serving thread sees the end and releases
-        if self._listener is not None:
+        listener, self._listener = self._listener, None  # the serving thread may drop it too, once woken
+        if listener is not None:
             with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)
-            self._listener.close()
-            self._listener = None
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
             _unlink(self.path)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
@@ -192,7 +204,7 @@ class TPWorker:
                 self.mapped.update(backend.map_pages(todo))
             return P.pack_pages([p for p in pages if p in self.mapped])
         if op == P.OP_UNMAP:
-            todo = [p for p in self._check_pages(P.unpack_pages(payload)) if p in self.mapped]
+            todo = [p for p in self._check_pages(P.unpack_pages(payload)) if p in self.mapped and p not in self.pinned]
             if todo:
                 backend.unmap_pages(todo)
                 self.mapped.difference_update(todo)
@@ -219,6 +231,7 @@ class TPWorker:
         if self.geometry is None:
             self.backend = make_rank_backend(self.backend_name, geometry, self.device, self.capacity)
             self.geometry = geometry
+            self._map_pinned()
         elif geometry != self.geometry:
             raise ValueError(f"rank {self.rank} holds {P.geometry_dict(self.geometry)}, the scheduler expects "
                              f"{P.geometry_dict(geometry)}")
@@ -228,6 +241,14 @@ class TPWorker:
         self.attached.set()
         return P.pack_json({"rank": self.rank, "device": self.device, "pid": pid, "start_time": start_time(pid),
                             "backend": self.backend.name, "capacity": self.backend.capacity_bytes()})
+
+    def _map_pinned(self) -> None:
+        assert self.backend is not None
+        pages = sorted(self._check_pages(list(self.pinned)))
+        if pages:
+            self.mapped.update(self.backend.map_pages(pages))
+            if not self.pinned <= self.mapped:
+                raise WorkerError(f"rank {self.rank}: cannot map its pinned pages {pages}")
 
     def _check_pages(self, pages: list[int]) -> list[int]:
         limit = self.geometry.num_pages if self.geometry else 0

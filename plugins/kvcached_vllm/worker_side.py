@@ -30,7 +30,11 @@ def start_worker(path: str, rank: int, layout: KVLayout, device: torch.device) -
     if old is not None:
         old.close()
     backend = "host" if device.type == "cpu" else "cuda"
-    worker = TPWorker(path, rank, device.index or 0, backend, layout.geometry)
+    # vLLM's warm-up and CUDA-graph capture run kernels before the scheduler exists, and they read block 0 (the
+    # padding of every block table): on a GPU its page stays mapped for the worker's whole life. On the host an
+    # unmapped page reads as zeros (anonymous memory), so nothing is pinned there.
+    pinned = (0,) if backend == "cuda" else ()  # block 0 lies on page 0
+    worker = TPWorker(path, rank, device.index or 0, backend, layout.geometry, pinned=pinned)
     worker.start()
     _WORKERS[path] = worker
     return worker

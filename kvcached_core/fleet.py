@@ -16,9 +16,10 @@ from .segment.reader import ModelNotFound, resolve
 from .segment.snapshot import ModelSnapshot, Scan
 
 
-def scan(*, with_pages: bool = False, directory: Path | None = None) -> Scan:
-    """Every model in the directory (ours and upstream rows), plus a Problem for each file we could not use."""
-    return reader.scan(with_pages=with_pages, directory=directory, foreign=upstream_row)
+def scan(*, with_pages: bool = False, directory: Path | None = None, ours_only: bool = False) -> Scan:
+    """Every model in the directory (ours and upstream rows), plus a Problem for each file we could not use;
+    ``ours_only``: our segments alone (the public kvcached's files are not read)."""
+    return reader.scan(with_pages=with_pages, directory=directory, foreign=None if ours_only else upstream_row)
 
 
 def list_models(*, with_pages: bool = False, directory: Path | None = None) -> list[ModelSnapshot]:

@@ -7,6 +7,7 @@ The thread holds its allocator only while a look runs (:func:`loop`); the state 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -111,11 +112,9 @@ def need(m: Served) -> int:
 
 def lower_priority() -> None:
     """Linux gives each thread its own nice value: this one yields the CPU to the engine's threads."""
-    try:
+    with contextlib.suppress(AttributeError, OSError):  # no per-thread priority here: the thread runs as it did
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + REFILL_NICE))
-    except (AttributeError, OSError):  # no per-thread priority here: the thread runs as it did
-        pass
 
 
 # The background threads (the refill thread, the process's poller) hold their manager only while

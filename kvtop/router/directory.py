@@ -28,7 +28,7 @@ def _scan_own(shm_dir: Path | None) -> list[tuple[ModelSnapshot, str]]:
     """The models that publish an endpoint in segment files this user owns (0600, as allocators create them): a
     segment another user wrote could name any address, and requests carry prompts."""
     own = []
-    for snap in scan(directory=shm_dir).models:
+    for snap in scan(directory=shm_dir, ours_only=True).models:  # upstream rows publish no endpoint
         endpoint = snap.endpoint
         if snap.legacy or endpoint is None:
             continue  # nothing to send requests to

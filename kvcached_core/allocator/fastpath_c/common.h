@@ -140,27 +140,17 @@ static void ids_free(Ids *ids) {
     if (ids->v != ids->stack) PyMem_Free(ids->v);
 }
 
-static PyObject *id_object(FastPath *f, long block) {
-    if (block < 0 || block >= (long)f->nblocks) return PyLong_FromLong(block);
-    PyObject *o = f->idcache[block];
-    if (!o) {
-        o = PyLong_FromLong(block);
-        if (!o) return NULL;
-        f->idcache[block] = o;
-    }
-    return Py_NewRef(o);
+/* The int object for ``v`` from ``cache`` (``size`` slots, filled on first use), so every alloc hands out the
+ * same objects the Python path would; a value outside it is a fresh int. */
+static PyObject *cached_int(PyObject **cache, Py_ssize_t size, long v) {
+    if (v < 0 || v >= size) return PyLong_FromLong(v);
+    if (!cache[v] && !(cache[v] = PyLong_FromLong(v))) return NULL;
+    return Py_NewRef(cache[v]);
 }
 
-static PyObject *page_object(FastPath *f, long page) {
-    if (page < 0 || page >= f->npages) return PyLong_FromLong(page);
-    PyObject *o = f->pagecache[page];
-    if (!o) {
-        o = PyLong_FromLong(page);
-        if (!o) return NULL;
-        f->pagecache[page] = o;
-    }
-    return Py_NewRef(o);
-}
+static PyObject *id_object(FastPath *f, long block) { return cached_int(f->idcache, f->nblocks, block); }
+
+static PyObject *page_object(FastPath *f, long page) { return cached_int(f->pagecache, f->npages, page); }
 
 static PyObject *ids_list(FastPath *f, const Ids *ids) {
     PyObject *list = PyList_New(ids->n);

@@ -15,6 +15,7 @@ import pytest
 from conftest import freeze, kvctl, send, wait_for
 
 from kvcached_core import KVCacheManager, list_models
+from kvcached_core.allocator import pressure
 from kvcached_core.control.policy import request_policy
 from kvcached_core.control.requests import ControlError
 from kvcached_core.segment import layout as L
@@ -75,7 +76,8 @@ def budget(monkeypatch):
 
 def test_an_idle_models_cached_pages_go_to_a_busy_one(budget, spawn_allocator) -> None:
     donor = spawn_allocator("idle", script=DONOR, **GEOMETRY)
-    wait_for(lambda: snap("idle").mapped_bytes >= 22 * MiB, what="the donor to map its blocks")
+    # its blocks and as much warm pool as the budget holds: everything the asker maps is taken from it
+    wait_for(lambda: snap("idle").mapped_bytes == 26 * MiB, what="the donor to fill the budget")
     with asker() as m:
         got = take(m, 40)  # 10 pages: more than the budget has left
         assert len(set(got)) == 40
@@ -191,6 +193,22 @@ def test_a_donor_stopped_then_killed_mid_reclaim_leaves_the_asker_going(budget, 
         # nothing leaked: once no refill is in flight, the ledger holds exactly what is mapped
         wait_for(lambda: not m.pages.inflight and ledger.claimed == m.pages.mapped_pages * m.bundle_bytes,
                  what="the ledger to hold what the asker mapped")
+
+
+def test_an_answer_that_comes_after_the_asker_stopped_waiting_is_still_counted(budget, spawn_allocator) -> None:
+    # The donor's engine takes longer to evict than an asker waits for one answer (a busy host): the bytes it
+    # then gives are the asker's all the same, and what the asker took must read what the donor gave.
+    slow = f"m.set_evict_handler(lambda: (time.sleep({pressure.ANSWER_WAIT_S + 0.5}), m.evict_for_limit()))\n"
+    spawn_allocator("idle", script=DONOR + NO_WARM_POOL + slow, **GEOMETRY)
+    wait_for(lambda: snap("idle").mapped_bytes == 22 * MiB, what="the donor to map its blocks")
+    with asker() as m:
+        assert len(set(take(m, 40))) == 40  # the 4 free pages, then what the late answers gave
+        wait_for(lambda: snap("idle").pressure.gave_total >= 6 * MiB and not snap("busy").pressure.wanted_bytes,
+                 what="the donor to give")
+        wait_for(lambda: snap("busy").pressure.took_total == snap("idle").pressure.gave_total, timeout=5,
+                 what=f"the asker to count the late answers ({snap('busy').pressure.took_total} taken, "
+                      f"{snap('idle').pressure.gave_total} given)")
+        assert snap("busy").pressure.took_count == snap("idle").pressure.gave_count
 
 
 def test_kvctl_policy_sets_min_and_priority_live(spawn_allocator) -> None:

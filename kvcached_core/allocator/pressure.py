@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 HOLD_S = 2.0  # a donor keeps its warm pool down this long after it gave (and asks nobody meanwhile)
 REASK_S = 0.25  # an asker asks again at most this often while its growth stays refused
 ANSWER_WAIT_S = 1.0  # how long an asker waits for one donor's answer before it tries the next
+LATE_KEEP_S = 30.0  # an answer that came after ANSWER_WAIT_S is still counted when it comes within this
+LATE_LOOK_S = 0.01  # how often the refill thread looks for such an answer
 GIVE_WAIT_S = 0.5  # how long a donor waits for its engine to evict cached pages before it answers with what it has
 POLL_S = 0.002
 
@@ -122,6 +124,9 @@ class PressureControl:
         self._wanted_since = 0
         self._next_ask = 0.0
         self._asking = threading.Lock()
+        # requests whose answer did not come in ANSWER_WAIT_S: (donor's path, seq, wanted since, given up at)
+        self._late: list[tuple[Path, int, int, float]] = []
+        self._next_late_look = 0.0
         self._write()
 
     # -- published figures ---------------------------------------------------------------------
@@ -262,6 +267,45 @@ class PressureControl:
             self._next_ask = time.monotonic() + REASK_S
             self._asking.release()
 
+    @property
+    def late(self) -> bool:
+        """A donor's answer is overdue: :meth:`collect_late` counts it when it comes (a plain read, no lock)."""
+        return bool(self._late)
+
+    def collect_late(self) -> None:
+        """Count the answers that came after the asker stopped waiting (refill thread, lock not held).
+
+        A donor that answers late gave its bytes all the same; the budget has them and this model's growth
+        maps them. Without this, what a model took would read less than what its donors gave."""
+        if time.monotonic() < self._next_late_look:
+            return
+        self._next_late_look = time.monotonic() + LATE_LOOK_S
+        still: list[tuple[Path, int, int, float]] = []
+        got = answered = 0
+        latency = 0
+        for path, seq, since, given_up in self._late:
+            try:
+                snap = read_segment(path)
+            except BlockingIOError:
+                snap = None
+            except (OSError, ValueError):
+                continue  # gone: its answer will not come
+            if snap is not None and snap.pressure is not None and snap.pressure.reclaim_acked_seq >= seq:
+                if snap.pressure.reclaim_acked_seq == seq and snap.pressure.given_bytes:
+                    got += snap.pressure.given_bytes
+                    answered += 1
+                    latency = time.monotonic_ns() - since
+                continue  # answered (a later request's answer hides this one's bytes: not counted)
+            if (snap is None or snap.status == "live") and time.monotonic() - given_up < LATE_KEEP_S:
+                still.append((path, seq, since, given_up))
+        with self._m._lock:
+            self._late = still
+            if got:
+                self.took_total += got
+                self.took_count += answered
+                self.latency_ns = latency
+                self._write()
+
     def _ask_donors(self) -> int:
         m = self._m
         found = scan(with_pages=True, directory=m.segment.path.parent)
@@ -320,4 +364,6 @@ class PressureControl:
             if snap is not None and snap.status != "live":
                 return None
             time.sleep(POLL_S)
+        with self._m._lock:  # it may still answer: counted when it does
+            self._late.append((path, seq, self._wanted_since, time.monotonic()))
         return None

@@ -39,6 +39,8 @@ def step(m: Served, linger_until: float) -> float | None:
 
     Keeps the pool at its minimum, mapping outside the lock so alloc never waits on it.
     """
+    if m.pressure.late:
+        m.pressure.collect_late()
     if m.pressure.wanted and m.pressure.relieve():
         with m._lock:  # other models gave memory: map what the refused growth needed now
             m._refill_requested = True
@@ -47,8 +49,8 @@ def step(m: Served, linger_until: float) -> float | None:
         return linger_until
     with m._lock:
         while not m._closed and not due(m):
-            if time.monotonic() < linger_until:
-                break  # traffic was here lately: look again soon, unwoken
+            if time.monotonic() < linger_until or m.pressure.late:
+                break  # traffic was here lately, or a donor's answer is overdue: look again soon, unwoken
             m._refill_polling = False
             return IDLE  # the loop waits for the wake-up without holding the manager
         if m._closed:

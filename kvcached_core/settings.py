@@ -23,6 +23,7 @@ from .hostmem import total_ram_bytes
 from .sizes import SizeError, parse_size
 
 MiB = 1024 * 1024
+PAGE_GRAIN = 2 * MiB  # a page size is a whole number of these (the CUDA backend's mapping granularity)
 
 
 class ConfigError(ValueError):
@@ -284,8 +285,8 @@ def _choice(raw: Raw, name: str, choices: tuple[str, ...], message: str, *, lowe
 
 def _page_size(raw: Raw, done: dict[str, Any]) -> int:
     mb = _int(raw, "KVCACHED_PAGE_SIZE_MB")
-    if mb <= 0 or mb % 2:
-        raise ConfigError(f"KVCACHED_PAGE_SIZE_MB={mb} must be a positive multiple of 2")
+    if mb <= 0 or (mb * MiB) % PAGE_GRAIN:
+        raise ConfigError(f"KVCACHED_PAGE_SIZE_MB={mb} must be a positive multiple of {PAGE_GRAIN // MiB}")
     return mb * MiB
 
 

@@ -128,11 +128,11 @@ def start_server(model_dir: Path, env: dict[str, str], log: Path, *, name: str =
 
 
 def run_offline(model_dir: Path, env: dict[str, str], prompts: list[list[int]], max_tokens: int,
-                out: Path) -> dict:
-    """Greedy tokens for ``prompts`` from ``vllm.LLM`` in a fresh process (``offline_job.py``)."""
+                out: Path, *, logprobs: bool = False) -> dict:
+    """Greedy tokens for ``prompts`` from ``vllm.LLM`` in a fresh process (``offline_job.py``); with ``logprobs``,
+    each sampled token's log-probability too."""
     job = {"model": str(model_dir), "prompts": prompts, "max_tokens": max_tokens, "max_model_len": MAX_MODEL_LEN,
-           "dtype": DTYPE,
-           "out": str(out)}
+           "dtype": DTYPE, "logprobs": logprobs, "out": str(out)}
     spec = out.with_suffix(".job.json")
     spec.write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("offline_job.py")), str(spec)],

@@ -17,13 +17,20 @@ def main(spec_path: str) -> None:
 
     llm = LLM(model=job["model"], max_model_len=job["max_model_len"], enforce_eager=True, dtype=job["dtype"],
               seed=0, enable_prefix_caching=True)
-    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
+    # logprobs=0: the sampled token's log-probability, a figure the KV cache's every byte feeds
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True,
+                            logprobs=0 if job.get("logprobs") else None)
     outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)
     from kvcached_core.segment.reader import list_models  # every segment in KVCACHED_SHM_DIR, plugin on or off
 
     seen = [{"name": m.name, "model": m.model, "engine": m.engine, "pid": m.pid, "device": m.device,
-             "backend": m.backend, "blocks_used": m.blocks_used} for m in list_models()]
+             "backend": m.backend, "blocks_used": m.blocks_used, "num_layers": m.num_layers,
+             "page_size": m.page_size} for m in list_models()]
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "models": seen, "pid": os.getpid()}
+    if job.get("logprobs"):
+        result["logprobs"] = [[step[token].logprob
+                               for token, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
+                              for o in outs]
     with open(job["out"], "w") as fh:
         json.dump(result, fh)
     del llm

@@ -357,9 +357,9 @@ def _build_manager(vllm_config: Any, kv_cache_config: Any) -> Any:
         refill_linger_s=0.0,  # a scheduler step is long next to waking the refill thread: do not poll for it
     )
     _MANAGERS.append(manager)
-    log.info("kvcached: segment %r (%d blocks of %d tokens, %d per %d MiB page, %d layers)", manager.name,
+    log.info("kvcached: segment %r (%d blocks of %d tokens, %d per %d MiB page, %d layer ranges; %s)", manager.name,
              layout.num_blocks, layout.block_tokens, layout.blocks_per_page, layout.page_size >> 20,
-             layout.num_layers)
+             layout.num_layers, layout.describe())
     return manager
 
 

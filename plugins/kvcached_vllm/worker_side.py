@@ -55,18 +55,29 @@ def layer_bytes(worker: TPWorker, layer: int) -> torch.Tensor:
 
 def kv_cache_views(worker: TPWorker, layout: KVLayout, kv_cache_config: Any, kv_layout_order: Any,
                    kernel_block_sizes: list[int] | None) -> dict[str, torch.Tensor]:
-    """vLLM's per-layer KV views (its own ``create_kv_cache_views``) over the worker's ranges."""
+    """vLLM's per-layer KV views (its own ``create_kv_cache_views``) over the worker's ranges: each layer over its
+    slot's range, with its group's spec and kernel block size (the layers of several groups share a slot)."""
     from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
 
-    group = kv_cache_config.kv_cache_groups[0]
-    kernel_block_size = kernel_block_sizes[0] if kernel_block_sizes else None
-    views: dict[str, torch.Tensor] = {}
+    from .geometry import layer_specs
+
     assert worker.geometry is not None
+    size = worker.geometry.range_bytes
+    where: dict[str, tuple[int, Any]] = {}  # layer -> (its group, its spec)
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        where.update((name, (group_id, spec)) for name, spec in layer_specs(group).items())
+    ranges: dict[int, torch.Tensor] = {}
+    views: dict[str, torch.Tensor] = {}
     for index, name in enumerate(layout.layer_names):
-        raw = layer_bytes(worker, index)
-        tensor = KVCacheTensor(size=worker.geometry.range_bytes, layers=[name],
-                               layer_stride=worker.geometry.range_bytes, block_stride=layout.block_bytes)
-        (view,) = create_kv_cache_views(raw, group.kv_cache_spec, layout.num_blocks, kv_layout_order, tensor,
+        slot = layout.slot(index)
+        raw = ranges.get(slot)
+        if raw is None:
+            raw = ranges[slot] = layer_bytes(worker, slot)
+        group_id, spec = where[name]
+        kernel_block_size = (kernel_block_sizes[group_id]
+                             if kernel_block_sizes is not None and group_id < len(kernel_block_sizes) else None)
+        tensor = KVCacheTensor(size=size, layers=[name], layer_stride=size, block_stride=layout.block_bytes)
+        (view,) = create_kv_cache_views(raw, spec, layout.num_blocks, kv_layout_order, tensor,
                                         kernel_block_size=kernel_block_size)
         views[name] = view
     return views

@@ -134,6 +134,10 @@ class KVCachedCollector(Collector):
         after_idle = gauge("sleep_after_idle_seconds", "The after-idle sleep policy; absent when there is none.")
         slept = gauge("slept_bytes", "Bytes the model's last sleep released.")
         pressure = PressureFamilies(gauge)
+        group_blocks = gauge("group_blocks", "Blocks of one of the engine's KV cache groups, by state (active, "
+                             "cached); absent for engines that publish no groups.", ("group", "shape", "state"))
+        group_pages = gauge("group_pages", "Pages holding any block of one of the engine's KV cache groups.",
+                            ("group", "shape"))
         traffic_counters = [
             (field, CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=MODEL_LABELS))
             for field, name, doc in (
@@ -192,6 +196,11 @@ class KVCachedCollector(Collector):
                 if m.sleep.state != "unknown":  # words that cannot be true: no figure, no state is 1
                     slept.add_metric(labels, m.sleep.slept_bytes)
             pressure.add(labels, m)
+            for i, g in enumerate(m.groups or ()):
+                shape = f"{g.shape} {g.window}" if g.window else g.shape
+                group_blocks.add_metric([*labels, str(i), shape, "active"], g.blocks_active)
+                group_blocks.add_metric([*labels, str(i), shape, "cached"], g.blocks_cached)
+                group_pages.add_metric([*labels, str(i), shape], g.pages)
             for r in m.ranks:
                 rank_row = [m.name, str(r.rank), str(r.device), str(r.pid), self.host]
                 rank_mapped.add_metric(rank_row, r.mapped_bytes)
@@ -199,7 +208,8 @@ class KVCachedCollector(Collector):
         self._forget_vanished(models)
         return [info, mapped, held, pinned, reserved, cached, capacity, limit, requested, status, waste,
                 pages, alloc_rate, free_rate, allocs, frees, age, stale, rank_mapped, rank_up, running, waiting, idle,
-                *(family for _, family in traffic_counters), sleep_state, after_idle, slept, *pressure.families()]
+                *(family for _, family in traffic_counters), sleep_state, after_idle, slept, *pressure.families(),
+                group_blocks, group_pages]
 
     # -- the scan itself and the devices -----------------------------------------------------
     def _scan_families(self, scan: kvcached_core.Scan, seconds: float) -> list[Metric]:

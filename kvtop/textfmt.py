@@ -160,6 +160,17 @@ def pressure_fields(m: ModelSnapshot, models: Sequence[ModelSnapshot] = ()) -> l
     return [*rows, ("gave", gave), ("took", took)]
 
 
+def group_fields(m: ModelSnapshot) -> list[tuple[str, str]]:
+    """One line per KV cache group its engine publishes (none when it publishes none): shape, layers, and the
+    blocks and pages of the group."""
+    out = []
+    for i, g in enumerate(m.groups or ()):
+        shape = f"{g.shape} {g.window}" if g.window else g.shape
+        out.append((f"group {i}", f"{shape}, {g.layers} layers: {g.blocks_active} active + {g.blocks_cached} cached "
+                                  f"blocks on {g.pages} pages"))
+    return out
+
+
 def show_lines(m: ModelSnapshot, frag: Fragmentation, models: Sequence[ModelSnapshot] = ()) -> list[str]:
     """The text of ``kvctl show`` above the page map (``models``: every model read, to name reclaim partners)."""
     lines = [f"{m.name}  (model {m.model}, engine {m.engine}, backend {m.backend}, pid {m.pid or '-'}, device {fmt_device(m)})"]
@@ -189,6 +200,8 @@ def show_lines(m: ModelSnapshot, frag: Fragmentation, models: Sequence[ModelSnap
     if m.device_capacity:
         field("capacity", f"{fmt_bytes(m.device_capacity)} on the device" + ("s" if len(m.devices) > 1 else ""))
     for label, text in pressure_fields(m, models):
+        field(label, text)
+    for label, text in group_fields(m):
         field(label, text)
     if not m.legacy:
         field("waste", f"{fmt_ratio(frag.waste_ratio)} pinned/held; packed floor {frag.packed_floor_pages} pages "

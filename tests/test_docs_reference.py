@@ -71,6 +71,7 @@ def test_json_key_table_is_what_to_dict_produces(spawn_allocator):
     kc.request_limit("docs", 64 << 20, wait=5)
     proc = spawn_allocator("traffic", engine="vllm")
     send(proc, "m.publish_traffic(2, 1, 5, 700, 300, 1, __import__('time').time_ns())")
+    send(proc, "m.publish_groups([('sliding window', 256, 1, 3, 1, 1), ('full attention', None, 1, 2, 0, 1)])")
     live = {m.name: m for m in kc.list_models()}
     snap = dataclasses.replace(live["traffic"], tp_world=2, ranks=(  # the rank objects a tensor-parallel manager publishes
         RankInfo(0, 0, 1, 4096, True), RankInfo(1, 1, 2, 4096, True)))
@@ -182,6 +183,7 @@ REGIONS = {  # region -> (offset, size) from the constants readers and writers u
     "pressure": (L.PRESSURE_OFF, L.SEAL_BYTES + L.PRESSURE.size),
     "control2": (L.CONTROL2_OFF, L.CONTROL2_SIZE),
     "refused": (L.SLEEP_REFUSED_OFF, 8),
+    "groups": (L.GROUPS_OFF, L.SEAL_BYTES + L.GROUPS.size),
 }
 
 

@@ -15,7 +15,7 @@ from fakes import sample_fleet
 from rich.console import Console
 from textual.command import CommandPalette
 from textual.pilot import Pilot
-from textual.widgets import OptionList
+from textual.widgets import OptionList, Static
 
 import kvcached_core as kc
 from kvcached_core.control.policy import request_policy
@@ -250,6 +250,28 @@ def test_p_sets_min_and_priority_and_bad_input_keeps_the_dialog_open(spawn_alloc
     assert snap.pressure is not None and snap.pressure.policy_dict() == {"min_bytes": 4 * MiB, "priority": -3}
     assert snap.pressure.policy_revision == 2
     assert sum("policy r" in line for line in app.event_log.lines_text) == 2  # each logged once
+
+
+def test_the_details_screen_shows_each_kv_cache_group(spawn_allocator) -> None:
+    groups = [("sliding window", 256, 1, 3, 2, 2), ("full attention", None, 1, 4, 0, 1)]
+    spawn_allocator("m1", script=f"ids = m.alloc(8)\nm.publish_groups({groups!r})\n")
+    app = KvtopApp(LiveSource(), interval=0.2)
+
+    def details() -> str:
+        console = Console(width=120, file=io.StringIO(), record=True)
+        for widget in app.screen.query(Static):
+            console.print(widget.content)
+        return console.export_text()
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1") and app.selected == "m1", "m1 on screen")
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, DetailsScreen), "the details screen")
+        text = " ".join(details().split())
+        assert "group 0 sliding window 256, 1 layers: 3 active + 2 cached blocks on 2 pages" in text, text
+        assert "group 1 full attention, 1 layers: 4 active + 0 cached blocks on 1 pages" in text, text
+
+    drive(app, script)
 
 
 def test_a_policy_set_by_kvctl_is_logged(spawn_allocator) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -23,9 +24,21 @@ def main(spec_path: str) -> None:
     outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)
     from kvcached_core.segment.reader import list_models  # every segment in KVCACHED_SHM_DIR, plugin on or off
 
-    seen = [{"name": m.name, "model": m.model, "engine": m.engine, "pid": m.pid, "device": m.device,
-             "backend": m.backend, "blocks_used": m.blocks_used, "num_layers": m.num_layers,
-             "page_size": m.page_size} for m in list_models()]
+    def look() -> list[dict]:
+        return [{"name": m.name, "model": m.model, "engine": m.engine, "pid": m.pid, "device": m.device,
+                 "backend": m.backend, "blocks_used": m.blocks_used, "blocks_cached": m.blocks_cached,
+                 "num_layers": m.num_layers, "page_size": m.page_size,
+                 "groups": None if m.groups is None else [g.to_dict() for g in m.groups]}
+                for m in list_models()]
+
+    # the figures once they stopped moving: the allocator publishes the last frees of a step a moment later
+    seen, deadline = look(), time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        again = look()
+        if again == seen:
+            break
+        seen = again
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "models": seen, "pid": os.getpid()}
     if job.get("logprobs"):
         result["logprobs"] = [[step[token].logprob

@@ -61,6 +61,13 @@ def test_the_plugin_serves_the_shape_with_plain_vllms_tokens(shape: str, workdir
     # two ranges: the sliding model's two groups overlay each other (2 + 2 layers), the MLA model has 2 layers
     assert seen["num_layers"] == 2
     assert seen["page_size"] == (18 if shape == "MLA" else 2) * MiB
+    # each KV cache group, as the idle engine left it: no active block; between them the allocator's cached ones
+    # (every block but the placeholder), each group's on the pages it says
+    groups = seen["groups"]
+    expected = [("MLA", None, 2)] if shape == "MLA" else [("sliding window", WINDOW, 2), ("full attention", None, 2)]
+    assert [(g["shape"], g["window"], g["layers"]) for g in groups] == expected
+    assert all(g["blocks_active"] == 0 and (g["pages"] > 0) == (g["blocks_cached"] > 0) for g in groups), groups
+    assert sum(g["blocks_cached"] for g in groups) == seen["blocks_cached"] == seen["blocks_used"] - 1, seen
 
 
 # -- kv_layout on vLLM's own configuration objects ------------------------------------------------

@@ -480,6 +480,19 @@ class KVCacheManager:
         if not self._closed:
             self.segment.publish_endpoint(url)
 
+    def publish_groups(self, groups: Sequence[tuple[str, int | None, int, int, int, int]]) -> None:
+        """Publish the engine's KV cache groups for kvtop and kvctl: per group (shape, window in tokens or None,
+        layers, blocks active, blocks cached, pages holding any of its blocks); a shape is one of
+        ``layout.GROUP_SHAPE_NAMES``' names. ValueError for figures a segment cannot hold."""
+        codes = {name: code for code, name in L.GROUP_SHAPE_NAMES.items()}
+        records = []
+        for shape, window, layers, active, cached, pages in groups:
+            if shape not in codes:
+                raise ValueError(f"KV cache group shape {shape!r} is not one of {', '.join(codes)}")
+            records.append((codes[shape], window or 0, layers, active, cached, pages))
+        if not self._closed:
+            self.segment.publish_groups(records)
+
     def publish_traffic(self, running: int, waiting: int, finished: int, prompt_tokens: int,
                         generated_tokens: int, preemptions: int, last_request_ns: int,
                         waiting_blocks: int = 0) -> None:
@@ -724,6 +737,11 @@ class KVCacheManager:
     @property
     def cached_blocks(self) -> int:
         return len(self.cache)
+
+    def cached_block_ids(self) -> list[int]:
+        """The cached blocks (``mark_cached``, not reused or evicted since), oldest first: a copy."""
+        with self._lock:
+            return list(self.cache.blocks)
 
     @property
     def used_blocks(self) -> int:

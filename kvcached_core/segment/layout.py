@@ -15,14 +15,15 @@ One file per model, ``<KVCACHED_SHM_DIR>/kvc.<name>``, mode 0600, little-endian:
     1280    152   PRESSURE    allocator      sealed: memory policy (min, priority), reclaim answers and totals
     1440    64    CONTROL2    controllers    policy request (revision, min, priority, check); other models: reclaim request
     1528    8     REFUSED     allocator      the last sleep request its engine's handler refused (one store)
-    1536    4*N   PAGE MAP    allocator      one u32 per page (see ``PAGE_*``)
+    1536    120   GROUPS      engine         sealed: the KV cache groups (shape, layers) and the blocks and pages of each
+    1664    4*N   PAGE MAP    allocator      one u32 per page (see ``PAGE_*``)
     ...     R*64  RANKS       allocator      tensor-parallel ranks: pid, device, mapped bytes
 
 Readers never lock. A publish bumps SEQ to odd, writes the dirty page entries and the
 counters, stores ``checksum = crc32(counters) ^ (seq & 0xffffffff)`` and bumps SEQ to even.
 A reader accepts a copy only when SEQ was even and unchanged around the copy, the checksum
 matches and the page-map sum matches, so a torn copy is caught on weakly ordered CPUs too.
-The ENDPOINT, COMPACT, TRAFFIC, SLEEP and PRESSURE regions are *sealed* blocks, each its own small seqlock:
+The ENDPOINT, COMPACT, TRAFFIC, SLEEP, PRESSURE and GROUPS regions are *sealed* blocks, each its own small seqlock:
 ``seq | payload | check`` with ``check = crc32(payload) ^ (seq & 0xffffffff)`` (:func:`seal_check`);
 a writer (one lock per segment writer) stores seq odd, the payload, the check, then seq even,
 the two words with single 8-byte stores. A reader takes a block only when its seq is even and
@@ -44,8 +45,9 @@ from ..bounds import endpoint_problem as endpoint_problem
 from ..bounds import printable as printable
 
 MAGIC = b"KVCSEG\x00\x01"
-LAYOUT_VERSION = 3  # 2: the CONTROL block grew by the compact request (liveness moved), the COMPACT region;
-# 3: COMPACT, TRAFFIC and SLEEP sealed (each its own seqlock and check), the last compaction answers, page map at 1536
+LAYOUT_VERSION = 4  # 2: the CONTROL block grew by the compact request (liveness moved), the COMPACT region;
+# 3: COMPACT, TRAFFIC and SLEEP sealed (each its own seqlock and check), the last compaction answers, page map at 1536;
+# 4: the GROUPS region at 1536, page map at 1664
 
 HEADER = struct.Struct("<8sIIQQ64s128s32s16sqQIiiiQQIIIQQIQQQ")
 HEADER_FIELDS = (
@@ -100,7 +102,7 @@ COUNTER_FIELDS = (
 )
 COUNTERS_OFF = SEQ_OFF + 8
 CHECKSUM_OFF = COUNTERS_OFF + COUNTERS.size
-PAGE_MAP_OFF = 1536
+PAGE_MAP_OFF = 1664
 assert CHECKSUM_OFF + 8 <= PAGE_MAP_OFF
 
 
@@ -191,9 +193,24 @@ RECLAIM_CTL_OFF = POLICY_CTL_OFF + POLICY_CTL.size
 assert WORDS_END <= CONTROL2_OFF and RECLAIM_CTL_OFF + RECLAIM_CTL.size <= CONTROL2_OFF + CONTROL2_SIZE
 # The last sleep request (revision) whose engine's handler raised: one plain word (a single 8-byte store) that
 # the allocator stores before the SLEEP words acknowledging that request, so a controller that reads its own
-# revision acknowledged then reads here whether it was refused. Last before the page map.
-SLEEP_REFUSED_OFF = PAGE_MAP_OFF - 8
+# revision acknowledged then reads here whether it was refused.
+SLEEP_REFUSED_OFF = 1528
 assert CONTROL2_OFF + CONTROL2_SIZE <= SLEEP_REFUSED_OFF and SLEEP_REFUSED_OFF % 8 == 0
+
+# GROUPS: the engine's KV cache groups, sealed whenever it publishes them (an engine that publishes none: readers
+# say none, never invent one). vLLM groups the layers that share a block table (sliding-window layers beside full
+# ones: two groups over one pool of block ids). ``count`` GROUP records follow, in the engine's group order, each:
+# its layers' shape (a key of GROUP_SHAPE_NAMES), the window in tokens (0: none), its layers, and of its blocks the
+# active ones, the cached ones and the pages that hold any of them.
+GROUP = struct.Struct("<IIIIII")
+GROUP_FIELDS = ("shape", "window", "layers", "blocks_active", "blocks_cached", "pages")
+MAX_GROUPS = 4
+GROUPS = struct.Struct("<II" + GROUP.format.lstrip("<") * MAX_GROUPS)  # count, spare, MAX_GROUPS records
+GROUP_SHAPE_NAMES = {1: "full attention", 2: "sliding window", 3: "MLA"}
+GROUPS_OFF = 1536
+assert SLEEP_REFUSED_OFF + 8 <= GROUPS_OFF and GROUPS_OFF + SEAL_BYTES + GROUPS.size <= PAGE_MAP_OFF
+SEALED["groups"] = (GROUPS_OFF, GROUPS.size)
+GROUPS_END = GROUPS_OFF + SEAL_BYTES + GROUPS.size
 
 # What the readers take for possible (a word past these is forged or damaged and reads as unknown).
 MAX_AFTER_IDLE_MS = 366 * 86_400_000  # an after-idle policy of at most a year (controllers refuse more)

@@ -31,6 +31,7 @@ from .procinfo import is_alive
 from .snapshot import (
     CompactAnswer,
     CompactInfo,
+    KVGroup,
     ModelSnapshot,
     PressureInfo,
     Problem,
@@ -219,7 +220,7 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool,
             # A sealed block mid-write (odd: wait for it, as for the counters), or one that fails its check
             # or a cross-check: read again; the same bytes failing QUIET_FAILURES times are what the file holds.
             same = (raw[L.CONTROL_OFF:L.LIVENESS_OFF] + raw[L.SEQ_OFF:L.SEQ_OFF + 8] + raw[L.WORDS_START:L.WORDS_END]
-                    + raw[L.ENDPOINT_OFF:L.HEADER_SIZE])
+                    + raw[L.ENDPOINT_OFF:L.HEADER_SIZE] + raw[L.GROUPS_OFF:L.GROUPS_END])
             doubts, doubted = (doubts + 1 if same == doubted else 1), same
             if words.writing or doubts < QUIET_FAILURES:
                 _backoff(attempt)
@@ -381,6 +382,7 @@ def _read(file: _Open, path: str, with_pages: bool, now_ns: int | None, alive: A
         late=status == "live" and verdict.late, ranks=ranks, pages=pages,
         traffic=None if words.traffic is None else Traffic(*words.traffic, now_ns),
         sleep=words.sleep, compaction=words.compaction, pressure=words.pressure, endpoint=words.endpoint,
+        groups=words.groups,
     )
     return model_from_fields(values)
 
@@ -409,21 +411,22 @@ class _Words:
     """What a copy's sealed blocks say: traffic (its fields, or None), sleep, compaction; ``whole``: every block
     was readable and possible (else, ``writing``: one was mid-write)."""
 
-    __slots__ = ("compaction", "endpoint", "pressure", "rest_possible", "sleep", "sleep_key", "traffic", "whole",
-                 "writing")
+    __slots__ = ("compaction", "endpoint", "groups", "pressure", "rest_possible", "sleep", "sleep_key", "traffic",
+                 "whole", "writing")
 
     def __init__(self, traffic: TrafficFields | None, sleep: SleepInfo, compaction: CompactInfo, whole: bool,
                  writing: bool, sleep_key: tuple = (), rest_possible: bool = True,
-                 pressure: PressureInfo | None = None, endpoint: str | None = None) -> None:
+                 pressure: PressureInfo | None = None, endpoint: str | None = None,
+                 groups: tuple[KVGroup, ...] | None = None) -> None:
         self.traffic, self.sleep, self.compaction, self.whole, self.writing = traffic, sleep, compaction, whole, writing
-        self.pressure, self.endpoint = pressure, endpoint
+        self.pressure, self.endpoint, self.groups = pressure, endpoint, groups
         self.sleep_key, self.rest_possible = sleep_key, rest_possible  # what sleep and compaction were decoded from
 
     def again(self, traffic: TrafficFields | None, payload: bytes | None, whole: bool, writing: bool) -> _Words:
         """These sleep, compaction and pressure words with other traffic words."""
         return _Words(traffic, self.sleep, self.compaction,
                       whole and self.rest_possible and _traffic_possible(payload, traffic), writing, self.sleep_key,
-                      self.rest_possible, self.pressure, self.endpoint)
+                      self.rest_possible, self.pressure, self.endpoint, self.groups)
 
 
 TrafficFields = tuple[int, int, int, int, int, int, int]  # layout.TRAFFIC_FIELDS but published
@@ -451,12 +454,12 @@ def _words(raw: bytes, header: dict, counters: dict, kept: _Open | None) -> _Wor
     """The sealed blocks of the copy ``raw``, checked and cross-checked (a forged or damaged word reads as
     unknown, never as fact); the same object again while the blocks, control block and counters are."""
     control = raw[L.CONTROL_OFF:L.LIVENESS_OFF] + raw[L.CONTROL2_OFF:L.CONTROL2_OFF + L.CONTROL2_SIZE]
-    sealed = raw[L.WORDS_START:L.WORDS_END] + raw[L.ENDPOINT_OFF:L.HEADER_SIZE]
+    sealed = raw[L.WORDS_START:L.WORDS_END] + raw[L.ENDPOINT_OFF:L.HEADER_SIZE] + raw[L.GROUPS_OFF:L.GROUPS_END]
     if kept is not None and kept.words is not None and kept.words[1] is counters and kept.words[0] == control + sealed:
         return kept.words[2]
     whole, writing = True, False
     parts = []
-    for region in ("traffic", "sleep", "compact", "pressure", "endpoint"):
+    for region in ("traffic", "sleep", "compact", "pressure", "endpoint", "groups"):
         payload = _unseal(raw, region)
         if payload is None or payload is _WRITING:
             whole, writing = False, writing or payload is _WRITING
@@ -465,7 +468,7 @@ def _words(raw: bytes, header: dict, counters: dict, kept: _Open | None) -> _Wor
     # The sleep and compact words change seldom (traffic every engine step): decoded again only when they,
     # or what they are checked against, changed.
     asleep_ok = not (counters["mapped_bytes"] or counters["pages_inuse"])
-    key = (parts[1], parts[2], parts[3], parts[4], control, asleep_ok)
+    key = (parts[1], parts[2], parts[3], parts[4], parts[5], control, asleep_ok)
     if kept is not None and kept.words is not None and kept.words[2].sleep_key == key:
         words = kept.words[2].again(traffic, parts[0], whole, writing)
     else:
@@ -475,10 +478,11 @@ def _words(raw: bytes, header: dict, counters: dict, kept: _Open | None) -> _Wor
                                  bundle // max(1, header["blocks_per_page"]))
         pressure = _pressure(parts[3], raw, header["pages_total"] * bundle)
         endpoint = _endpoint(parts[4])
+        groups = _groups(parts[5], header)
         rest_possible = sleep.state != "unknown" and compaction.compactions is not None \
             and len(compaction.answers) == _answers_given(parts[2]) and (pressure is not None or parts[3] is None) \
-            and (endpoint is not None or not parts[4])
-        words = _Words(traffic, sleep, compaction, whole, writing, key, rest_possible, pressure, endpoint)
+            and (endpoint is not None or not parts[4]) and (groups is not None or not parts[5])
+        words = _Words(traffic, sleep, compaction, whole, writing, key, rest_possible, pressure, endpoint, groups)
         words.whole = whole and rest_possible and _traffic_possible(parts[0], traffic)
     if kept is not None:
         kept.words = (control + sealed, counters, words)
@@ -497,6 +501,27 @@ def _endpoint(payload: bytes | None) -> str | None:
     except UnicodeDecodeError:
         return None
     return url if L.endpoint_problem(url) is None else None
+
+
+def _groups(payload: bytes | None, header: dict) -> tuple[KVGroup, ...] | None:
+    """The engine's KV cache groups (``layout.GROUPS``), or None: none published, or words that cannot be (a shape
+    no engine writes, more layers than the model's ranges, more blocks or pages than it has, a record past the
+    count that is not zero)."""
+    if not payload:
+        return None
+    words = L.GROUPS.unpack(payload)
+    count, spare, rest = words[0], words[1], words[2:]
+    width = len(L.GROUP_FIELDS)
+    if not 0 < count <= L.MAX_GROUPS or spare or any(rest[count * width:]):
+        return None
+    found = []
+    for i in range(count):
+        shape, window, layers, active, cached, pages = rest[i * width:(i + 1) * width]
+        if (shape not in L.GROUP_SHAPE_NAMES or not 0 < layers <= header["num_layers"]
+                or active + cached > header["num_blocks"] or pages > header["pages_total"] or window >= 1 << 31):
+            return None
+        found.append(KVGroup(L.GROUP_SHAPE_NAMES[shape], window or None, layers, active, cached, pages))
+    return tuple(found)
 
 
 def _traffic_possible(payload: bytes | None, traffic: TrafficFields | None) -> bool:

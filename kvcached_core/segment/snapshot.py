@@ -43,6 +43,22 @@ class Traffic:
 
 
 @dataclass(frozen=True)
+class KVGroup:
+    """One of the engine's KV cache groups (``layout.GROUPS``): layers that share a block table."""
+
+    shape: str  # layout.GROUP_SHAPE_NAMES
+    window: int | None  # tokens a sliding-window layer attends to; None: the whole sequence
+    layers: int
+    blocks_active: int
+    blocks_cached: int
+    pages: int  # pages that hold any of its blocks
+
+    def to_dict(self) -> dict:
+        return {"shape": self.shape, "window": self.window, "layers": self.layers,
+                "blocks_active": self.blocks_active, "blocks_cached": self.blocks_cached, "pages": self.pages}
+
+
+@dataclass(frozen=True)
 class SleepInfo:
     """The model's sleep state and policy (``layout.SLEEP``). Words no allocator writes (forged or damaged:
     an impossible value, asleep over mapped memory, an acknowledgement of a request never made) read as
@@ -192,6 +208,7 @@ class ModelSnapshot:
     compaction: CompactInfo | None = None  # None: unknown (upstream segments)
     pressure: PressureInfo | None = None  # None: unknown (upstream segments, forged or damaged words)
     endpoint: str | None = None  # the URL its engine serves on; None: none published (or words that cannot be one)
+    groups: tuple[KVGroup, ...] | None = None  # its engine's KV cache groups; None: none published (or impossible)
     pages: array | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -302,6 +319,7 @@ class ModelSnapshot:
             "policy": None if self.pressure is None else self.pressure.policy_dict(),
             "pressure": None if self.pressure is None else self.pressure.to_dict(),
             "endpoint": self.endpoint,
+            "groups": None if self.groups is None else [g.to_dict() for g in self.groups],
         }
 
 

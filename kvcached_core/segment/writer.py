@@ -13,7 +13,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from zlib import crc32 as _crc32
@@ -32,6 +32,7 @@ _pack_compact = L.COMPACT_PAYLOAD.pack_into
 _pack_sleep = L.SLEEP.pack_into
 _pack_pressure = L.PRESSURE.pack_into
 _pack_endpoint = L.ENDPOINT.pack_into
+_pack_groups = L.GROUPS.pack_into
 assert sys.byteorder == "little"  # the single 8-byte stores (memoryview "Q") write the layout's byte order
 
 
@@ -328,6 +329,18 @@ class SegmentWriter:
             raise ValueError(problem)
         raw = url.encode("ascii")
         self._seal("endpoint", _pack_endpoint, len(raw), raw)
+
+    def publish_groups(self, groups: Sequence[tuple[int, int, int, int, int, int]]) -> None:
+        """The engine's KV cache groups (``layout.GROUP_FIELDS`` each, at most ``layout.MAX_GROUPS``), sealed."""
+        if len(groups) > L.MAX_GROUPS:
+            raise ValueError(f"{len(groups)} KV cache groups: a segment holds at most {L.MAX_GROUPS}")
+        words: list[int] = [len(groups), 0]
+        for group in groups:
+            if len(group) != len(L.GROUP_FIELDS) or any(not 0 <= v < 1 << 32 for v in group):
+                raise ValueError(f"a KV cache group is {len(L.GROUP_FIELDS)} figures of 0..2**32-1, not {group}")
+            words += group
+        words += [0] * (len(L.GROUP_FIELDS) * (L.MAX_GROUPS - len(groups)))
+        self._seal("groups", _pack_groups, *words)
 
     def publish_sleep_refused(self, revision: int) -> None:
         """The last sleep request its engine's handler refused (``layout.SLEEP_REFUSED_OFF``): one 8-byte store,

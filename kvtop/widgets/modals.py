@@ -26,7 +26,7 @@ from kvcached_core.control import (
     policy_problem,
 )
 from kvtop.pagemap import GLYPHS, LEGEND
-from kvtop.textfmt import fmt_device
+from kvtop.textfmt import fmt_device, group_fields
 from kvtop.view import STATE_STYLES, frag_table
 
 
@@ -412,6 +412,7 @@ class DetailsScreen(_InfoScreen):
                             f"{m.evicted_blocks:,} evicted"),
                 ("device capacity", format_bytes(m.device_capacity) if m.device_capacity else "N/A"),
                 *pressure_rows(m),
+                *group_fields(m),
             ]
             if m.endpoint is not None:
                 rows.append(("endpoint", m.endpoint))

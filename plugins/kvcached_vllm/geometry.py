@@ -39,8 +39,13 @@ class UnsupportedLayout(RuntimeError):
 class KVGroup:
     """One vLLM KV cache group: layers that share a block table."""
 
-    shape: str  # SHAPES' word for its spec, with the window for sliding-window layers
+    shape: str  # SHAPES' word for its spec (the segment's layout.GROUP_SHAPE_NAMES)
+    window: int | None  # tokens its sliding-window layers attend to; None: the whole sequence
     layer_names: tuple[str, ...]
+
+    def describe(self) -> str:
+        shape = f"{self.shape} {self.window}" if self.window else self.shape
+        return f"{shape} ({len(self.layer_names)} layers)"
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,7 @@ class KVLayout:
         """The groups in a few words, for the engine's log: ``2 groups: sliding window 256 (2 layers), ...``."""
         if not self.groups:
             return f"{len(self.layer_names)} layers"
-        parts = [f"{g.shape} ({len(g.layer_names)} layers)" for g in self.groups]
+        parts = [g.describe() for g in self.groups]
         return f"{len(self.groups)} group{'s' if len(self.groups) > 1 else ''}: " + ", ".join(parts)
 
 
@@ -91,14 +96,15 @@ def layer_specs(group: Any) -> dict[str, Any]:
     return {name: spec for name in group.layer_names}
 
 
-def _shape(spec: Any) -> str:
+def _shape(spec: Any) -> tuple[str, int | None]:
+    """The shape of ``spec``'s layers and their window (None: the whole sequence)."""
     kind = type(spec).__name__
     if kind not in SHAPES or getattr(spec, "page_size_padded", None):
         served = ", ".join(SHAPES.values())
         raise UnsupportedLayout(f"this model's KV cache has {kind} layers; kvcached serves {served} layers: "
                                 "run it without ENABLE_KVCACHED")
-    window = getattr(spec, "sliding_window", None)
-    return f"{SHAPES[kind]} {window}" if kind == "SlidingWindowSpec" and window else SHAPES[kind]
+    window = getattr(spec, "sliding_window", None) if kind == "SlidingWindowSpec" else None
+    return SHAPES[kind], int(window) if window else None
 
 
 def kv_layout(kv_cache_config: Any, page_size: int | None = None) -> KVLayout:
@@ -112,9 +118,15 @@ def kv_layout(kv_cache_config: Any, page_size: int | None = None) -> KVLayout:
     shapes: list[KVGroup] = []
     for group in groups:
         per_layer = layer_specs(group)
-        kinds = sorted({_shape(spec) for spec in per_layer.values()})
+        kinds = {_shape(spec) for spec in per_layer.values()}
+        if not kinds:
+            raise UnsupportedLayout("a KV cache group has no layers: run this model without ENABLE_KVCACHED")
+        if len(kinds) != 1:  # vLLM groups layers of one spec; a group of several would have no one shape
+            raise UnsupportedLayout(f"a KV cache group mixes {sorted(k for k, _ in kinds)} layers: run this model "
+                                    "without ENABLE_KVCACHED")
         specs.update(per_layer)
-        shapes.append(KVGroup(" + ".join(kinds), tuple(group.layer_names)))
+        (shape, window), = kinds
+        shapes.append(KVGroup(shape, window, tuple(group.layer_names)))
     num_blocks = int(kv_cache_config.num_blocks)
     block_sizes = {int(t.block_stride) for t in tensors}
     pages = {int(spec.page_size_bytes) for spec in specs.values()}

@@ -71,12 +71,15 @@ def _patch_scheduler() -> None:
         finally:
             _context.scheduler = None
         from .block_pool import KvcachedBlockPool
+        from .geometry import kv_layout
+        from .groups import Groups
         from .sleep import Sleeper
         from .traffic import Traffic
 
         pool = self.kv_cache_manager.block_pool
         ours = isinstance(pool, KvcachedBlockPool)
         self._kvcached_traffic = Traffic(pool.manager) if ours else None
+        self._kvcached_groups = Groups(self, pool, kv_layout(kv_cache_config).groups) if ours else None
         self._kvcached_sleeper = Sleeper(self, pool) if ours else None
         self._kvcached_compactor = pool.compactor if ours else None
 
@@ -134,6 +137,7 @@ def _patch_scheduler() -> None:
     _patch_traffic(scheduler.Scheduler)
     _patch_compact(scheduler.Scheduler)  # inside sleep's wrappers: a round is committed before sleep is served
     _patch_sleep(scheduler.Scheduler)
+    _patch_groups(scheduler.Scheduler)  # outermost: counted after the step's compaction and sleep are served
     kv_cache_coordinator.BlockPool = block_pool
     kv_cache_manager.KVCacheManager.allocate_slots = allocate_slots
 
@@ -309,6 +313,34 @@ def _patch_sleep(cls: Any) -> None:
     cls.add_request = add_request
     cls.update_from_output = update_from_output
     EngineCoreProc.run_busy_loop = run_busy_loop
+    EngineCoreProc._handle_client_request = handle_client_request
+
+
+def _patch_groups(cls: Any) -> None:
+    """Publish each KV cache group's blocks (see :mod:`.groups`) after every step's output and every client
+    request, once all else that step or request does to the blocks is done."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    original_update = cls.update_from_output
+    original_client = EngineCoreProc._handle_client_request
+
+    @functools.wraps(original_update)
+    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outputs = original_update(self, *args, **kwargs)
+        groups = self.__dict__.get("_kvcached_groups")
+        if groups is not None:
+            groups.publish(idle=not self.running)
+        return outputs
+
+    @functools.wraps(original_client)
+    def handle_client_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original_client(self, *args, **kwargs)
+        groups = getattr(self.scheduler, "_kvcached_groups", None)
+        if groups is not None:
+            groups.publish(idle=not self.scheduler.running)
+        return result
+
+    cls.update_from_output = update_from_output
     EngineCoreProc._handle_client_request = handle_client_request
 
 

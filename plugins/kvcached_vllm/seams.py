@@ -145,6 +145,11 @@ SEAMS: tuple[Seam, ...] = (
     Seam(_POOL, "BlockPool.move_block_hashes", "calls", ("src_block", "dst_block"), exact=True),
     Seam("vllm.v1.core.kv_cache_utils", "KVCacheBlockCopy", "calls", ("src_block_id", "dst_block_id"), exact=True),
     Seam("vllm.v1.core.sched.output", "SchedulerOutput", "reads", members=("kv_cache_block_copies",)),
+    # groups.py: each KV cache group's blocks, counted from vLLM's bookkeeping
+    Seam(_COORD, "KVCacheCoordinator", "reads", members=("single_type_managers",)),
+    Seam("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", "reads",
+         members=("req_to_blocks",)),
+    Seam("vllm.v1.core.kv_cache_utils", "get_group_id", "calls", ("key",), exact=True),
     # fit.py: requests that can never fit end as 'length'
     Seam("vllm.v1.engine", "EngineCoreOutput", "calls", ("request_id", "new_token_ids", "finish_reason")),
     Seam("vllm.v1.engine", "EngineCoreOutputs", "calls", ("outputs",)),

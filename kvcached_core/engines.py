@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .allocator.manager import KVCacheManager
     from .backends import Geometry
     from .bounds import endpoint_problem
-    from .segment.layout import LIMIT_DEFERRED
+    from .segment.layout import LIMIT_DEFERRED, MAX_GROUPS
     from .segment.names import sanitize
     from .tp import TPWorker
 
@@ -32,6 +32,7 @@ _EXPORTS = {
     "CompactTicket": "allocator.compact_staged", "Geometry": "backends", "TPWorker": "tp",
     "endpoint_problem": "bounds", "sanitize": "segment.names",
     "LIMIT_DEFERRED": "segment.layout",  # KVCacheManager.limit_status while a lowered limit waits for room
+    "MAX_GROUPS": "segment.layout",  # the KV cache groups KVCacheManager.publish_groups takes at most
 }
 __getattr__, __dir__ = lazy_exports("kvcached_core", _EXPORTS, None, globals(), submodules=False)
 
@@ -143,7 +144,7 @@ __all__ = ["GROUP", "EngineEntry", "EngineInfo", "KVCacheExhausted", "alloc_bloc
 
 
 __all__ = [
-    "GROUP", "LIMIT_DEFERRED", "CompactStep", "CompactTicket", "EngineEntry", "EngineInfo", "Geometry",
+    "GROUP", "LIMIT_DEFERRED", "MAX_GROUPS", "CompactStep", "CompactTicket", "EngineEntry", "EngineInfo", "Geometry",
     "KVCacheExhausted", "KVCacheManager", "TPWorker", "alloc_blocks", "endpoint_problem", "installed_engines",
     "load_engine", "sanitize",
 ]

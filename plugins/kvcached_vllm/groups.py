@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-from kvcached_core.segment.layout import MAX_GROUPS
+from kvcached_core.engines import MAX_GROUPS
 
 from .geometry import KVGroup
 

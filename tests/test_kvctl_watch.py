@@ -55,7 +55,7 @@ def test_csv_header_once_then_rows(spawn_allocator):
 
 def test_csv_columns_are_the_scalar_list_keys(spawn_allocator):
     spawn_allocator("m1")
-    keys = [k for k, v in list_models()[0].to_dict().items() if not isinstance(v, list) and k not in ("traffic", "sleep", "compaction", "policy", "pressure")]
+    keys = [k for k, v in list_models()[0].to_dict().items() if not isinstance(v, list) and k not in ("traffic", "sleep", "compaction", "policy", "pressure", "groups")]
     assert list(CSV_FIELDS) == keys
     row = list_models()[0].to_dict()
     assert list(POLICY_FIELDS) == list(row["policy"])

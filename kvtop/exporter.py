@@ -197,10 +197,9 @@ class KVCachedCollector(Collector):
                     slept.add_metric(labels, m.sleep.slept_bytes)
             pressure.add(labels, m)
             for i, g in enumerate(m.groups or ()):
-                shape = f"{g.shape} {g.window}" if g.window else g.shape
-                group_blocks.add_metric([*labels, str(i), shape, "active"], g.blocks_active)
-                group_blocks.add_metric([*labels, str(i), shape, "cached"], g.blocks_cached)
-                group_pages.add_metric([*labels, str(i), shape], g.pages)
+                group_blocks.add_metric([*labels, str(i), g.label, "active"], g.blocks_active)
+                group_blocks.add_metric([*labels, str(i), g.label, "cached"], g.blocks_cached)
+                group_pages.add_metric([*labels, str(i), g.label], g.pages)
             for r in m.ranks:
                 rank_row = [m.name, str(r.rank), str(r.device), str(r.pid), self.host]
                 rank_mapped.add_metric(rank_row, r.mapped_bytes)

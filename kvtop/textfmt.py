@@ -165,8 +165,7 @@ def group_fields(m: ModelSnapshot) -> list[tuple[str, str]]:
     blocks and pages of the group."""
     out = []
     for i, g in enumerate(m.groups or ()):
-        shape = f"{g.shape} {g.window}" if g.window else g.shape
-        out.append((f"group {i}", f"{shape}, {g.layers} layers: {g.blocks_active} active + {g.blocks_cached} cached "
+        out.append((f"group {i}", f"{g.label}, {g.layers} layers: {g.blocks_active} active + {g.blocks_cached} cached "
                                   f"blocks on {g.pages} pages"))
     return out
 

@@ -53,6 +53,11 @@ class KVGroup:
     blocks_cached: int
     pages: int  # pages that hold any of its blocks
 
+    @property
+    def label(self) -> str:
+        """Its shape as readers show it: ``sliding window 256``, ``full attention``."""
+        return f"{self.shape} {self.window}" if self.window else self.shape
+
     def to_dict(self) -> dict:
         return {"shape": self.shape, "window": self.window, "layers": self.layers,
                 "blocks_active": self.blocks_active, "blocks_cached": self.blocks_cached, "pages": self.pages}

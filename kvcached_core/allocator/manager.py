@@ -484,7 +484,7 @@ class KVCacheManager:
         """Publish the engine's KV cache groups for kvtop and kvctl: per group (shape, window in tokens or None,
         layers, blocks active, blocks cached, pages holding any of its blocks); a shape is one of
         ``layout.GROUP_SHAPE_NAMES``' names. ValueError for figures a segment cannot hold."""
-        codes = {name: code for code, name in L.GROUP_SHAPE_NAMES.items()}
+        codes = L.GROUP_SHAPE_CODES
         records = []
         for shape, window, layers, active, cached, pages in groups:
             if shape not in codes:

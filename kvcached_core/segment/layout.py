@@ -207,6 +207,7 @@ GROUP_FIELDS = ("shape", "window", "layers", "blocks_active", "blocks_cached", "
 MAX_GROUPS = 4
 GROUPS = struct.Struct("<II" + GROUP.format.lstrip("<") * MAX_GROUPS)  # count, spare, MAX_GROUPS records
 GROUP_SHAPE_NAMES = {1: "full attention", 2: "sliding window", 3: "MLA"}
+GROUP_SHAPE_CODES = {name: code for code, name in GROUP_SHAPE_NAMES.items()}
 GROUPS_OFF = 1536
 assert SLEEP_REFUSED_OFF + 8 <= GROUPS_OFF and GROUPS_OFF + SEAL_BYTES + GROUPS.size <= PAGE_MAP_OFF
 SEALED["groups"] = (GROUPS_OFF, GROUPS.size)

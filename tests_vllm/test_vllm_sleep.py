@@ -168,7 +168,10 @@ def test_a_sleep_asked_while_requests_keep_coming_is_answered(awake_after: Serve
     thread.start()
     try:
         wait_for(lambda: results)
-        assert json.loads(kvctl("sleep", NAME, "--json", env=ctl_env).stdout)["state"] in ("draining", "asleep")
+        asked = json.loads(kvctl("sleep", NAME, "--json", env=ctl_env).stdout)
+        # Taken: draining, or asleep, or already woken by the next request (it waited in the queue while the model
+        # drained, then woke it): on a loaded host kvctl can read the answer after all three happened.
+        assert asked["state"] in ("draining", "asleep") or asked.get("woken"), asked
         woke = json.loads(kvctl("wake", NAME, "--wait", "--json", env=ctl_env).stdout)
         assert woke["state"] == "awake"
         count = len(results)

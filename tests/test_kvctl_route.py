@@ -113,6 +113,34 @@ def test_a_request_wakes_a_sleeping_model(router, spawn_allocator):
     assert call(router + "/kvcached/figures")[1]["models"]["m1"]["woken"] == 1
 
 
+def test_a_segment_too_busy_to_read_keeps_its_engine_routed(router, spawn_allocator, shm_dir):
+    """A writer stopped inside a publish (its sequence odd): every read of its segment gives up busy. The engine is
+    still there, so requests still go to it (here a closed port: 503 engine_unreachable); the old router took the
+    busy segment for a removed one, dropped the model from /v1/models and answered 503 engine_gone."""
+    import os
+    import signal
+
+    from conftest import freeze
+
+    from kvcached_core.segment import layout as L
+
+    proc = spawn_allocator("m1", script=f"m.publish_endpoint('http://127.0.0.1:{closed_port()}')\n")
+    assert [m["id"] for m in call(router + "/v1/models")[1]["data"]] == ["m1"]
+    freeze(proc.pid)
+    fd = os.open(shm_dir / "kvc.m1", os.O_RDWR)
+    (seq,) = L.U64.unpack(os.pread(fd, 8, L.SEQ_OFF))
+    try:
+        os.pwrite(fd, L.U64.pack(seq | 1), L.SEQ_OFF)  # inside a publish, and it stays there
+        status, listed = call(router + "/v1/models")  # rescans first: the segment reads busy
+        assert status == 200 and [(m["id"], m["state"]) for m in listed["data"]] == [("m1", "live")], listed
+        status, body = call(router + "/v1/completions", {"model": "m1", "prompt": "hi"})
+        assert status == 503 and body["error"]["code"] == "engine_unreachable", body
+    finally:
+        os.pwrite(fd, L.U64.pack(seq), L.SEQ_OFF)
+        os.close(fd)
+        os.kill(proc.pid, signal.SIGCONT)
+
+
 @pytest.mark.parametrize(("args", "code", "message"), [
     (("--listen", "8080"), 2, "'8080' is not HOST:PORT"),
     (("--listen", "127.0.0.1:65536"), 2, "is not a whole number from 0 to 65535"),

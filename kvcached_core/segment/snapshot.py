@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field, fields
+from pathlib import PurePath
+
+from .names import SEGMENT_PREFIX, InvalidName, validate
 
 
 @dataclass(frozen=True)
@@ -351,6 +354,17 @@ class Problem:
     status: str  # corrupt, foreign, unreadable, busy
     reason: str
     writer_alive: bool = False  # a live model's segment that cannot be read (its header was overwritten)
+
+    @property
+    def segment_name(self) -> str | None:
+        """The model name the file's name carries (``kvc.<name>``); None for a file no segment name fits."""
+        stem = PurePath(self.path).name
+        if not stem.startswith(SEGMENT_PREFIX):
+            return None
+        try:
+            return validate(stem[len(SEGMENT_PREFIX):])
+        except InvalidName:
+            return None
 
 
 @dataclass(frozen=True)

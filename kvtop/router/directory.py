@@ -24,11 +24,14 @@ LIVE, ASLEEP, DRAINING, GONE = "live", "asleep", "draining", "gone"
 SERVED_TIMEOUT_S = 5.0  # an engine's /v1/models, asked once per engine process
 
 
-def _scan_own(shm_dir: Path | None) -> list[tuple[ModelSnapshot, str]]:
+def _scan_own(shm_dir: Path | None) -> tuple[list[tuple[ModelSnapshot, str]], set[str]]:
     """The models that publish an endpoint in segment files this user owns (0600, as allocators create them): a
-    segment another user wrote could name any address, and requests carry prompts."""
+    segment another user wrote could name any address, and requests carry prompts. And the names of segments
+    too busy to read this instant (their writer stayed inside a publish through the reader's retries)."""
+    found = scan(directory=shm_dir, ours_only=True)
+    busy = {name for p in found.problems if p.status == "busy" and (name := p.segment_name) is not None}
     own = []
-    for snap in scan(directory=shm_dir, ours_only=True).models:  # upstream rows publish no endpoint
+    for snap in found.models:  # upstream rows publish no endpoint
         endpoint = snap.endpoint
         if snap.legacy or endpoint is None:
             continue  # nothing to send requests to
@@ -38,7 +41,7 @@ def _scan_own(shm_dir: Path | None) -> list[tuple[ModelSnapshot, str]]:
             continue
         if st.st_uid == os.getuid() and not st.st_mode & 0o077:
             own.append((snap, endpoint))
-    return own
+    return own, busy
 
 
 def state_of(snap: ModelSnapshot) -> str:
@@ -99,7 +102,7 @@ class Directory:
             if unless_since is not None and self._last_scan >= unless_since:
                 return
             self._last_scan = time.monotonic()
-            found = await asyncio.to_thread(_scan_own, self.shm_dir)
+            found, busy = await asyncio.to_thread(_scan_own, self.shm_dir)
             self.scans += 1
             seen = set()
             for snap, endpoint in found:
@@ -114,7 +117,9 @@ class Directory:
                     self._ask_served(engine)
                 self.engines[snap.name] = engine
             for name, engine in self.engines.items():
-                if name not in seen and engine.state != GONE:
+                # A segment too busy to read this instant is still there: its engine stays as last seen, not gone
+                # (its requests would be answered 503 'its segment was removed').
+                if name not in seen and name not in busy and engine.state != GONE:
                     engine.state, engine.gone_reason = GONE, "its segment was removed (the engine stopped) or is no longer private to this user"
             current = {e.key for e in self.engines.values()}
             self._served = {key: ids for key, ids in self._served.items() if key in current}  # engines restarted

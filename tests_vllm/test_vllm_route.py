@@ -244,7 +244,9 @@ def test_a_freed_place_goes_to_the_model_of_highest_priority(fleet, workdir: Pat
         with ThreadPoolExecutor(4) as pool:
             long = pool.submit(send, "long", completion("m0", PROMPTS[0], 1800))  # about 10 s of tokens
             wait_for(lambda: _figures(router)["models"].get("m0", {}).get("in_flight") == 1, timeout=30)
-            late_m0 = pool.submit(send, "m0", completion("m0", PROMPTS[1], 16))
+            # 200 tokens, about a second: `done` is the order the clients read their answers in, and org/m1's
+            # client, kept off the CPU on a loaded host, once read its 16 tokens after m0's 16 (admitted after it).
+            late_m0 = pool.submit(send, "m0", completion("m0", PROMPTS[1], 200))
             wait_for(lambda: _figures(router)["waiting"] == {"m0": 1}, timeout=30)
             try:  # gives up and closes its connection
                 given_up = post(router + "/v1/completions", completion("m0", PROMPTS[2], 16), timeout=1)

@@ -180,7 +180,9 @@ def test_two_busy_models_do_not_pass_memory_back_and_forth(budget, monkeypatch) 
 
 def test_a_donor_stopped_then_killed_mid_reclaim_leaves_the_asker_going(budget, spawn_allocator) -> None:
     donor = spawn_allocator("idle", script=DONOR, **GEOMETRY)
-    wait_for(lambda: snap("idle").mapped_bytes >= 22 * MiB, what="the donor to map its blocks")
+    # The whole budget, its warm pool included: stopped while the pool still filled, it left budget free and the
+    # asker's first alloc was served without asking (seen once in the README's test command).
+    wait_for(lambda: snap("idle").mapped_bytes == 26 * MiB, what="the donor to fill the budget")
     freeze(donor.pid)  # it never answers
     with asker() as m:
         assert m.alloc(4 * 10) is None  # the donor's pages and warm pool fill the budget

@@ -6,14 +6,18 @@ are slow to start on two cores, so the tests share one server wherever they can.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,3 +179,46 @@ def wait_for(predicate, timeout: float = 120.0, every: float = 0.02):
             return value
         time.sleep(every)
     raise AssertionError(f"condition not met within {timeout} s")
+
+
+class Stream:
+    """A streamed completion (``body``, posted to ``base``'s /v1/completions) read in the background: it keeps its
+    engine busy, or a router's place held, until :meth:`close` shuts its connection (vLLM aborts the request) or its
+    tokens run out (``ended``). Returns once its first event came."""
+
+    def __init__(self, base: str, body: dict) -> None:
+        url = urllib.parse.urlsplit(base)
+        self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=300)
+        self.conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        self.resp = self.conn.getresponse()
+        assert self.resp.status == 200, self.resp.read()
+        self.lines = 0  # lines read: two an event (the event and the blank line after it)
+        self.ended = False  # the whole answer came: the engine finished the request
+        self.broken: BaseException | None = None  # the connection failed before close(): neither ended nor running
+        self.closing = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.lines >= 2 or self.ended or self.broken, timeout=60)
+
+    @property
+    def running(self) -> bool:
+        """Its request still runs: not ended, not broken, not closed."""
+        return not (self.ended or self.broken or self.closing.is_set())
+
+    def _read(self) -> None:
+        try:
+            while chunk := self.resp.read1(65536):  # whatever has come, without a line-by-line loop's cost
+                self.lines += chunk.count(b"\n")
+            self.ended = not self.closing.is_set()
+        except (OSError, ValueError, AttributeError, http.client.HTTPException) as exc:
+            if not self.closing.is_set():  # else close() shut the connection under the read
+                self.broken = exc
+
+    def close(self) -> None:
+        if self.closing.is_set():
+            return
+        self.closing.set()
+        with contextlib.suppress(OSError, AttributeError):
+            self.conn.sock.shutdown(socket.SHUT_RDWR)  # the other end sees the client go at once
+        self.conn.close()
+        self.thread.join(timeout=30)

@@ -6,7 +6,6 @@ each request on pages of its own, so requests that run together leave their cach
 
 from __future__ import annotations
 
-import http.client
 import json
 import threading
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from kvcached_core.segment.reader import snapshot
 from kvcached_core.segment.snapshot import ModelSnapshot
 from kvcached_vllm.tiny import prompts
 
-from .harness import Server, base_env, kvctl, start_server, wait_for
+from .harness import Server, Stream, base_env, kvctl, start_server, wait_for
 
 NAME = "tiny-compact"
 BLOCK_TOKENS = 128
@@ -45,37 +44,6 @@ def engine(model_dir: Path, workdir: Path) -> Iterator[tuple[Server, Path]]:
         server.stop()
 
 
-class Streaming:
-    """A long greedy request streamed in the background, so the engine stays busy (and never idle-packs) until
-    ``stop()`` closes its connection (vLLM aborts the request) or its tokens run out (``ended``)."""
-
-    def __init__(self, server: Server, prompt: list[int]) -> None:
-        body = {"model": server.name, "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0, "stream": True,
-                "ignore_eos": True}
-        self.conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
-        self.conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        self.resp = self.conn.getresponse()
-        self.chunks = 0  # lines read: two a token (its event and the blank line after it)
-        self.ended = False  # the engine finished the request: it no longer keeps the engine busy
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.chunks >= 2, timeout=60)
-
-    def _read(self) -> None:
-        try:
-            while not self.done.is_set() and self.resp.readline():
-                self.chunks += 1
-            self.ended = not self.done.is_set()
-        except (OSError, ValueError, AttributeError):  # stop() closed the connection under the read
-            pass
-
-    def stop(self) -> None:
-        self.done.set()
-        self.conn.close()
-        self.thread.join(timeout=30)
-
-
 class Busy:
     """Streamed requests that keep the engine busy however long a test takes: a thread starts another beside the
     newest before it runs out of tokens (past half of them), so the engine never goes idle (and idle-packs by
@@ -83,7 +51,7 @@ class Busy:
 
     def __init__(self, server: Server, seed: int) -> None:
         self.server, self.seed = server, seed
-        self.streams = [Streaming(server, prompts(1, length=100, seed=seed)[0])]
+        self.streams = [self._stream(seed)]
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._keep, daemon=True)
         self.thread.start()
@@ -91,19 +59,23 @@ class Busy:
     def _keep(self) -> None:
         while not self.done.wait(0.05):
             newest = self.streams[-1]
-            if newest.chunks > STREAM_TOKENS or newest.ended:  # past half of its 2 * STREAM_TOKENS lines
-                self.streams.append(Streaming(self.server, prompts(1, length=100,
-                                                                   seed=self.seed + len(self.streams))[0]))
+            if newest.lines > STREAM_TOKENS or not newest.running:  # past half of its 2 * STREAM_TOKENS lines
+                self.streams.append(self._stream(self.seed + len(self.streams)))
+
+    def _stream(self, seed: int) -> Stream:
+        body = {"model": self.server.name, "prompt": prompts(1, length=100, seed=seed)[0], "max_tokens": STREAM_TOKENS,
+                "temperature": 0, "stream": True, "ignore_eos": True}
+        return Stream(self.server.url(""), body)
 
     def running(self) -> bool:
         """A streamed request is still running (the engine is busy now)."""
-        return any(not s.ended for s in self.streams)
+        return any(s.running for s in self.streams)
 
     def stop(self) -> None:
         self.done.set()
         self.thread.join(timeout=90)
         for stream in self.streams:
-            stream.stop()
+            stream.close()
 
 
 def hits(server: Server) -> float:

@@ -8,18 +8,13 @@ publishes vLLM's bound --host/--port), and the router finds both there.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import http.client
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +26,7 @@ import pytest
 from kvcached_core.segment.reader import snapshot
 from kvcached_vllm.tiny import prompts
 
-from .harness import MAX_MODEL_LEN, Server, base_env, kvctl, start_server, wait_for
+from .harness import MAX_MODEL_LEN, Server, Stream, base_env, kvctl, start_server, wait_for
 
 NAMES = ("m0", "org/m1")  # what each engine serves (--served-model-name)
 SEGMENTS = ("m0", "org_m1")  # their segments' names: kvctl's, which the router also answers to
@@ -145,11 +140,10 @@ def test_streaming_passes_the_engines_events_through(fleet) -> None:
     # still runs the request (2000 tokens, seconds of them); a router that held the body back would send it only
     # after the end. Counting chunks did not prove it: a client kept off the CPU (a busy host) reads many events
     # at once (seen: 24 tokens in 1 chunk, 600 in 2).
-    held = Held(router, completion(M1, PROMPTS[0], MAX_MODEL_LEN - len(PROMPTS[0]), stream=True))
+    held = Stream(router, completion(M1, PROMPTS[0], MAX_MODEL_LEN - len(PROMPTS[0]), stream=True))  # its first event
     try:
-        wait_for(lambda: held.received, timeout=60)
         running = snapshot("org_m1", directory=shm).traffic
-        assert not held.ended and running is not None and running.running == 1, running
+        assert held.running and running is not None and running.running == 1, (running, held.broken)
     finally:
         held.close()
 
@@ -225,40 +219,6 @@ def _figures(router: str) -> dict:
         return json.load(resp)
 
 
-class Held:
-    """A streamed request through the router, read in the background, that holds its place until :meth:`close`
-    (or until its tokens run out: ``ended``)."""
-
-    def __init__(self, base: str, body: dict) -> None:
-        url = urllib.parse.urlsplit(base)
-        self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=300)
-        self.conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        self.resp = self.conn.getresponse()
-        assert self.resp.status == 200, self.resp.read()
-        self.closing = threading.Event()
-        self.received = 0  # bytes of events read so far
-        self.ended = False  # the whole answer came: the engine finished the request
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        try:
-            while chunk := self.resp.read1(65536):  # whatever has come, without a line-by-line loop's cost
-                self.received += len(chunk)
-            self.ended = not self.closing.is_set()
-        except (OSError, ValueError, AttributeError, http.client.HTTPException):  # close() shut it under the read
-            pass
-
-    def close(self) -> None:
-        if self.closing.is_set():
-            return
-        self.closing.set()
-        with contextlib.suppress(OSError, AttributeError):
-            self.conn.sock.shutdown(socket.SHUT_RDWR)  # the router sees the client go at once
-        self.conn.close()
-        self.thread.join(timeout=30)
-
-
 def test_a_freed_place_goes_to_the_model_of_highest_priority(fleet, workdir: Path) -> None:
     """A second router with --max-in-flight 1: a long m0 request holds the device's one place, an m0 request and
     then an org/m1 request (policy priority 10 over m0's 0) wait; org/m1's goes first although it came later.
@@ -290,7 +250,7 @@ def test_a_freed_place_goes_to_the_model_of_highest_priority(fleet, workdir: Pat
         # The long m0 request holds the place until the test lets it go (it closes the stream: the router drops it
         # and vLLM aborts it), so nothing below depends on how long its tokens take on a loaded host (a timed
         # one once ran out while the test still set up the waiting requests).
-        long = Held(router, completion("m0", PROMPTS[0], MAX_MODEL_LEN - len(PROMPTS[0]), stream=True))
+        long = Stream(router, completion("m0", PROMPTS[0], MAX_MODEL_LEN - len(PROMPTS[0]), stream=True))
         with ThreadPoolExecutor(2) as pool:
             try:  # closed before the pool waits for the others, which wait behind it
                 wait_for(lambda: _figures(router)["models"].get("m0", {}).get("in_flight") == 1, timeout=30)
@@ -311,7 +271,7 @@ def test_a_freed_place_goes_to_the_model_of_highest_priority(fleet, workdir: Pat
 
                 wait_for(m1_waits, timeout=30)
                 assert _figures(router)["waiting"].get("m0") in (1, 2)
-                assert not long.ended, "the long request ran out of tokens while the others were set up"
+                assert long.running, f"the long request ran out of tokens or broke ({long.broken}) while the others were set up"
                 long.close()  # its place is freed: it goes to org/m1, of the higher model priority
                 answers = [late_m0.result(), m1.result()]
             finally:

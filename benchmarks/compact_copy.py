@@ -1,12 +1,15 @@
 """Compaction's copy on a CUDA device against the device's own copy bandwidth, measured in the same run.
 
-``device_copy`` moves each block with one gather and one scatter over every layer's every KV buffer.
+``device_copy`` moves each block in every layer's every KV buffer with one kernel that reads each block once and
+writes it once (``kvcached_core.backends.cuda_copy``); timed beside it, in turns: torch's indexed copy (one
+gather into a temporary and one scatter out of it, the way before the kernel) and that copy once per layer
+and buffer.
 
 A Llama-8B-shaped cache (32 layers, K and V, 16-token bf16 blocks of 32 KiB, 2 MiB pages: 64 blocks a page,
 128 MiB a page id) whose pages each keep a quarter of their blocks, cached; compaction moves the blocks of the
 sparsest pages into the others. The copy rate counts each block's bytes once (read and written once each), as
-the device-to-device reference does (``copy_`` of a contiguous buffer). Also timed: the same moves as one
-gather/scatter per layer and buffer (64 pairs), and a whole ``compact()`` (plan, copy, bookkeeping, unmapping).
+the device-to-device reference does (``copy_`` of a contiguous buffer). Also timed: a whole ``compact()`` (plan,
+copy, bookkeeping, unmapping).
 
     python -m benchmarks.compact_copy OUTDIR   # on a GPU machine: writes OUTDIR/compact-copy.json and .md
 """
@@ -49,9 +52,23 @@ def _one_layout(layout: str, reps: int, torch) -> list[dict]:
         return _measure_layout(layout, reps, torch)
 
 
+def _interleaved(ways: dict, torch, reps: int) -> dict[str, list[float]]:
+    """Seconds of each way's runs (CUDA events), the ways taking turns in a rotating order, after one warm-up each."""
+    for fn in ways.values():
+        fn()
+    torch.cuda.synchronize()
+    out: dict[str, list[float]] = {name: [] for name in ways}
+    names = list(ways)
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            out[name] += _timed(ways[name], torch, 1)
+    return out
+
+
 def _measure_layout(layout: str, reps: int, torch) -> list[dict]:
     from kvcached_core import KVCacheManager
-    from kvcached_core.allocator.compact import copy_blocks, plan
+    from kvcached_core.allocator.compact import copy_blocks, gather_scatter, plan
+    from kvcached_core.backends.cuda_copy import Mover, fits, mover
 
     bpp = PAGE // BLOCK
     with KVCacheManager(f"compact-bench-{layout}", num_blocks=PAGES * bpp, block_bytes=BLOCK, num_layers=LAYERS,
@@ -65,8 +82,12 @@ def _measure_layout(layout: str, reps: int, torch) -> list[dict]:
             m.pages.take_block(dst)
         ranges = LAYERS * 2
         copied = len(moves) * BLOCK * ranges
-        batched = _timed(lambda: copy_blocks(m.backend, BLOCK, moves), torch, reps)
-        rows = m.backend.all_blocks(BLOCK).view(torch.int64)
+        raw = m.backend.all_blocks(BLOCK)
+        kernel = mover(raw.device.index or 0)
+        if not isinstance(kernel, Mover) or not fits(raw, moves):
+            raise RuntimeError(f"the copy kernel is not usable here: {kernel}")
+        stream = torch.cuda.current_stream().cuda_stream
+        rows = raw.view(torch.int64)
         index = torch.tensor(moves, dtype=torch.long, device=rows.device)
         sp, ss, dp, ds = index[:, 0] // bpp, index[:, 0] % bpp, index[:, 1] // bpp, index[:, 1] % bpp
 
@@ -74,7 +95,9 @@ def _measure_layout(layout: str, reps: int, torch) -> list[dict]:
             for r in range(ranges):
                 view = rows[r]
                 view[dp, ds] = view[sp, ss]
-        looped = _timed(per_range, torch, reps)
+        times = _interleaved({"kernel": lambda: kernel.move(raw, moves, stream),
+                              "gather_scatter": lambda: gather_scatter(raw, moves),
+                              "per_range": per_range}, torch, reps)
         m.free([d for _, d in moves])
         mapped = m.backend.mapped_bytes()
         m.set_compact_handler(lambda mv: copy_blocks(m.backend, BLOCK, mv))
@@ -82,18 +105,24 @@ def _measure_layout(layout: str, reps: int, torch) -> list[dict]:
         result = m.compact()
         whole = time.perf_counter() - t0
         assert len(result.moves) == len(moves) and mapped - m.backend.mapped_bytes() == result.bytes_returned
-    b, lp = statistics.median(batched), statistics.median(looped)
-    note = f"{len(moves)} blocks x {ranges} ranges = {copied / MiB:.0f} MiB, median of {reps}"
-    return [
-        {"name": f"compaction copy, {layout} layout: device_copy (one gather + one scatter)", "value": round(b * 1e3, 3),
-         "unit": "ms", "note": f"{note}; {copied / b / 1e9:.0f} GB/s", "gbps": copied / b / 1e9, "bytes": copied},
-        {"name": f"compaction copy, {layout} layout: one gather + scatter per layer and buffer", "value": round(lp * 1e3, 3),
-         "unit": "ms", "note": f"{note}; {copied / lp / 1e9:.0f} GB/s", "gbps": copied / lp / 1e9, "bytes": copied},
-        {"name": f"compaction, {layout} layout: whole compact() (plan, copy, bookkeeping, unmap)",
-         "value": round(whole * 1e3, 2), "unit": "ms",
-         "note": f"{len(result.moves)} blocks moved, {result.bytes_returned / MiB:.0f} MiB returned",
-         "returned": result.bytes_returned},
-    ]
+    note = f"{len(moves)} blocks x {ranges} ranges = {copied / MiB:.0f} MiB, median of {reps} interleaved"
+    labels = {"kernel": "device_copy's kernel (each block read once, written once)",
+              "gather_scatter": "one gather + one scatter (torch's indexed copy)",
+              "per_range": "one gather + scatter per layer and buffer"}
+    rows_out = []
+    for way, label in labels.items():
+        runs = times[way]
+        mid = statistics.median(runs)
+        rates = sorted(copied / t / 1e9 for t in runs)
+        rows_out.append({
+            "name": f"compaction copy, {layout} layout: {label}", "value": round(mid * 1e3, 3), "unit": "ms",
+            "note": f"{note}; {copied / mid / 1e9:.0f} GB/s (runs {rates[0]:.0f}-{rates[-1]:.0f})",
+            "gbps": copied / mid / 1e9, "bytes": copied, "runs_ms": [round(t * 1e3, 4) for t in runs]})
+    rows_out.append({"name": f"compaction, {layout} layout: whole compact() (plan, copy, bookkeeping, unmap)",
+                     "value": round(whole * 1e3, 2), "unit": "ms",
+                     "note": f"{len(result.moves)} blocks moved, {result.bytes_returned / MiB:.0f} MiB returned",
+                     "returned": result.bytes_returned})
+    return rows_out
 
 
 def _reference(torch, size: int, reps: int) -> float:

@@ -49,3 +49,36 @@ def test_device_copy_moves_every_layer_and_returns_the_pages(layout, monkeypatch
         cell = raw[dst // BPP, (dst % BPP) * m.block_bytes:(dst % BPP) * m.block_bytes + 4].view(torch.int32)
         assert int(cell.item()) == (3 * 2 + 1) * 100_000 + src
         assert device_copy(m.backend, m.block_bytes, []) == []
+
+
+@pytest.mark.gpu
+@needs_gpu
+@LAYOUTS
+def test_the_copy_kernel_moves_what_torchs_indexed_copy_moves(layout, monkeypatch) -> None:
+    torch = pytest.importorskip("torch")
+    import random
+
+    from kvcached_core.allocator import compact
+    from kvcached_core.backends.cuda_copy import Mover, fits, mover
+
+    monkeypatch.setenv("KVCACHED_CUDA_LAYOUT", layout)
+    with cuda_manager(f"kernel-{layout}", num_blocks=8 * BPP) as m:
+        assert m.alloc(8 * BPP) is not None  # every page mapped
+        raw = m.backend.all_blocks(m.block_bytes)
+        raw.view(torch.int64).random_()
+        picked = random.Random(3).sample(range(8 * BPP), 40)
+        moves = list(zip(picked[:20], picked[20:], strict=True))
+        expected = raw.clone()
+        compact.gather_scatter(expected, moves)
+        kernel = mover(raw.device.index or 0)
+        assert isinstance(kernel, Mover), kernel  # NVRTC built it here
+        assert fits(raw, moves)
+        kernel.move(raw, moves, torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        assert torch.equal(raw, expected)
+        # device_copy takes the kernel, not the gather and scatter
+        monkeypatch.setattr(compact, "gather_scatter", lambda *a: pytest.fail("device_copy fell back"))
+        back = [(d, s) for s, d in moves]
+        compact.device_copy(m.backend, m.block_bytes, back)
+        for s, d in moves:
+            assert torch.equal(raw[:, s // BPP, s % BPP], raw[:, d // BPP, d % BPP])

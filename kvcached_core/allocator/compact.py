@@ -13,6 +13,7 @@ import ctypes
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..segment import layout as L
 from .pages import PageTable
@@ -120,22 +121,38 @@ def host_copy(backend: object, block_bytes: int, moves: Sequence[Move]) -> list[
 
 
 def device_copy(backend: object, block_bytes: int, moves: Sequence[Move]) -> list[Move]:
-    """Copy each move's KV data on the CUDA backend's device: one gather and one scatter over every layer's every
-    KV buffer at once (``CudaBackend.all_blocks``), then wait for them, since the sources are freed (and may be
-    unmapped) as soon as the handler returns."""
+    """Copy each move's KV data on the CUDA backend's device, in every layer's every KV buffer at once
+    (``CudaBackend.all_blocks``): one kernel that reads each block once and writes it once
+    (:mod:`kvcached_core.backends.cuda_copy`), or, where it cannot be had, one gather and one scatter. Then
+    wait for the copy, since the sources are freed (and may be unmapped) as soon as the handler returns."""
     if not moves:
         return []
     import torch  # the CUDA path only; torch is optional
 
+    from ..backends.cuda_copy import Mover, fits, mover
+
     rows = backend.all_blocks(block_bytes)  # type: ignore[attr-defined]
-    if block_bytes % 8 == 0:
-        rows = rows.view(torch.int64)  # 8-byte words: the same bytes, fewer and wider loads and stores
-    bpp = rows.shape[2]
-    index = torch.tensor(moves, dtype=torch.long).to(rows.device, non_blocking=True)
-    src, dst = index[:, 0], index[:, 1]
-    rows[:, dst // bpp, dst % bpp] = rows[:, src // bpp, src % bpp]
+    kernel = mover(rows.device.index or 0) if fits(rows, moves) else None
+    if isinstance(kernel, Mover):
+        kernel.move(rows, moves, torch.cuda.current_stream(rows.device).cuda_stream)
+    else:
+        gather_scatter(rows, moves)
     torch.cuda.synchronize(rows.device)
     return list(moves)
+
+
+def gather_scatter(rows: object, moves: Sequence[Move]) -> None:
+    """torch's indexed copy of the moves over ``rows`` (``[ranges, pages, blocks_per_page, block_bytes]``
+    bytes): a gather into a temporary, then a scatter out of it (on the current stream, not waited for)."""
+    import torch
+
+    view: Any = rows
+    if view.shape[3] % 8 == 0:
+        view = view.view(torch.int64)  # 8-byte words: the same bytes, fewer and wider loads and stores
+    bpp = view.shape[2]
+    index = torch.tensor(moves, dtype=torch.long).to(view.device, non_blocking=True)
+    src, dst = index[:, 0], index[:, 1]
+    view[:, dst // bpp, dst % bpp] = view[:, src // bpp, src % bpp]
 
 
 def copy_blocks(backend: object, block_bytes: int, moves: Sequence[Move]) -> list[Move]:

@@ -1,0 +1,134 @@
+"""One kernel that moves compaction's blocks on a CUDA device: each block read once and written once.
+
+torch's indexed copy (``rows[:, dst] = rows[:, src]``) gathers into a temporary and scatters out of
+it, so every byte moved crosses device memory four times. This kernel copies each (range, block)
+pair straight from its source to its destination, 16 bytes a load.
+
+It is compiled by NVRTC from :data:`SOURCE` (part of this module) into a cubin for the device's
+own architecture, in memory, once per process and device, and loaded from memory: nothing is read
+from or written to a file, and no driver JIT cache is involved (a cubin is machine code, not PTX).
+Where NVRTC is missing or refuses, :func:`mover` says why and the caller keeps the gather/scatter.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+KERNEL = "kvc_move_blocks"
+THREADS = 256  # a CTA copies one (range, block) pair
+SOURCE = r"""
+extern "C" __global__ void kvc_move_blocks(char* base, long long range_stride, long long page_stride,
+                                           long long slot_stride, long long bpp, const long long* src,
+                                           const long long* dst, long long moves, long long words) {
+    long long pair = blockIdx.x;
+    long long r = pair / moves, m = pair - r * moves;
+    long long s = src[m], d = dst[m];
+    const uint4* from = (const uint4*)(base + r * range_stride + (s / bpp) * page_stride + (s % bpp) * slot_stride);
+    uint4* to = (uint4*)(base + r * range_stride + (d / bpp) * page_stride + (d % bpp) * slot_stride);
+    for (long long i = threadIdx.x; i < words; i += blockDim.x) to[i] = from[i];
+}
+"""
+
+
+class CopyKernelUnavailable(RuntimeError):
+    """NVRTC or the driver could not build or load the kernel here (the message says which and why)."""
+
+
+@dataclass(frozen=True)
+class Mover:
+    """The loaded kernel of one device."""
+
+    module: Any
+    function: Any
+
+    def move(self, rows: Any, moves: Sequence[tuple[int, int]], stream: int) -> None:
+        """Copy block ``src`` to block ``dst`` for each move, in every range of ``rows`` (the uint8
+        ``[ranges, pages, blocks_per_page, block_bytes]`` view of ``CudaBackend.all_blocks``), on ``stream``.
+        The caller checks :func:`fits` first; no destination may be another move's source."""
+        import torch
+        from cuda.bindings import driver as cu
+
+        ranges, _, bpp, block = rows.shape
+        index = torch.tensor(moves, dtype=torch.long).to(rows.device, non_blocking=True)
+        src, dst = index[:, 0].contiguous(), index[:, 1].contiguous()
+        values = (rows.data_ptr(), rows.stride(0), rows.stride(1), rows.stride(2), bpp, src.data_ptr(),
+                  dst.data_ptr(), len(moves), block // 16)
+        types = (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_longlong,
+                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong)
+        _check(cu.cuLaunchKernel(self.function, ranges * len(moves), 1, 1, THREADS, 1, 1, 0, cu.CUstream(stream),
+                                 (values, types), 0), "cuLaunchKernel")
+        # the index tensors must outlive the kernel: it reads them on the stream
+        torch.cuda.current_stream(rows.device).synchronize()
+
+
+def fits(rows: Any, moves: Sequence[tuple[int, int]]) -> bool:
+    """The kernel's 16-byte loads and stores are aligned, and no block is both read and written."""
+    if rows.element_size() != 1 or rows.dim() != 4 or rows.stride(3) != 1:
+        return False
+    if any(v % 16 for v in (rows.data_ptr(), rows.stride(0), rows.stride(1), rows.stride(2), rows.shape[3])):
+        return False
+    sources = {s for s, _ in moves}
+    return not any(d in sources for _, d in moves)
+
+
+_lock = threading.Lock()
+_movers: dict[int, Mover | str] = {}  # device -> its kernel, or why there is none
+
+
+def mover(device: int) -> Mover | str:
+    """The kernel on ``device`` (built on first use), or the reason it cannot be had (said once in the log)."""
+    with _lock:
+        found = _movers.get(device)
+        if found is None:
+            try:
+                found = _build(device)
+            except CopyKernelUnavailable as exc:
+                found = str(exc)
+                log.info("compaction copies with torch's gather and scatter on cuda:%d: %s", device, found)
+            _movers[device] = found
+        return found
+
+
+def _check(result: Any, what: str) -> Any:
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        raise CopyKernelUnavailable(f"{what} failed: {err!r}")
+    return result[1] if isinstance(result, tuple) and len(result) == 2 else result
+
+
+def _build(device: int) -> Mover:
+    try:
+        import torch
+        from cuda.bindings import driver as cu
+        from cuda.bindings import nvrtc
+    except ImportError as exc:
+        raise CopyKernelUnavailable(f"no NVRTC here ({exc})") from None
+    major, minor = torch.cuda.get_device_capability(device)
+    try:
+        program = _check(nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"kvc_move_blocks.cu", 0, [], []),
+                         "nvrtcCreateProgram")
+    except (RuntimeError, OSError) as exc:  # libnvrtc not found
+        raise CopyKernelUnavailable(f"NVRTC cannot start: {exc}") from None
+    options = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-O3"]
+    compiled = nvrtc.nvrtcCompileProgram(program, len(options), options)
+    if int(compiled[0]) != 0:
+        size = _check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
+        text = b" " * size
+        nvrtc.nvrtcGetProgramLog(program, text)
+        raise CopyKernelUnavailable(f"NVRTC refused the kernel: {text.decode(errors='replace').strip()[:300]}")
+    size = _check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
+    cubin = b" " * size
+    _check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
+    nvrtc.nvrtcDestroyProgram(program)
+    with torch.cuda.device(device):
+        torch.cuda.current_stream(device)  # the primary context is current
+        module = _check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
+        function = _check(cu.cuModuleGetFunction(module, KERNEL.encode()), "cuModuleGetFunction")
+    return Mover(module, function)

@@ -8,7 +8,7 @@ and buffer.
 A Llama-8B-shaped cache (32 layers, K and V, 16-token bf16 blocks of 32 KiB, 2 MiB pages: 64 blocks a page,
 128 MiB a page id) whose pages each keep a quarter of their blocks, cached; compaction moves the blocks of the
 sparsest pages into the others. The copy rate counts each block's bytes once (read and written once each), as
-the device-to-device reference does (``copy_`` of a contiguous buffer). Also timed: a whole ``compact()`` (plan,
+the device-to-device reference does (``copy_`` of a contiguous buffer, timed in the same rotation). Also timed: a whole ``compact()`` (plan,
 copy, bookkeeping, unmapping).
 
     python -m benchmarks.compact_copy OUTDIR   # on a GPU machine: writes OUTDIR/compact-copy.json and .md
@@ -27,6 +27,7 @@ from unittest import mock
 REQUIRES = "gpu"
 MiB = 1 << 20
 LAYERS, BLOCK, PAGE, PAGES, KEEP = 32, 32 * 1024, 2 * MiB, 48, 16  # KEEP of 64 blocks stay on each page
+REF_BYTES = 2 << 30  # the reference copy_'s buffer
 
 
 def _timed(fn, torch, reps: int) -> list[float]:
@@ -70,6 +71,9 @@ def _measure_layout(layout: str, reps: int, torch) -> list[dict]:
     from kvcached_core.allocator.compact import copy_blocks, gather_scatter, plan
     from kvcached_core.backends.cuda_copy import Mover, fits, mover
 
+    ref_src = torch.empty(REF_BYTES, dtype=torch.uint8, device="cuda")
+    ref_dst = torch.empty_like(ref_src)
+
     bpp = PAGE // BLOCK
     with KVCacheManager(f"compact-bench-{layout}", num_blocks=PAGES * bpp, block_bytes=BLOCK, num_layers=LAYERS,
                         page_size=PAGE, backend="cuda", policy="best-fit") as m:
@@ -86,7 +90,6 @@ def _measure_layout(layout: str, reps: int, torch) -> list[dict]:
         kernel = mover(raw.device.index or 0)
         if not isinstance(kernel, Mover) or not fits(raw, moves):
             raise RuntimeError(f"the copy kernel is not usable here: {kernel}")
-        stream = torch.cuda.current_stream().cuda_stream
         rows = raw.view(torch.int64)
         index = torch.tensor(moves, dtype=torch.long, device=rows.device)
         sp, ss, dp, ds = index[:, 0] // bpp, index[:, 0] % bpp, index[:, 1] // bpp, index[:, 1] % bpp
@@ -95,7 +98,8 @@ def _measure_layout(layout: str, reps: int, torch) -> list[dict]:
             for r in range(ranges):
                 view = rows[r]
                 view[dp, ds] = view[sp, ss]
-        times = _interleaved({"kernel": lambda: kernel.move(raw, moves, stream),
+        times = _interleaved({"copy_": lambda: ref_dst.copy_(ref_src),
+                              "kernel": lambda: kernel.move(raw, moves),
                               "gather_scatter": lambda: gather_scatter(raw, moves),
                               "per_range": per_range}, torch, reps)
         m.free([d for _, d in moves])
@@ -105,19 +109,28 @@ def _measure_layout(layout: str, reps: int, torch) -> list[dict]:
         result = m.compact()
         whole = time.perf_counter() - t0
         assert len(result.moves) == len(moves) and mapped - m.backend.mapped_bytes() == result.bytes_returned
+    ref = statistics.median(times["copy_"])
+    ref_rates = sorted(REF_BYTES / t / 1e9 for t in times["copy_"])
+    rows_out = [{"name": f"device copy bandwidth ({layout} layout's run): copy_ of a contiguous 2 GiB buffer",
+                 "value": round(REF_BYTES / ref / 1e9, 1), "unit": "GB/s",
+                 "note": f"median of {reps} interleaved with the ways below (runs {ref_rates[0]:.0f}-"
+                         f"{ref_rates[-1]:.0f}); bytes copied per second (each read once, written once)",
+                 "gbps": REF_BYTES / ref / 1e9, "runs_ms": [round(t * 1e3, 4) for t in times["copy_"]]}]
     note = f"{len(moves)} blocks x {ranges} ranges = {copied / MiB:.0f} MiB, median of {reps} interleaved"
     labels = {"kernel": "device_copy's kernel (each block read once, written once)",
               "gather_scatter": "one gather + one scatter (torch's indexed copy)",
               "per_range": "one gather + scatter per layer and buffer"}
-    rows_out = []
     for way, label in labels.items():
         runs = times[way]
         mid = statistics.median(runs)
         rates = sorted(copied / t / 1e9 for t in runs)
+        share = copied / mid / 1e9 / rows_out[0]["gbps"]
         rows_out.append({
             "name": f"compaction copy, {layout} layout: {label}", "value": round(mid * 1e3, 3), "unit": "ms",
-            "note": f"{note}; {copied / mid / 1e9:.0f} GB/s (runs {rates[0]:.0f}-{rates[-1]:.0f})",
-            "gbps": copied / mid / 1e9, "bytes": copied, "runs_ms": [round(t * 1e3, 4) for t in runs]})
+            "note": f"{note}; {copied / mid / 1e9:.0f} GB/s (runs {rates[0]:.0f}-{rates[-1]:.0f}), {share:.0%} of "
+                    "this run's copy_",
+            "gbps": copied / mid / 1e9, "of_copy": share, "bytes": copied,
+            "runs_ms": [round(t * 1e3, 4) for t in runs]})
     rows_out.append({"name": f"compaction, {layout} layout: whole compact() (plan, copy, bookkeeping, unmap)",
                      "value": round(whole * 1e3, 2), "unit": "ms",
                      "note": f"{len(result.moves)} blocks moved, {result.bytes_returned / MiB:.0f} MiB returned",
@@ -125,28 +138,14 @@ def _measure_layout(layout: str, reps: int, torch) -> list[dict]:
     return rows_out
 
 
-def _reference(torch, size: int, reps: int) -> float:
-    """Median seconds of one device-to-device ``copy_`` of ``size`` bytes."""
-    src = torch.empty(size, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return statistics.median(_timed(lambda: dst.copy_(src), torch, reps))
-
-
 def run(quick: bool) -> list[dict]:
     import torch
 
     reps = 5 if quick else 20
-    size = 2 << 30
-    ref = _reference(torch, size, reps)
-    torch.cuda.empty_cache()
-    rows = [{"name": "device copy bandwidth: copy_ of a contiguous 2 GiB buffer", "value": round(size / ref / 1e9, 1),
-             "unit": "GB/s", "note": f"median of {reps}; bytes copied per second (each read once, written once)",
-             "gbps": size / ref / 1e9}]
+    rows: list[dict] = []
     for layout in ("layer", "page"):
         rows += _one_layout(layout, reps, torch)
-    for row in rows:
-        if "gbps" in row and row["unit"] == "ms":
-            row["note"] += f" ({row['gbps'] / rows[0]['gbps']:.0%} of the device's copy_)"
+        torch.cuda.empty_cache()
     return rows
 
 

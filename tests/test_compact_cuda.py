@@ -73,7 +73,7 @@ def test_the_copy_kernel_moves_what_torchs_indexed_copy_moves(layout, monkeypatc
         kernel = mover(raw.device.index or 0)
         assert isinstance(kernel, Mover), kernel  # NVRTC built it here
         assert fits(raw, moves)
-        kernel.move(raw, moves, torch.cuda.current_stream().cuda_stream)
+        kernel.move(raw, moves)
         torch.cuda.synchronize()
         assert torch.equal(raw, expected)
         # device_copy takes the kernel, not the gather and scatter

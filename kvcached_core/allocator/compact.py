@@ -134,7 +134,7 @@ def device_copy(backend: object, block_bytes: int, moves: Sequence[Move]) -> lis
     rows = backend.all_blocks(block_bytes)  # type: ignore[attr-defined]
     kernel = mover(rows.device.index or 0) if fits(rows, moves) else None
     if isinstance(kernel, Mover):
-        kernel.move(rows, moves, torch.cuda.current_stream(rows.device).cuda_stream)
+        kernel.move(rows, moves)
     else:
         gather_scatter(rows, moves)
     torch.cuda.synchronize(rows.device)

@@ -23,16 +23,30 @@ log = logging.getLogger(__name__)
 
 KERNEL = "kvc_move_blocks"
 THREADS = 256  # a CTA copies one (range, block) pair
+UNROLL = 4  # 16-byte words each thread loads before it stores them: more bytes in flight per thread
 SOURCE = r"""
+#ifndef UNROLL
+#define UNROLL 4
+#endif
 extern "C" __global__ void kvc_move_blocks(char* base, long long range_stride, long long page_stride,
                                            long long slot_stride, long long bpp, const long long* src,
                                            const long long* dst, long long moves, long long words) {
     long long pair = blockIdx.x;
     long long r = pair / moves, m = pair - r * moves;
     long long s = src[m], d = dst[m];
-    const uint4* from = (const uint4*)(base + r * range_stride + (s / bpp) * page_stride + (s % bpp) * slot_stride);
-    uint4* to = (uint4*)(base + r * range_stride + (d / bpp) * page_stride + (d % bpp) * slot_stride);
-    for (long long i = threadIdx.x; i < words; i += blockDim.x) to[i] = from[i];
+    const uint4* __restrict__ from =
+        (const uint4*)(base + r * range_stride + (s / bpp) * page_stride + (s % bpp) * slot_stride);
+    uint4* __restrict__ to = (uint4*)(base + r * range_stride + (d / bpp) * page_stride + (d % bpp) * slot_stride);
+    long long i = threadIdx.x;
+    const long long step = blockDim.x;
+    for (; i + (UNROLL - 1) * step < words; i += UNROLL * step) {
+        uint4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) v[u] = from[i + u * step];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) to[i + u * step] = v[u];
+    }
+    for (; i < words; i += step) to[i] = from[i];
 }
 """
 
@@ -47,11 +61,15 @@ class Mover:
 
     module: Any
     function: Any
+    threads: int = THREADS
 
-    def move(self, rows: Any, moves: Sequence[tuple[int, int]], stream: int) -> None:
+    def move(self, rows: Any, moves: Sequence[tuple[int, int]]) -> None:
         """Copy block ``src`` to block ``dst`` for each move, in every range of ``rows`` (the uint8
-        ``[ranges, pages, blocks_per_page, block_bytes]`` view of ``CudaBackend.all_blocks``), on ``stream``.
-        The caller checks :func:`fits` first; no destination may be another move's source."""
+        ``[ranges, pages, blocks_per_page, block_bytes]`` view of ``CudaBackend.all_blocks``), on torch's
+        current stream of that device, not waited for. The caller checks :func:`fits` first.
+
+        The move list goes to the device as a tensor on that same stream: torch's caching allocator
+        reuses its memory only after the work queued there, the kernel included."""
         import torch
         from cuda.bindings import driver as cu
 
@@ -62,10 +80,9 @@ class Mover:
                   dst.data_ptr(), len(moves), block // 16)
         types = (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_longlong,
                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong)
-        _check(cu.cuLaunchKernel(self.function, ranges * len(moves), 1, 1, THREADS, 1, 1, 0, cu.CUstream(stream),
+        stream = cu.CUstream(torch.cuda.current_stream(rows.device).cuda_stream)
+        _check(cu.cuLaunchKernel(self.function, ranges * len(moves), 1, 1, self.threads, 1, 1, 0, stream,
                                  (values, types), 0), "cuLaunchKernel")
-        # the index tensors must outlive the kernel: it reads them on the stream
-        torch.cuda.current_stream(rows.device).synchronize()
 
 
 def fits(rows: Any, moves: Sequence[tuple[int, int]]) -> bool:
@@ -103,7 +120,9 @@ def _check(result: Any, what: str) -> Any:
     return result[1] if isinstance(result, tuple) and len(result) == 2 else result
 
 
-def _build(device: int) -> Mover:
+def _build(device: int, unroll: int = UNROLL, threads: int = THREADS) -> Mover:
+    """Compile :data:`SOURCE` for ``device`` and load it (``unroll`` and ``threads`` vary only for
+    ``benchmarks/probes/copy_kernel.py``, which times the choices)."""
     try:
         import torch
         from cuda.bindings import driver as cu
@@ -116,19 +135,21 @@ def _build(device: int) -> Mover:
                          "nvrtcCreateProgram")
     except (RuntimeError, OSError) as exc:  # libnvrtc not found
         raise CopyKernelUnavailable(f"NVRTC cannot start: {exc}") from None
-    options = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-O3"]
-    compiled = nvrtc.nvrtcCompileProgram(program, len(options), options)
-    if int(compiled[0]) != 0:
-        size = _check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
-        text = b" " * size
-        nvrtc.nvrtcGetProgramLog(program, text)
-        raise CopyKernelUnavailable(f"NVRTC refused the kernel: {text.decode(errors='replace').strip()[:300]}")
-    size = _check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
-    cubin = b" " * size
-    _check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
-    nvrtc.nvrtcDestroyProgram(program)
+    options = [f"--gpu-architecture=sm_{major}{minor}".encode(), f"-DUNROLL={unroll}".encode()]
+    try:
+        compiled = nvrtc.nvrtcCompileProgram(program, len(options), options)
+        if int(compiled[0]) != 0:
+            size = _check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
+            text = b" " * size
+            nvrtc.nvrtcGetProgramLog(program, text)
+            raise CopyKernelUnavailable(f"NVRTC refused the kernel: {text.decode(errors='replace').strip()[:300]}")
+        size = _check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        _check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
     with torch.cuda.device(device):
-        torch.cuda.current_stream(device)  # the primary context is current
+        torch.cuda.synchronize(device)  # the device's primary context is current on this thread
         module = _check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
         function = _check(cu.cuModuleGetFunction(module, KERNEL.encode()), "cuModuleGetFunction")
-    return Mover(module, function)
+    return Mover(module, function, threads)

@@ -12,7 +12,9 @@ Where NVRTC is missing or refuses, :func:`mover` says why and the caller keeps t
 
 from __future__ import annotations
 
+import array
 import ctypes
+import itertools
 import logging
 import threading
 from collections.abc import Sequence
@@ -71,17 +73,23 @@ class Mover:
         The move list goes to the device as a tensor on that same stream: torch's caching allocator
         reuses its memory only after the work queued there, the kernel included."""
         import torch
+
+        flat = array.array("q", itertools.chain.from_iterable(moves))  # about half the host time of torch.tensor
+        index = torch.frombuffer(flat, dtype=torch.long).view(-1, 2).to(rows.device, non_blocking=True)
+        self.launch(rows, index[:, 0].contiguous(), index[:, 1].contiguous())
+
+    def launch(self, rows: Any, src: Any, dst: Any) -> None:
+        """The kernel alone, over moves already on the device (int64 ``src`` and ``dst`` of equal length)."""
+        import torch
         from cuda.bindings import driver as cu
 
         ranges, _, bpp, block = rows.shape
-        index = torch.tensor(moves, dtype=torch.long).to(rows.device, non_blocking=True)
-        src, dst = index[:, 0].contiguous(), index[:, 1].contiguous()
         values = (rows.data_ptr(), rows.stride(0), rows.stride(1), rows.stride(2), bpp, src.data_ptr(),
-                  dst.data_ptr(), len(moves), block // 16)
+                  dst.data_ptr(), len(src), block // 16)
         types = (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_longlong,
                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong)
         stream = cu.CUstream(torch.cuda.current_stream(rows.device).cuda_stream)
-        _check(cu.cuLaunchKernel(self.function, ranges * len(moves), 1, 1, self.threads, 1, 1, 0, stream,
+        _check(cu.cuLaunchKernel(self.function, ranges * len(src), 1, 1, self.threads, 1, 1, 0, stream,
                                  (values, types), 0), "cuLaunchKernel")
 
 

@@ -31,11 +31,11 @@ SOURCE = r"""
 #define UNROLL 4
 #endif
 extern "C" __global__ void kvc_move_blocks(char* base, long long range_stride, long long page_stride,
-                                           long long slot_stride, long long bpp, const long long* src,
-                                           const long long* dst, long long moves, long long words) {
+                                           long long slot_stride, long long bpp, const long long* pairs,
+                                           long long moves, long long words) {
     long long pair = blockIdx.x;
     long long r = pair / moves, m = pair - r * moves;
-    long long s = src[m], d = dst[m];
+    long long s = pairs[2 * m], d = pairs[2 * m + 1];
     const uint4* __restrict__ from =
         (const uint4*)(base + r * range_stride + (s / bpp) * page_stride + (s % bpp) * slot_stride);
     uint4* __restrict__ to = (uint4*)(base + r * range_stride + (d / bpp) * page_stride + (d % bpp) * slot_stride);
@@ -75,21 +75,22 @@ class Mover:
         import torch
 
         flat = array.array("q", itertools.chain.from_iterable(moves))  # about half the host time of torch.tensor
-        index = torch.frombuffer(flat, dtype=torch.long).view(-1, 2).to(rows.device, non_blocking=True)
-        self.launch(rows, index[:, 0].contiguous(), index[:, 1].contiguous())
+        self.launch(rows, torch.frombuffer(flat, dtype=torch.long).to(rows.device, non_blocking=True))
 
-    def launch(self, rows: Any, src: Any, dst: Any) -> None:
-        """The kernel alone, over moves already on the device (int64 ``src`` and ``dst`` of equal length)."""
+    def launch(self, rows: Any, pairs: Any) -> None:
+        """The kernel alone, over moves already on the device: ``pairs`` is the contiguous int64
+        ``src0, dst0, src1, dst1, ...``."""
         import torch
         from cuda.bindings import driver as cu
 
         ranges, _, bpp, block = rows.shape
-        values = (rows.data_ptr(), rows.stride(0), rows.stride(1), rows.stride(2), bpp, src.data_ptr(),
-                  dst.data_ptr(), len(src), block // 16)
+        moves = pairs.numel() // 2
+        values = (rows.data_ptr(), rows.stride(0), rows.stride(1), rows.stride(2), bpp, pairs.data_ptr(), moves,
+                  block // 16)
         types = (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_longlong,
-                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong)
+                 ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong)
         stream = cu.CUstream(torch.cuda.current_stream(rows.device).cuda_stream)
-        _check(cu.cuLaunchKernel(self.function, ranges * len(src), 1, 1, self.threads, 1, 1, 0, stream,
+        _check(cu.cuLaunchKernel(self.function, ranges * moves, 1, 1, self.threads, 1, 1, 0, stream,
                                  (values, types), 0), "cuLaunchKernel")
 
 

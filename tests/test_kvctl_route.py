@@ -11,8 +11,10 @@ import json
 import os
 import re
 import socket
+import socketserver
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -139,6 +141,64 @@ def test_a_segment_too_busy_to_read_keeps_its_engine_routed(router, spawn_alloca
         os.pwrite(fd, L.U64.pack(seq), L.SEQ_OFF)
         os.close(fd)
         os.kill(proc.pid, signal.SIGCONT)
+
+
+class ClosingEngine(socketserver.ThreadingTCPServer):
+    """An HTTP engine that answers the first request of each connection (keeping it open) and closes the
+    connection, unanswered, when a second request comes on it: what an engine does when its keep-alive runs
+    out just as the router sends on the idle connection (vLLM's closes idle connections after 5 s)."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), ClosingEngineHandler)
+        self.answered: list[str] = []
+        self.dropped = 0
+
+
+class ClosingEngineHandler(socketserver.StreamRequestHandler):
+    server: ClosingEngine
+
+    def handle(self) -> None:
+        for number in (1, 2):
+            line = self.rfile.readline()
+            if not line:
+                return
+            length = 0
+            while (header := self.rfile.readline()) not in (b"\r\n", b""):
+                name, _, value = header.decode().partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value)
+            self.rfile.read(length)
+            if number == 2:
+                self.server.dropped += 1
+                return  # closed unanswered
+            self.server.answered.append(line.decode().split()[1])
+            body = json.dumps({"object": "list", "data": [{"id": "m1"}]} if line.startswith(b"GET")
+                              else {"object": "text_completion", "choices": [{"text": "ok"}]}).encode()
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            self.wfile.flush()
+
+
+def test_a_connection_the_engine_closes_as_it_is_reused_is_sent_again_on_a_new_one(router, spawn_allocator):
+    """The old router answered 503 engine_unreachable ('hung up') whenever it sent on an idle connection the
+    engine closed at that moment: a request a client would have had answered on a new connection."""
+    engine = ClosingEngine()
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    try:
+        host, port = engine.server_address[:2]
+        spawn_allocator("m1", script=f"m.publish_endpoint('http://{host}:{port}')\n")
+        answers = [call(router + "/v1/completions", {"model": "m1", "prompt": "hi"}) for _ in range(4)]
+        assert [status for status, _ in answers] == [200] * 4, answers
+        assert engine.dropped >= 1  # the router did send on a connection the engine then closed
+        assert engine.answered.count("/v1/completions") == 4
+        figures = call(router + "/kvcached/figures")[1]["models"]["m1"]
+        assert figures["requests"] == 4 and figures["errors"] == 0
+    finally:
+        engine.shutdown()
+        engine.server_close()
 
 
 @pytest.mark.parametrize(("args", "code", "message"), [

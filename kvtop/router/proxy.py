@@ -28,11 +28,15 @@ ADMISSION = web.AppKey("admission", Admission)
 DIRECTORY = web.AppKey("directory", Directory)
 FIGURES = web.AppKey("figures", Figures)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+FRESH = web.AppKey("fresh", aiohttp.ClientSession)  # a new connection for every request: the one resend
 SETTINGS = web.AppKey("settings", dict)
 WAKING = web.AppKey("waking", dict)
 PUBLISH_S = 1.0  # how often the figures file is written
 CLIENT_GONE = 499  # the status counted for a request whose client went away before it was passed on
 CONNECT_TIMEOUT_S = 10.0  # an engine that accepts no connection in this long is answered 503
+# An idle connection to an engine is kept this long for the next request, less than engines keep it open
+# (vLLM's server: 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so the router rarely takes one the engine is closing.
+KEEPALIVE_S = 2.0
 
 # Headers that belong to one connection, never passed on (RFC 9110 section 7.6.1), and the framing aiohttp sets.
 HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -168,7 +172,7 @@ async def _pass(request: web.Request, engine: Engine, raw: bytes, started: float
     url = engine.endpoint.rstrip("/") + request.rel_url.path_qs
     headers = _passed(request.headers)
     try:
-        async with app[SESSION].post(url, data=raw, headers=headers) as upstream:
+        async with await _send(app, url, raw, headers) as upstream:
             out_headers = _passed(upstream.headers)
             if upstream.content_type != "text/event-stream":
                 body = await upstream.read()
@@ -210,6 +214,19 @@ async def _pass(request: web.Request, engine: Engine, raw: bytes, started: float
                      "service_unavailable", "engine_unreachable")
 
 
+async def _send(app: web.Application, url: str, raw: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
+    """The request to its engine, up to the answer's headers. An idle pooled connection that the engine
+    closes as the router takes it (its keep-alive runs out that moment) fails before any answer: the
+    request is sent again once, on a new connection. (An engine that dropped it for another reason gets
+    it twice at most; one that has exited refuses the new connection, which is answered as before.)"""
+    try:
+        return await app[SESSION].post(url, data=raw, headers=headers)
+    except aiohttp.ClientConnectorError:
+        raise
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        return await app[FRESH].post(url, data=raw, headers=headers)
+
+
 def _gone_error(engine: Engine) -> web.Response:
     return error(503, f"model {engine.model_id!r} is not served: {engine.gone_reason}", "service_unavailable",
                  "engine_gone")
@@ -244,10 +261,13 @@ def make_app(shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout
     app[WAKING] = {}
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
         session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S))
-        app[SESSION] = session
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S),
+            auto_decompress=False, timeout=timeout)
+        fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                      auto_decompress=False, timeout=timeout)
+        app[SESSION], app[FRESH] = session, fresh
         app[DIRECTORY] = directory = Directory(shm_dir, session)
         with contextlib.suppress(OSError):
             await directory.refresh()
@@ -260,6 +280,7 @@ def make_app(shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout
                 await task
         published.remove(shm_dir or settings().shm_dir)
         await session.close()
+        await fresh.close()
 
     app.cleanup_ctx.append(lifetime)
     app.router.add_get("/v1/models", models)

@@ -197,6 +197,32 @@ def test_a_donor_stopped_then_killed_mid_reclaim_leaves_the_asker_going(budget, 
                  what="the ledger to hold what the asker mapped")
 
 
+def test_an_overdue_answer_is_looked_for_without_spinning(budget, spawn_allocator, monkeypatch) -> None:
+    """While a donor's answer is overdue the refill thread looks for it every LATE_LOOK_S, waiting in between;
+    the old thread polled every REFILL_POLL_S (0.5 ms) for as long as LATE_KEEP_S (30 s) when the donor never
+    answered: some 2,000 wake-ups a second on a host that has memory pressure already."""
+    from kvcached_core.allocator import refill
+
+    steps: list[float] = []
+    real_step = refill.step
+    monkeypatch.setattr(refill, "step", lambda m, linger: (steps.append(time.monotonic()), real_step(m, linger))[1])
+    donor = spawn_allocator("idle", script=DONOR, **GEOMETRY)
+    wait_for(lambda: snap("idle").mapped_bytes == 26 * MiB, what="the donor to fill the budget")
+    freeze(donor.pid)  # it never answers
+    try:
+        with asker() as m:
+            assert m.alloc(4 * 10) is None
+            wait_for(lambda: m.pressure.late, timeout=10, what="the asker to stop waiting for the stopped donor")
+            time.sleep(1.0)  # the refill thread's linger after the alloc is over
+            before = len(steps)
+            time.sleep(1.0)
+            looks = len(steps) - before
+            assert m.pressure.late  # still overdue: the thread still has it to look for
+            assert looks <= 3 / pressure.LATE_LOOK_S, f"{looks} refill steps in one second"
+    finally:
+        os.kill(donor.pid, signal.SIGKILL)
+
+
 def test_an_answer_that_comes_after_the_asker_stopped_waiting_is_still_counted(budget, spawn_allocator) -> None:
     # The donor's engine takes longer to evict than an asker waits for one answer (a busy host): the bytes it
     # then gives are the asker's all the same, and what the asker took must read what the donor gave.

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..backends import BackendError
 from ..segment import layout as L
+from .pressure import LATE_LOOK_S
 
 if TYPE_CHECKING:
     from .served import Served
@@ -49,10 +50,10 @@ def step(m: Served, linger_until: float) -> float | None:
         return linger_until
     with m._lock:
         while not m._closed and not due(m):
-            if time.monotonic() < linger_until or m.pressure.late:
-                break  # traffic was here lately, or a donor's answer is overdue: look again soon, unwoken
+            if time.monotonic() < linger_until:
+                break  # traffic was here lately: look again soon, unwoken
             m._refill_polling = False
-            return IDLE  # the loop waits for the wake-up without holding the manager
+            return IDLE  # the loop waits for the wake-up without holding the manager (see wait_s)
         if m._closed:
             return None
         if not due(m):
@@ -92,6 +93,12 @@ def step(m: Served, linger_until: float) -> float | None:
             m._refill_wanted.wait(timeout=0.05)
             m._refill_polling = True
     return linger_until
+
+
+def wait_s(m: Served) -> float:
+    """How long an idle refill thread waits unwoken: until a donor's overdue answer is due another look
+    (:meth:`Pressure.collect_late`), else until its next release check."""
+    return LATE_LOOK_S if m.pressure.late else RELEASE_CHECK_S
 
 
 def due(m: Served) -> bool:
@@ -138,9 +145,10 @@ def loop(ref: weakref.ref[Served]) -> None:
             with wanted:  # an alloc that asked since the step returned has notified nobody: look first
                 manager = ref()
                 asked = manager is not None and (manager._refill_requested or manager._closed)
+                timeout = RELEASE_CHECK_S if manager is None else wait_s(manager)
                 del manager
                 if not asked:
-                    wanted.wait(RELEASE_CHECK_S)
+                    wanted.wait(timeout)
             manager = ref()
             if manager is not None:
                 manager._refill_polling = True

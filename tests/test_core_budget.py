@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 from conftest import child_env, wait_for
@@ -86,6 +87,31 @@ def test_settle_records_what_is_held_and_the_lock_file_is_per_budget(shm_dir) ->
     assert ledger.claimed == seen[-1] == 2 * MiB
     assert lock_name("cuda", 3) != lock_name("cuda", 0) != lock_name("host", None)
     assert not list(shm_dir.iterdir())  # the lock file lives only while a claim is made
+
+
+def test_a_release_while_another_thread_claims_is_not_lost(shm_dir, monkeypatch) -> None:
+    """The refill thread claims (a scan of the directory between reading and setting ``claimed``) while alloc's
+    thread unmaps and releases: the old ledger set the claim over the release, and held 1 MiB it had given back
+    for good (seen as a test waiting for the ledger to equal what was mapped, on a 16-core machine)."""
+    ledger = CapacityLedger(10 * MiB, backend="cuda", device=0)
+    assert ledger.claim(4 * MiB)
+    scanning, released = threading.Event(), threading.Event()
+    real_others = ledger._others
+
+    def slow_scan() -> int:
+        scanning.set()
+        released.wait(0.5)  # the release gets its chance here: with the ledger's own lock it waits instead
+        return real_others()
+
+    monkeypatch.setattr(ledger, "_others", slow_scan)
+    claimer = threading.Thread(target=lambda: ledger.claim(2 * MiB))
+    claimer.start()
+    assert scanning.wait(5)
+    releaser = threading.Thread(target=lambda: (ledger.release(MiB), released.set()))
+    releaser.start()
+    claimer.join(5)
+    releaser.join(5)
+    assert ledger.claimed == 5 * MiB  # 4 + 2 - 1
 
 
 @pytest.mark.parametrize(("raw", "expected"), [

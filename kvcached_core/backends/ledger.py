@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +66,10 @@ class CapacityLedger:
         self.backend = backend
         self.device = device
         self.claimed = 0
+        # The threads of one process (the refill thread mapping, alloc growing on a miss, an unmap under the
+        # manager's lock) change ``claimed`` one at a time: a claim reads it, scans the others, then sets it,
+        # and a release between the two was lost (the ledger then held more than was mapped, for good).
+        self._mutex = threading.RLock()
         self._set_claimed: Callable[[int], None] | None = None  # callback into our segment
         self._own: tuple[int, int] | None = None  # our segment's (st_dev, st_ino): counted as self.claimed
         self._others_cached, self._others_at = 0, float("-inf")  # see free_bytes
@@ -118,30 +123,32 @@ class CapacityLedger:
 
     def claim(self, nbytes: int) -> bool:
         """Claim ``nbytes`` more; False when the shared budget (or, on the host, the machine's RAM) says no."""
-        return self.claim_total(self.claimed + nbytes)
+        with self._mutex:
+            return self.claim_total(self.claimed + nbytes)
 
     def claim_total(self, total: int) -> bool:
         """Hold ``total`` bytes in all (at least what is held now); False, with nothing changed, when it does not fit."""
-        grow = total - self.claimed
-        if grow <= 0:
-            return True
-        if self.backend == "host":
-            available = available_ram_bytes()
-            if available and available < grow + RAM_MARGIN:
-                return False
-        fd = self._lock(wait=0)  # alloc may be waiting on this: never wait on another process
-        try:
-            # Announce first, then count the others: two claimers that could not both take the lock
-            # (held by a stopped process, or not ours to use) still see each other, and both back off.
-            self._announce(total)
-            if self._others() + total > self.capacity:
-                self._announce(self.claimed)
-                return False
-            self.claimed = total
-            return True
-        finally:
-            if fd >= 0:
-                self._unlock(fd)
+        with self._mutex:  # another thread of this process waits at most one scan of the directory
+            grow = total - self.claimed
+            if grow <= 0:
+                return True
+            if self.backend == "host":
+                available = available_ram_bytes()
+                if available and available < grow + RAM_MARGIN:
+                    return False
+            fd = self._lock(wait=0)  # alloc may be waiting on this: never wait on another process
+            try:
+                # Announce first, then count the others: two claimers that could not both take the lock
+                # (held by a stopped process, or not ours to use) still see each other, and both back off.
+                self._announce(total)
+                if self._others() + total > self.capacity:
+                    self._announce(self.claimed)
+                    return False
+                self.claimed = total
+                return True
+            finally:
+                if fd >= 0:
+                    self._unlock(fd)
 
     def _lock(self, wait: float = LOCK_WAIT_S) -> int:
         """The lock file, created and flocked within ``wait`` s; -1 when it is held longer or not ours to use.
@@ -185,13 +192,15 @@ class CapacityLedger:
             self._set_claimed(nbytes)
 
     def release(self, nbytes: int) -> None:
-        self.claimed = max(0, self.claimed - nbytes)
-        self._announce(self.claimed)
+        with self._mutex:
+            self.claimed = max(0, self.claimed - nbytes)
+            self._announce(self.claimed)
 
     def settle(self, held: int) -> None:
         """What is held now, after a change that needs no claim (memory given back, a claim not used)."""
-        self.claimed = max(0, held)
-        self._announce(self.claimed)
+        with self._mutex:
+            self.claimed = max(0, held)
+            self._announce(self.claimed)
 
     def free_bytes(self, max_age_s: float = 0.0) -> int:
         """What the budget leaves; the others' claims counted at most ``max_age_s`` ago (a directory scan each time

@@ -15,6 +15,7 @@ import socketserver
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -151,17 +152,18 @@ class ClosingEngine(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self) -> None:
+    def __init__(self, answers: int = 1) -> None:
         super().__init__(("127.0.0.1", 0), ClosingEngineHandler)
-        self.answered: list[str] = []
-        self.dropped = 0
+        self.answers = answers  # requests answered on each connection before the next one is dropped
+        self.answered: list[str] = []  # "METHOD path" of each request answered
+        self.dropped: list[str] = []  # and of each dropped unanswered
 
 
 class ClosingEngineHandler(socketserver.StreamRequestHandler):
     server: ClosingEngine
 
     def handle(self) -> None:
-        for number in (1, 2):
+        for number in range(self.server.answers + 1):
             line = self.rfile.readline()
             if not line:
                 return
@@ -171,10 +173,11 @@ class ClosingEngineHandler(socketserver.StreamRequestHandler):
                 if name.strip().lower() == "content-length":
                     length = int(value)
             self.rfile.read(length)
-            if number == 2:
-                self.server.dropped += 1
+            said = " ".join(line.decode().split()[:2])
+            if number == self.server.answers:
+                self.server.dropped.append(said)
                 return  # closed unanswered
-            self.server.answered.append(line.decode().split()[1])
+            self.server.answered.append(said)
             body = json.dumps({"object": "list", "data": [{"id": "m1"}]} if line.startswith(b"GET")
                               else {"object": "text_completion", "choices": [{"text": "ok"}]}).encode()
             self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive\r\n"
@@ -192,10 +195,27 @@ def test_a_connection_the_engine_closes_as_it_is_reused_is_sent_again_on_a_new_o
         spawn_allocator("m1", script=f"m.publish_endpoint('http://{host}:{port}')\n")
         answers = [call(router + "/v1/completions", {"model": "m1", "prompt": "hi"}) for _ in range(4)]
         assert [status for status, _ in answers] == [200] * 4, answers
-        assert engine.dropped >= 1  # the router did send on a connection the engine then closed
-        assert engine.answered.count("/v1/completions") == 4
+        assert engine.dropped  # the router did send on a connection the engine then closed
+        assert engine.answered.count("POST /v1/completions") == 4
         figures = call(router + "/kvcached/figures")[1]["models"]["m1"]
         assert figures["requests"] == 4 and figures["errors"] == 0
+    finally:
+        engine.shutdown()
+        engine.server_close()
+
+
+def test_a_request_that_fails_on_a_new_connection_is_not_sent_again(router, spawn_allocator):
+    """The engine may have run it: an engine that drops every request unanswered gets each one once, and the
+    client is told the engine hung up."""
+    engine = ClosingEngine(answers=0)
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    try:
+        host, port = engine.server_address[:2]
+        spawn_allocator("m1", script=f"m.publish_endpoint('http://{host}:{port}')\n")
+        status, body = call(router + "/v1/completions", {"model": "m1", "prompt": "hi"})
+        assert status == 503 and body["error"]["code"] == "engine_unreachable" and "hung up" in body["error"]["message"]
+        time.sleep(0.5)  # a resend would have come by now
+        assert engine.dropped.count("POST /v1/completions") == 1 and not engine.answered
     finally:
         engine.shutdown()
         engine.server_close()

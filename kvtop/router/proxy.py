@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 from aiohttp import web
@@ -216,15 +217,24 @@ async def _pass(request: web.Request, engine: Engine, raw: bytes, started: float
 
 async def _send(app: web.Application, url: str, raw: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
     """The request to its engine, up to the answer's headers. An idle pooled connection that the engine
-    closes as the router takes it (its keep-alive runs out that moment) fails before any answer: the
-    request is sent again once, on a new connection. (An engine that dropped it for another reason gets
-    it twice at most; one that has exited refuses the new connection, which is answered as before.)"""
+    closes as the router takes it (its keep-alive runs out that moment) fails before any answer: such a
+    request, and only one sent on a reused connection, is sent again once, on a new connection. A request
+    that failed on a new connection is not (the engine may have run it), nor a refused connection."""
+    sent = SimpleNamespace(reused=False)  # set by the session's trace (_note_reuse) when a pooled one is taken
     try:
-        return await app[SESSION].post(url, data=raw, headers=headers)
+        return await app[SESSION].post(url, data=raw, headers=headers, trace_request_ctx=sent)
     except aiohttp.ClientConnectorError:
         raise
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        if not sent.reused:
+            raise
         return await app[FRESH].post(url, data=raw, headers=headers)
+
+
+async def _note_reuse(_session: aiohttp.ClientSession, context: SimpleNamespace, _params: object) -> None:
+    """The session's trace: a request goes on a pooled connection (see :func:`_send`)."""
+    if isinstance(context.trace_request_ctx, SimpleNamespace):
+        context.trace_request_ctx.reused = True
 
 
 def _gone_error(engine: Engine) -> web.Response:
@@ -262,9 +272,11 @@ def make_app(shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+        reuse = aiohttp.TraceConfig()
+        reuse.on_connection_reuseconn.append(_note_reuse)
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S),
-            auto_decompress=False, timeout=timeout)
+            auto_decompress=False, timeout=timeout, trace_configs=[reuse])
         fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                       auto_decompress=False, timeout=timeout)
         app[SESSION], app[FRESH] = session, fresh

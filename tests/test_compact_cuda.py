@@ -82,3 +82,60 @@ def test_the_copy_kernel_moves_what_torchs_indexed_copy_moves(layout, monkeypatc
         compact.device_copy(m.backend, m.block_bytes, back)
         for s, d in moves:
             assert torch.equal(raw[:, s // BPP, s % BPP], raw[:, d // BPP, d % BPP])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_the_first_compaction_builds_the_kernel_in_the_background_and_copies_meanwhile(monkeypatch) -> None:
+    """NVRTC takes a fraction of a second, and a compaction runs under its allocator's lock: the first one copies
+    with torch's gather and scatter while a background thread builds the kernel, the next ones use it."""
+    torch = pytest.importorskip("torch")
+    from conftest import wait_for
+
+    from kvcached_core.allocator import compact
+    from kvcached_core.backends import cuda_copy
+
+    monkeypatch.setattr(cuda_copy, "_movers", {})  # nothing built in this process yet
+    used: list[str] = []
+    real_gather_scatter = compact.gather_scatter
+    monkeypatch.setattr(compact, "gather_scatter", lambda *a: (used.append("torch"), real_gather_scatter(*a)))
+    with cuda_manager("kernel-background", num_blocks=4 * BPP) as m:
+        assert m.alloc(4 * BPP) is not None
+        raw = m.backend.all_blocks(m.block_bytes)
+        raw.view(torch.int64).random_()
+        device = raw.device.index or 0
+        expected = raw.clone()
+        real_gather_scatter(expected, [(0, 9), (1, 10)])
+        compact.device_copy(m.backend, m.block_bytes, [(0, 9), (1, 10)])
+        assert used == ["torch"] and torch.equal(raw, expected)
+        kernel = wait_for(lambda: cuda_copy.mover(device, wait=False), timeout=30, what="the kernel to be built")
+        assert isinstance(kernel, cuda_copy.Mover), kernel
+        real_gather_scatter(expected, [(2, 17)])
+        compact.device_copy(m.backend, m.block_bytes, [(2, 17)])
+        assert used == ["torch"] and torch.equal(raw, expected)  # the kernel copied this time
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_kernel_that_fails_at_launch_is_given_up_for_torchs_copy(monkeypatch) -> None:
+    torch = pytest.importorskip("torch")
+    from kvcached_core.allocator import compact
+    from kvcached_core.backends import cuda_copy
+
+    monkeypatch.setattr(cuda_copy, "_movers", dict(cuda_copy._movers))
+    with cuda_manager("kernel-fails", num_blocks=4 * BPP) as m:
+        assert m.alloc(4 * BPP) is not None
+        raw = m.backend.all_blocks(m.block_bytes)
+        raw.view(torch.int64).random_()
+        device = raw.device.index or 0
+        assert isinstance(cuda_copy.mover(device), cuda_copy.Mover)
+
+        def refused(self, rows, pairs) -> None:
+            raise cuda_copy.CopyKernelUnavailable("cuLaunchKernel failed: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")
+
+        monkeypatch.setattr(cuda_copy.Mover, "launch", refused)
+        expected = raw.clone()
+        compact.gather_scatter(expected, [(0, 9), (3, 30)])
+        assert compact.device_copy(m.backend, m.block_bytes, [(0, 9), (3, 30)]) == [(0, 9), (3, 30)]
+        assert torch.equal(raw, expected)  # copied all the same, by torch
+        assert "LAUNCH_OUT_OF_RESOURCES" in str(cuda_copy.mover(device))  # and given up for this process

@@ -123,19 +123,26 @@ def host_copy(backend: object, block_bytes: int, moves: Sequence[Move]) -> list[
 def device_copy(backend: object, block_bytes: int, moves: Sequence[Move]) -> list[Move]:
     """Copy each move's KV data on the CUDA backend's device, in every layer's every KV buffer at once
     (``CudaBackend.all_blocks``): one kernel that reads each block once and writes it once
-    (:mod:`kvcached_core.backends.cuda_copy`), or, where it cannot be had, one gather and one scatter. Then
+    (:mod:`kvcached_core.backends.cuda_copy`), or, where it cannot be had (or is still being built: the first
+    compaction of a process starts that in the background), one gather and one scatter. Then
     wait for the copy, since the sources are freed (and may be unmapped) as soon as the handler returns."""
     if not moves:
         return []
     import torch  # the CUDA path only; torch is optional
 
-    from ..backends.cuda_copy import Mover, fits, mover
+    from ..backends.cuda_copy import CopyKernelUnavailable, Mover, fits, forget, mover
 
     rows = backend.all_blocks(block_bytes)  # type: ignore[attr-defined]
-    kernel = mover(rows.device.index or 0) if fits(rows, moves) else None
+    device = rows.device.index or 0
+    kernel = mover(device, wait=False) if fits(rows, moves) else None  # the first compaction starts its build
+    copied = False
     if isinstance(kernel, Mover):
-        kernel.move(rows, moves)
-    else:
+        try:
+            kernel.move(rows, moves)
+            copied = True
+        except CopyKernelUnavailable as exc:
+            forget(device, str(exc))
+    if not copied:
         gather_scatter(rows, moves)
     torch.cuda.synchronize(rows.device)
     return list(moves)

@@ -361,7 +361,7 @@ class CudaBackend(Backend):
 
     def _claimed(self) -> None:
         if self.ledger is not None:
-            self.ledger.settle(self.held_bytes())
+            self.ledger.settle(self.held_bytes)
         elif self._set_claimed is not None:
             self._set_claimed(self.held_bytes())
 

@@ -68,18 +68,21 @@ class Mover:
     def move(self, rows: Any, moves: Sequence[tuple[int, int]]) -> None:
         """Copy block ``src`` to block ``dst`` for each move, in every range of ``rows`` (the uint8
         ``[ranges, pages, blocks_per_page, block_bytes]`` view of ``CudaBackend.all_blocks``), on torch's
-        current stream of that device, not waited for. The caller checks :func:`fits` first.
+        current stream of that device; the caller waits for it. The caller checks :func:`fits` first.
+        :class:`CopyKernelUnavailable` when the launch fails.
 
         The move list goes to the device as a tensor on that same stream: torch's caching allocator
-        reuses its memory only after the work queued there, the kernel included."""
+        reuses its memory only after the work queued there, the kernel included. (From pageable host
+        memory the copy is done with the host buffer before it returns.)"""
         import torch
 
         flat = array.array("q", itertools.chain.from_iterable(moves))  # about half the host time of torch.tensor
-        self.launch(rows, torch.frombuffer(flat, dtype=torch.long).to(rows.device, non_blocking=True))
+        with torch.cuda.device(rows.device):  # its context current on this thread (a poller serves every device)
+            self.launch(rows, torch.frombuffer(flat, dtype=torch.long).to(rows.device, non_blocking=True))
 
     def launch(self, rows: Any, pairs: Any) -> None:
         """The kernel alone, over moves already on the device: ``pairs`` is the contiguous int64
-        ``src0, dst0, src1, dst1, ...``."""
+        ``src0, dst0, src1, dst1, ...``. The device's context must be current (:meth:`move` makes it so)."""
         import torch
         from cuda.bindings import driver as cu
 
@@ -106,20 +109,55 @@ def fits(rows: Any, moves: Sequence[tuple[int, int]]) -> bool:
 
 _lock = threading.Lock()
 _movers: dict[int, Mover | str] = {}  # device -> its kernel, or why there is none
+_building: set[int] = set()  # devices whose kernel a background thread builds now
 
 
-def mover(device: int) -> Mover | str:
-    """The kernel on ``device`` (built on first use), or the reason it cannot be had (said once in the log)."""
+def mover(device: int, *, wait: bool = True) -> Mover | str | None:
+    """The kernel on ``device``, or the reason it cannot be had (said once in the log).
+
+    The first call builds it (NVRTC: a fraction of a second). ``wait=False`` never builds on the caller's
+    thread: it starts the build in the background and answers None until the kernel is there, so a
+    compaction under its allocator's lock does not hold the engine for a compile."""
+    found = _movers.get(device)
+    if found is not None:
+        return found
+    if not wait:
+        _start_build(device)
+        return None
     with _lock:
         found = _movers.get(device)
         if found is None:
             try:
                 found = _build(device)
-            except CopyKernelUnavailable as exc:
-                found = str(exc)
+            except Exception as exc:  # noqa: BLE001 - any failure to build means torch's copy, said once
+                found = f"{type(exc).__name__}: {exc}" if not isinstance(exc, CopyKernelUnavailable) else str(exc)
                 log.info("compaction copies with torch's gather and scatter on cuda:%d: %s", device, found)
             _movers[device] = found
         return found
+
+
+def _start_build(device: int) -> None:
+    """Start building ``device``'s kernel in a background thread, unless it is built or being built."""
+    with _lock:
+        if device in _movers or device in _building:
+            return
+        _building.add(device)
+
+    def build() -> None:
+        try:
+            mover(device)
+        finally:
+            with _lock:
+                _building.discard(device)
+
+    threading.Thread(target=build, name=f"kvcached-copy-kernel-{device}", daemon=True).start()
+
+
+def forget(device: int, why: str) -> None:
+    """The kernel failed on ``device`` at a launch: torch's copy from now on (said once in the log)."""
+    with _lock:
+        _movers[device] = why
+    log.warning("compaction copies with torch's gather and scatter on cuda:%d from now on: %s", device, why)
 
 
 def _check(result: Any, what: str) -> Any:

@@ -196,10 +196,13 @@ class CapacityLedger:
             self.claimed = max(0, self.claimed - nbytes)
             self._announce(self.claimed)
 
-    def settle(self, held: int) -> None:
-        """What is held now, after a change that needs no claim (memory given back, a claim not used)."""
+    def settle(self, held: int | Callable[[], int]) -> None:
+        """What is held now, after a change that needs no claim (memory given back, a claim not used).
+
+        A callable is asked under the ledger's lock: a figure read before it could be older than what
+        another thread settled meanwhile, and would overwrite it."""
         with self._mutex:
-            self.claimed = max(0, held)
+            self.claimed = max(0, held() if callable(held) else held)
             self._announce(self.claimed)
 
     def free_bytes(self, max_age_s: float = 0.0) -> int:

@@ -26,3 +26,18 @@ def test_blocks_the_loads_cannot_cover_do_not_fit() -> None:
     assert not fits(rows().view(torch.int32), [(0, 1)])  # not the byte view all_blocks gives
     assert not fits(rows()[:, :, :, 8:], [(0, 1)])  # the blocks start off a 16-byte boundary
 
+
+
+def test_a_kernel_that_cannot_be_built_is_a_reason_kept_not_an_error(monkeypatch) -> None:
+    """On this machine (no CUDA in torch) the build fails in torch, not in NVRTC: the reason is kept and said,
+    whether the build ran in the background (a compaction's first call) or on the caller's thread."""
+    from conftest import wait_for
+
+    from kvcached_core.backends import cuda_copy
+
+    monkeypatch.setattr(cuda_copy, "_movers", {})
+    assert cuda_copy.mover(0, wait=False) is None  # the build started, in a background thread
+    why = wait_for(lambda: cuda_copy.mover(0, wait=False), timeout=30, what="the background build to end")
+    assert isinstance(why, str) and why and cuda_copy.mover(0) == why
+    monkeypatch.setattr(cuda_copy, "_movers", {})
+    assert isinstance(cuda_copy.mover(1), str)  # built on the caller's thread: the failure kept, not raised

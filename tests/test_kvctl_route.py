@@ -155,6 +155,7 @@ class ClosingEngine(socketserver.ThreadingTCPServer):
     def __init__(self, answers: int = 1) -> None:
         super().__init__(("127.0.0.1", 0), ClosingEngineHandler)
         self.answers = answers  # requests answered on each connection before the next one is dropped
+        self.cut = False  # each answer to a POST stops halfway and the connection closes
         self.answered: list[str] = []  # "METHOD path" of each request answered
         self.dropped: list[str] = []  # and of each dropped unanswered
 
@@ -180,9 +181,12 @@ class ClosingEngineHandler(socketserver.StreamRequestHandler):
             self.server.answered.append(said)
             body = json.dumps({"object": "list", "data": [{"id": "m1"}]} if line.startswith(b"GET")
                               else {"object": "text_completion", "choices": [{"text": "ok"}]}).encode()
+            cut = self.server.cut and line.startswith(b"POST")  # half the answer said, then the connection closed
             self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:len(body) // 2] if cut else body))
             self.wfile.flush()
+            if cut:
+                return
 
 
 def test_a_connection_the_engine_closes_as_it_is_reused_is_sent_again_on_a_new_one(router, spawn_allocator):
@@ -216,6 +220,23 @@ def test_a_request_that_fails_on_a_new_connection_is_not_sent_again(router, spaw
         assert status == 503 and body["error"]["code"] == "engine_unreachable" and "hung up" in body["error"]["message"]
         time.sleep(0.5)  # a resend would have come by now
         assert engine.dropped.count("POST /v1/completions") == 1 and not engine.answered
+    finally:
+        engine.shutdown()
+        engine.server_close()
+
+
+def test_an_engine_that_hangs_up_halfway_through_its_answer_is_a_503_not_a_500(router, spawn_allocator):
+    """The old router let aiohttp's ClientPayloadError out of the handler: 500 Internal Server Error, a traceback
+    in its log."""
+    engine = ClosingEngine()
+    engine.cut = True
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    try:
+        host, port = engine.server_address[:2]
+        spawn_allocator("m1", script=f"m.publish_endpoint('http://{host}:{port}')\n")
+        status, body = call(router + "/v1/completions", {"model": "m1", "prompt": "hi"})
+        assert status == 503 and body["error"]["code"] == "engine_unreachable", body
+        assert "hung up before its answer was whole" in body["error"]["message"]
     finally:
         engine.shutdown()
         engine.server_close()

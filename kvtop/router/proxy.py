@@ -176,7 +176,11 @@ async def _pass(request: web.Request, engine: Engine, raw: bytes, started: float
         async with await _send(app, url, raw, headers) as upstream:
             out_headers = _passed(upstream.headers)
             if upstream.content_type != "text/event-stream":
-                body = await upstream.read()
+                try:
+                    body = await upstream.read()
+                except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+                    return error(503, f"model {engine.model_id!r}: its engine at {engine.endpoint} hung up before "
+                                      f"its answer was whole ({exc})", "service_unavailable", "engine_unreachable")
                 fig.latency_s.append(time.perf_counter() - started)
                 return web.Response(body=body, status=upstream.status, headers=out_headers)
             response = web.StreamResponse(status=upstream.status, headers=out_headers)

@@ -3,12 +3,28 @@ copy, and the pages emptied are unmapped. GPU tests skip (with the reason) where
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 from test_cuda_backend import LAYOUTS, cuda_manager, needs_gpu
 
 from kvcached_core.allocator.compact import copy_blocks, device_copy
 
 BPP = 8  # cuda_manager's 2 MiB pages of 256 KiB blocks
+
+
+@contextlib.contextmanager
+def random_cache(name: str, pages: int) -> Iterator[tuple[Any, Any]]:
+    """A CUDA manager with all its ``pages`` page ids mapped and full of random bytes, and its blocks' raw view."""
+    import torch
+
+    with cuda_manager(name, num_blocks=pages * BPP) as m:
+        assert m.alloc(pages * BPP) is not None  # every page mapped
+        raw = m.backend.all_blocks(m.block_bytes)
+        raw.view(torch.int64).random_()
+        yield m, raw
 
 
 @pytest.mark.gpu
@@ -62,10 +78,7 @@ def test_the_copy_kernel_moves_what_torchs_indexed_copy_moves(layout, monkeypatc
     from kvcached_core.backends.cuda_copy import Mover, fits, mover
 
     monkeypatch.setenv("KVCACHED_CUDA_LAYOUT", layout)
-    with cuda_manager(f"kernel-{layout}", num_blocks=8 * BPP) as m:
-        assert m.alloc(8 * BPP) is not None  # every page mapped
-        raw = m.backend.all_blocks(m.block_bytes)
-        raw.view(torch.int64).random_()
+    with random_cache(f"kernel-{layout}", 8) as (m, raw):
         picked = random.Random(3).sample(range(8 * BPP), 40)
         moves = list(zip(picked[:20], picked[20:], strict=True))
         expected = raw.clone()
@@ -87,8 +100,8 @@ def test_the_copy_kernel_moves_what_torchs_indexed_copy_moves(layout, monkeypatc
 @pytest.mark.gpu
 @needs_gpu
 def test_the_first_compaction_builds_the_kernel_in_the_background_and_copies_meanwhile(monkeypatch) -> None:
-    """NVRTC takes a fraction of a second, and a compaction runs under its allocator's lock: the first one copies
-    with torch's gather and scatter while a background thread builds the kernel, the next ones use it."""
+    """A compaction runs under its allocator's lock, so the first one does not wait for NVRTC: it copies with
+    torch's gather and scatter while a background thread builds the kernel, and the next ones use the kernel."""
     torch = pytest.importorskip("torch")
     from conftest import wait_for
 
@@ -99,10 +112,7 @@ def test_the_first_compaction_builds_the_kernel_in_the_background_and_copies_mea
     used: list[str] = []
     real_gather_scatter = compact.gather_scatter
     monkeypatch.setattr(compact, "gather_scatter", lambda *a: (used.append("torch"), real_gather_scatter(*a)))
-    with cuda_manager("kernel-background", num_blocks=4 * BPP) as m:
-        assert m.alloc(4 * BPP) is not None
-        raw = m.backend.all_blocks(m.block_bytes)
-        raw.view(torch.int64).random_()
+    with random_cache("kernel-background", 4) as (m, raw):
         device = raw.device.index or 0
         expected = raw.clone()
         real_gather_scatter(expected, [(0, 9), (1, 10)])
@@ -123,10 +133,7 @@ def test_a_kernel_that_fails_at_launch_is_given_up_for_torchs_copy(monkeypatch) 
     from kvcached_core.backends import cuda_copy
 
     monkeypatch.setattr(cuda_copy, "_movers", dict(cuda_copy._movers))
-    with cuda_manager("kernel-fails", num_blocks=4 * BPP) as m:
-        assert m.alloc(4 * BPP) is not None
-        raw = m.backend.all_blocks(m.block_bytes)
-        raw.view(torch.int64).random_()
+    with random_cache("kernel-fails", 4) as (m, raw):
         device = raw.device.index or 0
         assert isinstance(cuda_copy.mover(device), cuda_copy.Mover)
 

@@ -130,19 +130,10 @@ def device_copy(backend: object, block_bytes: int, moves: Sequence[Move]) -> lis
         return []
     import torch  # the CUDA path only; torch is optional
 
-    from ..backends.cuda_copy import CopyKernelUnavailable, Mover, fits, forget, mover
+    from ..backends.cuda_copy import move_if_able
 
     rows = backend.all_blocks(block_bytes)  # type: ignore[attr-defined]
-    device = rows.device.index or 0
-    kernel = mover(device, wait=False) if fits(rows, moves) else None  # the first compaction starts its build
-    copied = False
-    if isinstance(kernel, Mover):
-        try:
-            kernel.move(rows, moves)
-            copied = True
-        except CopyKernelUnavailable as exc:
-            forget(device, str(exc))
-    if not copied:
+    if not move_if_able(rows, moves):
         gather_scatter(rows, moves)
     torch.cuda.synchronize(rows.device)
     return list(moves)

@@ -7,7 +7,8 @@ pair straight from its source to its destination, 16 bytes a load.
 It is compiled by NVRTC from :data:`SOURCE` (part of this module) into a cubin for the device's
 own architecture, in memory, once per process and device, and loaded from memory: nothing is read
 from or written to a file, and no driver JIT cache is involved (a cubin is machine code, not PTX).
-Where NVRTC is missing or refuses, :func:`mover` says why and the caller keeps the gather/scatter.
+Where NVRTC is missing or refuses, :func:`mover` says why and :func:`move_if_able` leaves the copy to
+torch's gather and scatter.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class Mover:
         memory the copy is done with the host buffer before it returns.)"""
         import torch
 
-        flat = array.array("q", itertools.chain.from_iterable(moves))  # about half the host time of torch.tensor
+        flat = array.array("q", itertools.chain.from_iterable(moves))  # one buffer, no tensor built per tuple
         with torch.cuda.device(rows.device):  # its context current on this thread (a poller serves every device)
             self.launch(rows, torch.frombuffer(flat, dtype=torch.long).to(rows.device, non_blocking=True))
 
@@ -115,7 +116,7 @@ _building: set[int] = set()  # devices whose kernel a background thread builds n
 def mover(device: int, *, wait: bool = True) -> Mover | str | None:
     """The kernel on ``device``, or the reason it cannot be had (said once in the log).
 
-    The first call builds it (NVRTC: a fraction of a second). ``wait=False`` never builds on the caller's
+    The first call builds it (an NVRTC compile). ``wait=False`` never builds on the caller's
     thread: it starts the build in the background and answers None until the kernel is there, so a
     compaction under its allocator's lock does not hold the engine for a compile."""
     found = _movers.get(device)
@@ -153,11 +154,25 @@ def _start_build(device: int) -> None:
     threading.Thread(target=build, name=f"kvcached-copy-kernel-{device}", daemon=True).start()
 
 
-def forget(device: int, why: str) -> None:
-    """The kernel failed on ``device`` at a launch: torch's copy from now on (said once in the log)."""
-    with _lock:
-        _movers[device] = why
-    log.warning("compaction copies with torch's gather and scatter on cuda:%d from now on: %s", device, why)
+def move_if_able(rows: Any, moves: Sequence[tuple[int, int]]) -> bool:
+    """Copy the moves with the kernel (see :meth:`Mover.move`) when it can: False, nothing copied, when the moves
+    do not :func:`fit <fits>`, the kernel is still being built (this call starts that in the background, so a
+    compaction under its allocator's lock never waits for a compile) or cannot be had, or its launch fails (the
+    kernel is then given up for the process, said once in the log)."""
+    if not fits(rows, moves):
+        return False
+    device = rows.device.index or 0
+    kernel = mover(device, wait=False)
+    if not isinstance(kernel, Mover):
+        return False
+    try:
+        kernel.move(rows, moves)
+    except CopyKernelUnavailable as exc:
+        with _lock:
+            _movers[device] = str(exc)
+        log.warning("compaction copies with torch's gather and scatter on cuda:%d from now on: %s", device, exc)
+        return False
+    return True
 
 
 def _check(result: Any, what: str) -> Any:

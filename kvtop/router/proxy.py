@@ -179,8 +179,7 @@ async def _pass(request: web.Request, engine: Engine, raw: bytes, started: float
                 try:
                     body = await upstream.read()
                 except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-                    return error(503, f"model {engine.model_id!r}: its engine at {engine.endpoint} hung up before "
-                                      f"its answer was whole ({exc})", "service_unavailable", "engine_unreachable")
+                    return _unreachable(engine, f"hung up before its answer was whole ({exc})")
                 fig.latency_s.append(time.perf_counter() - started)
                 return web.Response(body=body, status=upstream.status, headers=out_headers)
             response = web.StreamResponse(status=upstream.status, headers=out_headers)
@@ -206,17 +205,14 @@ async def _pass(request: web.Request, engine: Engine, raw: bytes, started: float
             return gone
         errno = exc.os_error.errno
         reason = os.strerror(errno) if errno and errno > 0 else (exc.os_error.strerror or str(exc.os_error))
-        return error(503, f"model {engine.model_id!r}: its engine at {engine.endpoint} cannot be reached "
-                          f"({reason.lower()})", "service_unavailable", "engine_unreachable")
+        return _unreachable(engine, f"cannot be reached ({reason.lower()})")
     except aiohttp.ServerTimeoutError:
-        return error(503, f"model {engine.model_id!r}: its engine at {engine.endpoint} did not accept a connection "
-                          f"within {CONNECT_TIMEOUT_S:g} s", "service_unavailable", "engine_unreachable")
+        return _unreachable(engine, f"did not accept a connection within {CONNECT_TIMEOUT_S:g} s")
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
         gone = await _gone(app, engine)
         if gone is not None:
             return gone
-        return error(503, f"model {engine.model_id!r}: its engine at {engine.endpoint} hung up ({exc})",
-                     "service_unavailable", "engine_unreachable")
+        return _unreachable(engine, f"hung up ({exc})")
 
 
 async def _send(app: web.Application, url: str, raw: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
@@ -239,6 +235,12 @@ async def _note_reuse(_session: aiohttp.ClientSession, context: SimpleNamespace,
     """The session's trace: a request goes on a pooled connection (see :func:`_send`)."""
     if isinstance(context.trace_request_ctx, SimpleNamespace):
         context.trace_request_ctx.reused = True
+
+
+def _unreachable(engine: Engine, what: str) -> web.Response:
+    """``503 engine_unreachable``: what the engine did (``what``) instead of answering."""
+    return error(503, f"model {engine.model_id!r}: its engine at {engine.endpoint} {what}", "service_unavailable",
+                 "engine_unreachable")
 
 
 def _gone_error(engine: Engine) -> web.Response:

@@ -35,7 +35,10 @@ class Case:
 
 
 CASES = [
-    Case("unknown-command", ("frobnicate",), USAGE, "No such command 'frobnicate'"),
+    Case("unknown-command", ("frobnicate",), USAGE, "No such command 'frobnicate' (see 'kvctl --help')"),
+    Case("mistyped-command", ("lsit",), USAGE, "No such command 'lsit'; did you mean list"),
+    Case("command-prefix", ("sl",), USAGE, "No such command 'sl'; did you mean sleep?"),
+    Case("misspelled-command", ("wkae", "m1"), USAGE, "No such command 'wkae'; did you mean wake?"),
     Case("unknown-option", ("list", "--bogus"), USAGE, "No such option"),
     Case("missing-model", ("show",), USAGE, "Missing argument 'MODEL'"),
     Case("unknown-model", ("show", "nosuch"), FAILURE, "no model named 'nosuch' (known: m1)"),

@@ -110,6 +110,17 @@ def test_limit_without_waiting_is_pending(spawn_allocator):
     assert wait_for(lambda: listed("m1")["applied_revision"] == 1)
 
 
+def test_sleep_wait_0_says_what_waiting_would_do(spawn_allocator):
+    """--wait 0 writes the request and returns: the answer names the option it was given, not one to add."""
+    spawn_allocator("m1", script="m.set_sleep_handler(lambda action: None)")
+    done = kvctl("sleep", "m1", "--wait", "0")
+    assert done.exit_code == 0, done.stderr
+    assert done.stdout == "m1: pending: not asleep yet; --wait N waits up to N seconds\n"
+    woken = kvctl("wake", "m1", "--wait", "0")
+    assert woken.exit_code == 0, woken.stderr
+    assert woken.stdout == "m1: pending: not awake yet; --wait N waits up to N seconds\n"
+
+
 def test_no_acknowledgement_in_time_exits_1(spawn_allocator):
     proc = spawn_allocator("m1")
     freeze(proc.pid)  # alive and (for ~3 s) fresh, but not answering

@@ -8,6 +8,7 @@ This package must never import textual; rich is imported only to draw tables for
 
 from __future__ import annotations
 
+import difflib
 import enum
 import importlib
 import os
@@ -166,6 +167,15 @@ def silence_stdout() -> None:
         pass  # not a real file (e.g. under CliRunner)
 
 
+def command_guesses(name: str) -> list[str]:
+    """The commands a mistyped ``name`` may mean: those it begins (``li``: list), then the close spellings
+    (``lsit``: list), at most three."""
+    lowered = name.lower()
+    guesses = [c for c in COMMANDS if lowered and c.startswith(lowered)]
+    guesses += [c for c in difflib.get_close_matches(lowered, list(COMMANDS), n=3, cutoff=0.6) if c not in guesses]
+    return guesses[:3]
+
+
 class KvctlGroup(click.Group):
     """A group that imports its commands lazily and turns every error into one stderr line."""
 
@@ -181,6 +191,15 @@ class KvctlGroup(click.Group):
         if command.help and "``" in command.help:  # docstrings mark literals the Python way; help shows them plain
             command.help = command.help.replace("``", "")
         return command
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        """As click's, but a name that is no command says which commands it may mean."""
+        name = click.utils.make_str(args[0])
+        if name in COMMANDS or name.startswith("-") or ctx.resilient_parsing:
+            return super().resolve_command(ctx, args)
+        guesses = command_guesses(name)
+        hint = f"; did you mean {' or '.join(guesses)}?" if guesses else ""
+        raise click.UsageError(f"No such command {name!r}{hint}", ctx)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

@@ -192,9 +192,16 @@ def sleep_cmd(ctx: click.Context, model: str | None, now: bool, after_idle: floa
                 "then woken by a request")
     elif out["state"] == "awake":
         text = f"{m.name}: awake: a request woke it before it slept (nothing released)"
+    elif out["state"] == "pending":
+        text = _pending_text(m.name, "asleep")
     else:
         text = f"{m.name}: {out['state']} (running requests finish first; kvctl sleep --wait waits for it)"
     _answer(out, text, as_json)
+
+
+def _pending_text(name: str, target: str) -> str:
+    """The answer to ``--wait 0``: the request is written and the model has not taken it yet."""
+    return f"{name}: pending: not {target} yet; --wait N waits up to N seconds"
 
 
 @click.command("wake")
@@ -219,6 +226,8 @@ def wake_cmd(ctx: click.Context, model: str | None, wait: float | bool | None, t
         text = f"{m.name}: already awake (nothing changed)"
     elif out.get("superseded"):
         text = f"{m.name}: a later request (revision {out['superseded_by']}) replaced this one; the model is {out['state']}"
+    elif out["state"] == "pending":
+        text = _pending_text(m.name, "awake")
     else:
         text = f"{m.name}: {out['state']}"
     _answer(out, text, as_json)

@@ -10,6 +10,10 @@ running ones finish (``--now``: preempts them), drops its prefix cache, frees ev
 calls ``ready()``, so every page is unmapped. It wakes on ``kvctl wake`` or on its next request:
 the simulated users of a sleeping model come back with its next burst of traffic.
 
+Each model also serves a toy OpenAI-compatible endpoint on 127.0.0.1 (:mod:`kvtop.demo_serve`) and
+publishes its address in its segment, as a real engine does, so ``kvctl route`` serves the demo too; its
+requests allocate blocks beside the simulated ones and wake a sleeping model.
+
 Not part of the allocator: a client of kvcached_core's public API, as an engine is, that
 ``kvctl demo`` and ``kvtop --demo`` start (each model is ``python -m kvtop.demo`` in a child).
 """
@@ -68,6 +72,8 @@ class DemoEngine:
     asked: deque[str] = field(default_factory=deque)
     draining: bool = False
     asleep: bool = False
+    # Held by step() and by the requests the model's server takes (kvtop.demo_serve), which run in its thread.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def on_sleep(self, action: str) -> None:
         """The engine's sleep handler: returns at once; the serving loop does the work at its next step."""
@@ -75,17 +81,30 @@ class DemoEngine:
 
     def step(self, phase: str) -> None:
         arrivals = self.rng.randint(0, {"burst": 3, "steady": 1, "idle": 0}[phase])
-        self._take_sleep_request()
-        if self.asleep and arrivals and phase == "burst":
-            self.manager.sleep.wake()  # a request for a sleeping model wakes it, as in a serving engine
-            self.asleep = False
-        if not (self.draining or self.asleep):
-            for _ in range(arrivals):
-                if len(self.running) < self.max_running:
-                    self._admit()
-        self._decode()
-        if self.draining and not self.running:
-            self._fall_asleep()
+        with self.lock:
+            self._take_sleep_request()
+            if self.asleep and arrivals and phase == "burst":
+                self._wake_for_request()
+            if not (self.draining or self.asleep):
+                for _ in range(arrivals):
+                    if len(self.running) < self.max_running:
+                        self._admit()
+            self._decode()
+            if self.draining and not self.running:
+                self._fall_asleep()
+
+    def take_request(self, blocks: int) -> list[int] | None:
+        """A request from the model's server arrives: the model woken if it sleeps (or is going to sleep), and
+        ``blocks`` blocks for its prompt (None: no room now)."""
+        with self.lock:
+            self._take_sleep_request()
+            if self.asleep or self.draining:
+                self._wake_for_request()
+            return self.manager.alloc(blocks)
+
+    def _wake_for_request(self) -> None:
+        self.manager.sleep.wake()  # a request for a sleeping model wakes it, as in a serving engine
+        self.asleep = self.draining = False
 
     def _take_sleep_request(self) -> None:
         while self.asked:
@@ -201,9 +220,11 @@ def die_with_parent(stop: Callable[[], None]) -> None:
 def run_model(name: str, engine: str, layers: int, seed: int, duration: float | None, tick: float = 0.05) -> None:
     """Child-process body: serve simulated traffic until ``duration``, SIGTERM/SIGINT or the parent's end.
 
-    Says ``ready`` on stdout once its segment exists, or ``failed: <why>`` (one line) and exits 1.
+    Says ``ready`` on stdout once its segment exists and its server (:mod:`kvtop.demo_serve`) listens, its
+    address published, or ``failed: <why>`` (one line) and exits 1.
     """
     from kvcached_core import KVCacheManager
+    from kvtop.demo_serve import DemoServer
 
     stopping = threading.Event()
     signalled = False
@@ -224,9 +245,15 @@ def run_model(name: str, engine: str, layers: int, seed: int, duration: float | 
     except (OSError, ValueError) as exc:  # SegmentError and ConfigError are ValueErrors
         print(f"failed: {' '.join(str(exc).split()) or type(exc).__name__}", flush=True)
         raise SystemExit(1) from None
+    demo = DemoEngine(manager, rng)
+    try:
+        server = DemoServer(name, demo).start()
+    except (OSError, ValueError) as exc:
+        manager.close()
+        print(f"failed: its server cannot listen: {' '.join(str(exc).split()) or type(exc).__name__}", flush=True)
+        raise SystemExit(1) from None
     print("ready", flush=True)
-    with manager:
-        demo = DemoEngine(manager, rng)
+    with manager, server:
         manager.set_sleep_handler(demo.on_sleep)
         start = time.monotonic()
         period, offset = rng.uniform(12, 24), rng.uniform(0, 10)

@@ -249,7 +249,7 @@ def test_an_engine_that_hangs_up_halfway_through_its_answer_is_a_503_not_a_500(r
     (("--listen", "[localhost]:8080"), 2, "in brackets is not an IPv6 address"),
     (("--rescan", "0"), 2, "'0' is out of range"),
     (("--wake-timeout", "soon"), 2, "'soon' is not a number"),
-    (("--listen", "no.such.host.invalid:8080"), 1, "cannot serve on no.such.host.invalid:8080"),
+    (("--listen", "no.such.host.invalid:8080", "--no-auth"), 1, "cannot serve on no.such.host.invalid:8080"),
     (("--max-in-flight", "-1"), 2, "-1 is not in the range x>=0"),
 ], ids=["listen-no-port", "listen-port-65536", "listen-ipv6-bare", "listen-brackets-not-ipv6", "rescan-0",
         "wake-timeout-word", "listen-unresolvable", "max-in-flight-negative"])

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kvtop.cli import Failure
 from kvtop.cli.common import Number
+
+if TYPE_CHECKING:
+    from kvtop.router.directory import Directory
+
+KEY_ENV = "KVCTL_ROUTE_API_KEY"
 
 
 class ListenType(click.ParamType):
@@ -37,6 +42,53 @@ class ListenType(click.ParamType):
         return host, int(port_text)
 
 
+def loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (a loopback address, or localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: whatever it resolves to may be reached from elsewhere
+
+
+def api_key_of(given: str | None, path: str | None, no_auth: bool, host: str) -> str:
+    """The key requests must carry ("" for none), from --api-key (or the environment) or --api-key-file; a usage
+    error for a key that cannot be one, two sources, or a non-loopback address without a key or --no-auth."""
+    if given is not None and path is not None:
+        raise click.UsageError(f"give the key once: --api-key (or {KEY_ENV}) or --api-key-file, not both")
+    key = given
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                key = fh.read(4097).strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise click.UsageError(f"--api-key-file {path}: {reason}") from None
+    if key is not None:
+        if no_auth:
+            raise click.UsageError("--no-auth serves without a key: give it or a key, not both")
+        if not key or len(key) > 4096 or any(ch.isspace() or not ch.isprintable() for ch in key):
+            raise click.UsageError("the API key must be 1 to 4096 printable characters without blanks")
+        return key
+    if not loopback(host) and not no_auth:
+        raise click.UsageError(f"listening on {host} serves other hosts: give a key ({KEY_ENV}=KEY, or "
+                               "--api-key-file PATH) or say --no-auth")
+    return ""
+
+
+def startup_report(url: str, directory: Directory, keyed: bool) -> str:
+    """What the router says once it listens: the URL, the models it serves, and those it skips with why."""
+    lines = [f"kvctl route: serving {url}/v1 (Ctrl-C stops){'; requests need the API key' if keyed else ''}"]
+    served = directory.serving()
+    if served:
+        lines.append("  serving: " + ", ".join(f"{e.model_id} ({e.state})" for e in served))
+    else:
+        lines.append("  serving: no model yet (models are found as their engines start)")
+    lines.extend(f"  skipped: {s.name}: {s.why}" for s in directory.skipped)
+    return "\n".join(lines)
+
+
 @click.command("route")
 @click.option("--listen", type=ListenType(), default="127.0.0.1:8080", show_default=True, metavar="HOST:PORT",
               help="Address to serve on (0.0.0.0:PORT or [::]:PORT for other hosts; port 0 picks a free one).")
@@ -48,7 +100,15 @@ class ListenType(click.ParamType):
 @click.option("--max-in-flight", "max_in_flight", type=click.IntRange(min=0), default=0, show_default=True,
               metavar="N", help="At most N requests at a time to the engines of one device (0: no limit); the "
               "others wait, the model of highest `kvctl policy --priority` first.")
-def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float, max_in_flight: int) -> None:
+@click.option("--api-key", "api_key", envvar=KEY_ENV, metavar="KEY",
+              help=f"Answer 401 to a request without 'Authorization: Bearer KEY' (also from {KEY_ENV}; a command "
+              "line shows in ps, the environment or --api-key-file does not).")
+@click.option("--api-key-file", "api_key_file", type=click.Path(dir_okay=False), metavar="PATH",
+              help="Read the key from PATH (its first line).")
+@click.option("--no-auth", "no_auth", is_flag=True,
+              help="Serve a non-loopback address without a key (anyone who reaches the port may use every model).")
+def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float, max_in_flight: int,
+              api_key: str | None, api_key_file: str | None, no_auth: bool) -> None:
     """Serve every model on this host behind one OpenAI-compatible endpoint.
 
     Each engine publishes the address it serves on in its segment (the vLLM plugin takes vLLM's
@@ -61,18 +121,26 @@ def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float, max_i
       POST /v1/completions          passed to the model's engine, streamed (SSE) or not
       POST /v1/chat/completions     likewise (and any other POST /v1/... naming a model)
       GET  /kvcached/figures        requests, errors, in flight, TTFT and latency p50/p99 per model
+      GET  /health                  200 "ok" once listening (needs no key)
 
     A model that is asleep is woken by the request, which waits for it (--wake-timeout). An unknown
-    model is answered 404, a model whose engine is gone or unreachable 503, each with an
-    OpenAI-style error body saying why. With --max-in-flight, a request beyond N waits at the router;
-    a freed place goes to the model of highest policy priority, then to the request of lowest
-    "priority" field (which goes on to the engine: vLLM's --scheduling-policy priority reads it),
-    then to the earliest. Runs until Ctrl-C or SIGTERM.
+    model is answered 404, one that publishes no serving address 404 with that reason, a model
+    whose engine is gone or unreachable 503, each with an OpenAI-style error body saying why.
+
+    With a key (--api-key, KVCTL_ROUTE_API_KEY or --api-key-file), a request without it is answered
+    401 before any model is listed, woken or sent to; the client's Authorization header goes on to
+    the engine unchanged, so engines started with their own key (vLLM's --api-key) take the same
+    one. Listening on an address other hosts reach needs a key, or --no-auth.
+
+    With --max-in-flight, a request beyond N waits at the router; a freed place goes to the model
+    of highest policy priority, then to the request of lowest "priority" field (which goes on to
+    the engine: vLLM's --scheduling-policy priority reads it), then to the earliest. Runs until
+    Ctrl-C or SIGTERM.
 
     \b
     Examples:
       kvctl route                               # http://127.0.0.1:8080/v1
-      kvctl route --listen 0.0.0.0:8000 --wake-timeout 120
+      KVCTL_ROUTE_API_KEY=$(cat ~/.kvroute-key) kvctl route --listen 0.0.0.0:8000
       kvctl route --max-in-flight 64               # per device; the rest wait, by priority
       curl -s localhost:8080/v1/completions -H 'Content-Type: application/json' \\
            -d '{"model": "llama-3-8b", "prompt": "Hello", "max_tokens": 16}'
@@ -87,12 +155,14 @@ def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float, max_i
     except ImportError as exc:
         raise Failure(f"kvctl route needs aiohttp ({exc}): pip install 'aiohttp>=3.9'") from None
     host, port = listen
+    key = api_key_of(api_key, api_key_file, no_auth, host)
 
-    def ready(url: str) -> None:
-        click.echo(f"kvctl route: serving {url}/v1 (Ctrl-C stops)", err=True)
+    def ready(url: str, directory: Directory) -> None:
+        click.echo(startup_report(url, directory, bool(key)), err=True)
 
     try:
-        serve(host, port, rescan_s=rescan, wake_timeout_s=wake_timeout, max_in_flight=max_in_flight, ready=ready)
+        serve(host, port, rescan_s=rescan, wake_timeout_s=wake_timeout, max_in_flight=max_in_flight, api_key=key,
+              ready=ready)
     except OSError as exc:
         reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else (exc.strerror or str(exc))
         raise Failure(f"cannot serve on {host}:{port}: {reason}") from None

@@ -4,7 +4,8 @@ A model is routable when its segment publishes an endpoint (the ENDPOINT words).
 names its engine's ``/v1/models`` lists (vLLM's ``--served-model-name``), to its segment's name and to
 the model its header names (when no other engine claims it). A model whose engine is gone (its process
 exited: the segment is stale, or the segment was removed) stays known as gone, so a request for it is
-told why (503) instead of that the model never existed (404).
+told why (503) instead of that the model never existed (404). A model whose segment is there but cannot
+be routed (it publishes no endpoint, or its file is not this user's own) is known as skipped, with why.
 """
 
 from __future__ import annotations
@@ -22,18 +23,34 @@ from kvcached_core import ModelSnapshot, scan
 
 LIVE, ASLEEP, DRAINING, GONE = "live", "asleep", "draining", "gone"
 SERVED_TIMEOUT_S = 5.0  # an engine's /v1/models, asked once per engine process
+NO_ENDPOINT = "publishes no serving address (its engine serves no HTTP endpoint)"
+NOT_OWN = ("its segment is not a private file of this user (requests go only to engines whose segments this "
+           "user owns: another's could name any address)")
 
 
-def _scan_own(shm_dir: Path | None) -> tuple[list[tuple[ModelSnapshot, str]], set[str]]:
+@dataclass(frozen=True)
+class Skipped:
+    """A model kvctl list shows that the router cannot send requests to, and why."""
+
+    name: str  # the segment's name
+    model: str  # the model its header names
+    why: str
+
+
+def _scan_own(shm_dir: Path | None) -> tuple[list[tuple[ModelSnapshot, str]], list[Skipped], set[str]]:
     """The models that publish an endpoint in segment files this user owns (0600, as allocators create them): a
-    segment another user wrote could name any address, and requests carry prompts. And the names of segments
-    too busy to read this instant (their writer stayed inside a publish through the reader's retries)."""
+    segment another user wrote could name any address, and requests carry prompts. The live models that cannot
+    be routed, with why. And the names of segments too busy to read this instant (their writer stayed inside a
+    publish through the reader's retries)."""
     found = scan(directory=shm_dir, ours_only=True)
     busy = {name for p in found.problems if p.status == "busy" and (name := p.segment_name) is not None}
     own = []
-    for snap in found.models:  # upstream rows publish no endpoint
+    skipped = []
+    for snap in found.models:
         endpoint = snap.endpoint
-        if snap.legacy or endpoint is None:
+        if endpoint is None:  # upstream (legacy) rows publish none either
+            if snap.status != "stale":
+                skipped.append(Skipped(snap.name, snap.model, NO_ENDPOINT))
             continue  # nothing to send requests to
         try:
             st = os.stat(snap.path, follow_symlinks=False)
@@ -41,7 +58,9 @@ def _scan_own(shm_dir: Path | None) -> tuple[list[tuple[ModelSnapshot, str]], se
             continue
         if st.st_uid == os.getuid() and not st.st_mode & 0o077:
             own.append((snap, endpoint))
-    return own, busy
+        elif snap.status != "stale":
+            skipped.append(Skipped(snap.name, snap.model, NOT_OWN))
+    return own, skipped, busy
 
 
 def state_of(snap: ModelSnapshot) -> str:
@@ -88,6 +107,7 @@ class Directory:
     shm_dir: Path | None
     session: aiohttp.ClientSession | None = None
     engines: dict[str, Engine] = field(default_factory=dict)  # by segment name, gone ones included
+    skipped: list[Skipped] = field(default_factory=list)  # as of the last scan, by name
     scans: int = 0
     _names: dict[str, str] = field(default_factory=dict)  # a name a request may give -> segment name
     _served: dict[tuple, tuple[str, ...]] = field(default_factory=dict)
@@ -102,8 +122,9 @@ class Directory:
             if unless_since is not None and self._last_scan >= unless_since:
                 return
             self._last_scan = time.monotonic()
-            found, busy = await asyncio.to_thread(_scan_own, self.shm_dir)
+            found, skipped, busy = await asyncio.to_thread(_scan_own, self.shm_dir)
             self.scans += 1
+            self.skipped = sorted(skipped, key=lambda s: s.name)
             seen = set()
             for snap, endpoint in found:
                 seen.add(snap.name)
@@ -165,6 +186,17 @@ class Directory:
     def resolve(self, model: str) -> Engine | None:
         name = self._names.get(model)
         return None if name is None else self.engines.get(name)
+
+    def skipped_as(self, model: str) -> Skipped | None:
+        """The model ``model`` names among those the last scan skipped (its segment's name, else its header's)."""
+        return next((s for s in self.skipped if s.name == model), None) or next(
+            (s for s in self.skipped if s.model == model), None)
+
+    async def asked(self, timeout_s: float) -> None:
+        """Wait, at most ``timeout_s``, for the engines being asked their served ids (the router's first report)."""
+        tasks = list(self._asking.values())
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
 
     async def find(self, model: str) -> Engine | None:
         """The engine ``model`` names; a name nobody answers to rescans first (a model that just started)."""

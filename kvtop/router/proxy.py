@@ -1,13 +1,16 @@
 """The router's aiohttp application: ``/v1/models``, every ``POST /v1/...`` passed to the engine serving its
-``model`` (streamed server-sent events as they come), errors in OpenAI's shape."""
+``model`` (streamed server-sent events as they come), errors in OpenAI's shape; with an API key, every route but
+``/health`` answers 401 to a request without it, before anything is listed, woken or passed on."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -32,6 +35,8 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 FRESH = web.AppKey("fresh", aiohttp.ClientSession)  # a new connection for every request: the one resend
 SETTINGS = web.AppKey("settings", dict)
 WAKING = web.AppKey("waking", dict)
+LISTENING = web.AppKey("listening", asyncio.Event)  # set once the address is bound: figures are published from then
+API_KEY = web.AppKey("api_key", bytes)  # b"": no key asked
 PUBLISH_S = 1.0  # how often the figures file is written
 CLIENT_GONE = 499  # the status counted for a request whose client went away before it was passed on
 CONNECT_TIMEOUT_S = 10.0  # an engine that accepts no connection in this long is answered 503
@@ -52,6 +57,25 @@ def error(status: int, message: str, kind: str, code: str, param: str | None = N
 
 def _passed(headers: object) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in HOP}  # type: ignore[attr-defined]
+
+
+@web.middleware
+async def authorized(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """With an API key, a request without ``Authorization: Bearer KEY`` is answered 401 before it is handled;
+    ``/health`` stays open. The key is compared in constant time."""
+    key = request.app[API_KEY]
+    if not key or request.path == "/health":
+        return await handler(request)
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        response = error(401, "no API key given: send 'Authorization: Bearer KEY' with the key kvctl route was "
+                         "started with", "invalid_request_error", "invalid_api_key")
+    elif not hmac.compare_digest(given.strip().encode(), key):
+        response = error(401, "incorrect API key given", "invalid_request_error", "invalid_api_key")
+    else:
+        return await handler(request)
+    response.headers["WWW-Authenticate"] = 'Bearer realm="kvctl route"'
+    return response
 
 
 async def models(request: web.Request) -> web.Response:
@@ -120,6 +144,9 @@ async def forward(request: web.Request) -> web.StreamResponse:
         return error(503, f"the segment directory cannot be read: {exc}", "service_unavailable", "no_directory")
     if engine is None:
         figs.unrouted += 1
+        skipped = directory.skipped_as(model)
+        if skipped is not None:
+            return error(404, f"model {model!r} {skipped.why}", "invalid_request_error", "model_not_served", "model")
         served = ", ".join(e.model_id for e in directory.serving()) or "none"
         return error(404, f"The model `{model}` does not exist (models served here: {served})",
                      "invalid_request_error", "model_not_found", "model")
@@ -257,20 +284,44 @@ async def _gone(app: web.Application, engine: Engine) -> web.Response | None:
     return _gone_error(now) if now.state == GONE else None
 
 
-async def _publish(app: web.Application, shm_dir: Path | None) -> None:
-    """Write the figures where kvctl and the exporter read them (:mod:`.published`) every second, until cancelled."""
-    directory = shm_dir or settings().shm_dir
+class Publisher:
+    """The figures file (:mod:`.published`): written from a thread, removed once for good. A write under way
+    when the router stops ends before the file is removed, and none starts after."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def write(self, listen: str, models: dict[str, dict]) -> None:
+        with self._lock:
+            if not self._stopped:
+                published.write(self.directory, listen, models)
+
+    def remove(self) -> None:
+        with self._lock:
+            self._stopped = True
+            published.remove(self.directory)
+
+
+async def _publish(app: web.Application, publisher: Publisher) -> None:
+    """Once the router listens, write the figures where kvctl and the exporter read them every second, until
+    cancelled (a router that could not listen writes nothing)."""
+    await app[LISTENING].wait()
     while True:
         with contextlib.suppress(OSError):
-            await asyncio.to_thread(published.write, directory, app[SETTINGS]["listen"], app[FIGURES].by_model())
+            await asyncio.to_thread(publisher.write, app[SETTINGS]["listen"], app[FIGURES].by_model())
         await asyncio.sleep(PUBLISH_S)
 
 
 def make_app(shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout_s: float = 60.0,
-             max_in_flight: int = 0) -> web.Application:
+             max_in_flight: int = 0, api_key: str = "") -> web.Application:
     """The router: models from the segments in ``shm_dir`` (None: KVCACHED_SHM_DIR), rescanned every ``rescan_s``;
-    at most ``max_in_flight`` requests at a time to the engines of one device (0: no limit)."""
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    at most ``max_in_flight`` requests at a time to the engines of one device (0: no limit); with ``api_key``,
+    only requests that carry it (``/health`` aside)."""
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[authorized])
+    app[API_KEY] = api_key.encode()
+    app[LISTENING] = asyncio.Event()
     app[ADMISSION] = Admission(max_in_flight)
     app[SETTINGS] = {"wake_timeout_s": wake_timeout_s, "listen": ""}
     app[FIGURES] = Figures()
@@ -290,13 +341,14 @@ def make_app(shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout
         with contextlib.suppress(OSError):
             await directory.refresh()
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(directory.run(rescan_s)), loop.create_task(_publish(app, shm_dir))]
+        publisher = Publisher(shm_dir or settings().shm_dir)
+        tasks = [loop.create_task(directory.run(rescan_s)), loop.create_task(_publish(app, publisher))]
         yield
         for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        published.remove(shm_dir or settings().shm_dir)
+        await asyncio.to_thread(publisher.remove)
         await session.close()
         await fresh.close()
 
@@ -308,16 +360,20 @@ def make_app(shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout
     return app
 
 
+STARTUP_ASK_S = 2.0  # how long the first report waits for the engines' served ids
+
+
 def serve(host: str, port: int, shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout_s: float = 60.0,
-          max_in_flight: int = 0, ready: Callable[[str], None] | None = None) -> None:
+          max_in_flight: int = 0, api_key: str = "", ready: Callable[[str, Directory], None] | None = None) -> None:
     """Listen on ``host:port`` until SIGINT or SIGTERM; ``ready`` gets the URL once listening (port 0: the one
-    the system chose). OSError when the address cannot be bound."""
-    asyncio.run(_serve(host, port, shm_dir, rescan_s, wake_timeout_s, max_in_flight, ready))
+    the system chose) and the models found then. OSError when the address cannot be bound."""
+    asyncio.run(_serve(host, port, shm_dir, rescan_s, wake_timeout_s, max_in_flight, api_key, ready))
 
 
 async def _serve(host: str, port: int, shm_dir: Path | None, rescan_s: float, wake_timeout_s: float,
-                 max_in_flight: int, ready: Callable[[str], None] | None) -> None:
-    app = make_app(shm_dir, rescan_s=rescan_s, wake_timeout_s=wake_timeout_s, max_in_flight=max_in_flight)
+                 max_in_flight: int, api_key: str, ready: Callable[[str, Directory], None] | None) -> None:
+    app = make_app(shm_dir, rescan_s=rescan_s, wake_timeout_s=wake_timeout_s, max_in_flight=max_in_flight,
+                   api_key=api_key)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
@@ -326,8 +382,10 @@ async def _serve(host: str, port: int, shm_dir: Path | None, rescan_s: float, wa
         bound = runner.addresses[0]
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         app[SETTINGS]["listen"] = f"http://{shown}:{bound[1]}"
+        app[LISTENING].set()
         if ready is not None:
-            ready(f"http://{shown}:{bound[1]}")
+            await app[DIRECTORY].asked(STARTUP_ASK_S)
+            ready(f"http://{shown}:{bound[1]}", app[DIRECTORY])
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

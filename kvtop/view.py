@@ -26,19 +26,33 @@ STATE_STYLES = {"free": "grey35", "reserved": "steel_blue1", "cached": "magenta"
 RESERVED_STYLE, OTHERS_STYLE, FREE_STYLE = "steel_blue1", "grey50", "grey27"
 SPARK = "▁▂▃▄▅▆▇█"
 
-# (key, header, minimum width, right-aligned)
+# (key, header, width, right-aligned): the width a column's values take (a size: "1023.9 MiB"), so the
+# columns chosen to fit the screen still fit as the figures change; a wider value widens its column.
 COLUMNS = (
-    ("name", "model", 12, False), ("status", "status", 9, False), ("mapped", "mapped", 9, True),
-    ("limit", "limit", 10, True), ("held", "held", 9, True), ("reserved", "reserved", 9, True),
-    ("cached", "cached", 9, True), ("waste", "waste", 6, True), ("rate", "alloc/s", 10, True),
+    ("name", "model", 12, False), ("status", "status", 9, False), ("mapped", "mapped", 10, True),
+    ("limit", "limit", 10, True), ("held", "held", 10, True), ("reserved", "reserved", 10, True),
+    ("cached", "cached", 10, True), ("waste", "waste", 6, True), ("rate", "alloc/s", 12, True),
     ("spark", "mapped history", 16, False), ("toks", "tok/s", 7, True), ("reqs", "req/s", 6, True),
     ("waiting", "wait", 5, True), ("preempt", "preempt", 7, True), ("idle", "idle", 6, True),
     ("tokspark", "tok/s history", 16, False), ("engine", "engine", 7, False), ("pid", "pid", 7, True),
     ("device", "dev", 3, True), ("min", "min", 8, True), ("prio", "prio", 4, True),
 )
 RATE_COLUMNS = ("rate", "spark", "toks", "reqs", "tokspark")  # need two reads: not in a one-shot table
+TRAFFIC_COLUMNS = ("toks", "reqs", "waiting", "preempt", "idle", "tokspark")  # the engine's traffic words
+POLICY_COLUMNS = ("min", "prio")  # the memory policy (PRESSURE words)
 SPARK_WIDTH = 16
 MAX_PER_CELL = 1 << 20
+
+
+def unpublished_columns(models: Sequence[ModelSnapshot]) -> frozenset[str]:
+    """The columns none of ``models`` can fill, whatever the frame: traffic when no engine publishes its traffic,
+    the policy when no model publishes one (upstream segments). A property of the models, not of a frame's values."""
+    hidden: set[str] = set()
+    if all(m.traffic is None for m in models):
+        hidden.update(TRAFFIC_COLUMNS)
+    if all(m.pressure is None for m in models):
+        hidden.update(POLICY_COLUMNS)
+    return frozenset(hidden)
 
 
 def size(n: int | None) -> str:

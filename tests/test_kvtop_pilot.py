@@ -8,10 +8,11 @@ import re
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import pytest
 from conftest import send
-from fakes import sample_fleet
+from fakes import FAKE_T0, FakeSource, fake_model, fake_pages, sample_fleet
 from rich.console import Console
 from textual.command import CommandPalette
 from textual.pilot import Pilot
@@ -20,6 +21,7 @@ from textual.widgets import OptionList, Static
 import kvcached_core as kc
 from kvcached_core.control.policy import request_policy
 from kvcached_core.segment.reader import snapshot as read_model
+from kvcached_core.segment.snapshot import Traffic
 from kvtop.actions import KEY_NAMES
 from kvtop.app import KvtopApp
 from kvtop.source import Frame, LiveSource
@@ -747,3 +749,65 @@ def test_the_help_screen_lists_the_keys_the_tests_press() -> None:
         assert {"↓ j", "↑ k", "home", "end", "←", "→"} <= set(shown)
 
     drive(app, script)
+
+
+def busy_fleet(steps: int = 10) -> FakeSource:
+    """Three models whose figures all grow, step by step: mapped and held from a few MiB to hundreds, their
+    allocation rates and token rates from nothing to thousands; the set of models stays the same."""
+    bpp = 8
+
+    def model(name: str, pid: int, step: int) -> kc.ModelSnapshot:
+        m = fake_model(name, pages=fake_pages(512, inuse=1 + step * step * 4, reserved=2, bpp=bpp, seed=pid),
+                       pid=pid, page_size=256 * 1024, block_bytes=32 * 1024, num_layers=4,
+                       alloc_blocks=10 * step ** 4)
+        at = int((FAKE_T0 + step) * 1e9)
+        return replace(m, traffic=Traffic(running=step, waiting=step % 4 * 7, finished=step * step,
+                                          prompt_tokens=50 * step ** 3, generated_tokens=40 * step ** 4,
+                                          preemptions=step // 3, last_request_ns=at - step * 7 * 10**9, read_ns=at))
+
+    return FakeSource([tuple(model(n, 1300 + i, step) for i, n in enumerate(("llama-3-8b", "qwen2-7b", "phi-3")))
+                       for step in range(steps)])
+
+
+@pytest.mark.parametrize("width", [116, 148, 188])
+def test_the_model_tables_columns_stay_while_the_models_stay(width: int) -> None:
+    """Figures that widen frame after frame never swap one column for another: the columns are chosen for the
+    models and the width, not for this frame's values (148 wide they went 'tok/s req/s wait engine pid dev',
+    then 'tok/s wait idle engine pid dev', then '... dev min')."""
+    source = busy_fleet()
+    app = KvtopApp(source, interval=0.05)
+    shown: list[list[str]] = []
+
+    async def script(pilot: Pilot) -> None:
+        frames = -1
+        while not (source.done and app.frames_seen > len(source.script) + 1):
+            await pilot.pause(0.01)
+            if app.frames_seen != frames and app.frame is not None:
+                frames = app.frames_seen
+                if not shown or shown[-1] != app.table.headers:
+                    shown.append(app.table.headers)
+
+    drive(app, script, size=(width, 30))
+    assert len(shown) == 1, shown
+
+
+def test_columns_no_model_can_fill_are_left_out_until_one_can() -> None:
+    """Traffic columns of models whose engines publish no traffic would only ever say '-': they make room for
+    others, and come back when a model that publishes traffic appears."""
+    quiet = tuple(replace(m, traffic=None) for m in busy_fleet(2).script[1])
+    busy = busy_fleet(3).script[2]
+    source = FakeSource([quiet, quiet, (*quiet[1:], busy[0])])  # the same models; llama's engine now publishes
+    app = KvtopApp(source, interval=0.05)
+    seen_headers: list[list[str]] = []
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: app.frame is not None, "the first frame")
+        seen_headers.append(app.table.headers)
+        await until(pilot, lambda: source.done and app.frame.model("llama-3-8b").traffic is not None,
+                    "the model that publishes traffic")
+        await pilot.pause(0.1)
+        seen_headers.append(app.table.headers)
+
+    drive(app, script, size=(200, 30))
+    assert not {"tok/s", "req/s", "wait", "idle"} & set(seen_headers[0]), seen_headers[0]
+    assert {"tok/s", "wait"} <= set(seen_headers[1]), seen_headers[1]

@@ -20,7 +20,7 @@ from textual.strip import Strip
 
 from kvcached_core import ModelSnapshot
 from kvtop.history import History
-from kvtop.view import COLUMNS, model_cells
+from kvtop.view import COLUMNS, model_cells, unpublished_columns
 
 GAP = 2
 # Which columns a narrow terminal keeps, first to last; they are drawn in COLUMNS order.
@@ -28,11 +28,15 @@ PRIORITY = ("name", "status", "mapped", "limit", "waste", "held", "reserved", "c
             "pid", "engine", "device", "toks", "waiting", "reqs", "preempt", "idle", "tokspark", "prio", "min")
 
 
-def choose_columns(widths: dict[str, int], width: int) -> tuple[tuple[str, str, int, bool], ...]:
-    """The columns that fit ``width``, taken by :data:`PRIORITY` (a narrow one may pass a wide one)."""
+def choose_columns(widths: dict[str, int], width: int,
+                   hidden: frozenset[str] = frozenset()) -> tuple[tuple[str, str, int, bool], ...]:
+    """The columns that fit ``width``, taken by :data:`PRIORITY` (a narrow one may pass a wide one), but not
+    ``hidden`` ones (those the models cannot fill)."""
     chosen: set[str] = set()
     used = 1
     for key in PRIORITY + tuple(c[0] for c in COLUMNS if c[0] not in PRIORITY):  # a new column still shows
+        if key in hidden:
+            continue
         need = widths[key] + (GAP if chosen else 0)
         if not chosen or used + need <= width:
             chosen.add(key)
@@ -69,16 +73,24 @@ class ModelTable(ScrollView, can_focus=False):
         self._sigs: dict[str, tuple] = {}
         self._strips: dict[tuple, Strip] = {}
         self._cell_cache: dict[tuple, list[Segment]] = {}
-        self._widths = {key: len(header) if right else max(width, len(header))
-                        for key, header, width, right in COLUMNS}
+        self._widths = {key: max(width, len(header)) for key, header, width, _right in COLUMNS}
         self.selected: str | None = None
         self._base = Style()
         self._width = 0
         self._columns: tuple[tuple[str, str, int, bool], ...] = COLUMNS  # those that fit the width, see choose_columns
+        # The columns are chosen again only when the set of models, what they publish or the width changes (see
+        # _fit_columns): never because this frame's figures are wider or narrower than the last one's.
+        self._models_key: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+        self._fitted: tuple | None = None
 
     @property
     def order(self) -> list[str]:
         return list(self._order)
+
+    @property
+    def headers(self) -> list[str]:
+        """The headers of the columns shown, left to right."""
+        return [header for _key, header, _width, _right in self._columns]
 
     # -- data ------------------------------------------------------------------------------------
     def show(self, models: Sequence[ModelSnapshot], history: History, selected: str | None,
@@ -94,6 +106,7 @@ class ModelTable(ScrollView, can_focus=False):
                     widened = True
         if widened:
             self._strips.clear()
+        self._models_key = (frozenset(cells), unpublished_columns(models))
         self._fit_columns(self.scrollable_content_region.width)
         order = [m.name for m in models]
         changed = widened or order != self._order or selected != self.selected or sigs != self._sigs
@@ -113,7 +126,15 @@ class ModelTable(ScrollView, can_focus=False):
         return 1 + sum(self._widths[c[0]] for c in self._columns) + GAP * (len(self._columns) - 1)
 
     def _fit_columns(self, width: int) -> None:
-        columns = choose_columns(self._widths, width) if width > 0 else COLUMNS
+        """Choose the columns for the models shown and the width, once: a figure that widens its column later
+        widens the row (the table scrolls sideways) but never swaps one column for another."""
+        fitted = (self._models_key, width)
+        if fitted == self._fitted:
+            return
+        self._fitted = fitted
+        hidden = self._models_key[1]
+        columns = choose_columns(self._widths, width, hidden) if width > 0 else \
+            tuple(c for c in COLUMNS if c[0] not in hidden)
         if columns != self._columns:
             self._columns = columns
             self._strips.clear()

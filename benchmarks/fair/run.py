@@ -1,0 +1,79 @@
+"""A comparison from start to end, whatever the engine: the driver starts both configurations' engines and makes
+the trace; :func:`.method.compare` runs the schedule; the report is rewritten after every run, printed at the end,
+and drawn. Engines are stopped on Ctrl-C (exit 130) and on failure (exit 1)."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+from pathlib import Path
+from typing import Protocol
+
+from . import report as rep
+from .method import Side, compare
+
+
+class Driver(Protocol):
+    """One engine's way of running both configurations."""
+
+    title: str  # the report's title: which engine
+    device: str
+
+    def start(self) -> dict[str, Side]:
+        """Both configurations' engines, up (every one answers)."""
+        ...
+
+    def trace(self) -> list[dict]:
+        """The trace every run replays (after :meth:`start`: a driver may calibrate on its engines)."""
+        ...
+
+    def describe(self) -> dict:
+        """The report's fields this driver knows: ``machine``, ``models``, ``share_bytes``, ``setup_lines``
+        (markdown), ``counters_note``, ``timeout_s`` (one run's answers), and any of its own."""
+        ...
+
+    def stop(self) -> None:
+        """Stop every engine (also those half started); called once, whatever happened."""
+        ...
+
+
+def run(driver: Driver, *, pairs: int, seed: int, shape: str, single: bool, command: str,
+        stem: Path | None) -> int:
+    """Run the comparison; write ``stem``.json/.md/.png (none when ``stem`` is None). 0 when every request of every
+    run was answered, 1 otherwise or on failure, 130 on Ctrl-C."""
+    started = time.monotonic()
+    report: dict = {"title": driver.title, "device": driver.device, "command": command, "shape": shape,
+                    "single": single, "seed": seed, "pairs": pairs,
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "runs": []}
+
+    def done(one: dict) -> None:
+        report["runs"].append(one)
+        report.update(rep.ratios(report["runs"]), seconds=round(time.monotonic() - started, 1))
+        print(f"run {one['run']} ({one['kind']}) {one['configuration']}: p99 TTFT {one['ttft_p99_s']:.2f} s, "
+              f"{one['tokens_per_s']:.1f} tokens/s, {one['answered']}/{one['requests']} answered, "
+              f"{one['requests_per_step']} requests per step", flush=True)
+        if stem is not None:
+            rep.save(report, stem)
+
+    try:
+        sides = driver.start()
+        trace = driver.trace()
+        about = driver.describe()
+        report.update({k: v for k, v in about.items() if k != "timeout_s"}, trace_requests=len(trace))
+        compare(sides, trace, pairs, about["timeout_s"], done)
+    except KeyboardInterrupt:
+        print("interrupted: every engine was stopped", file=sys.stderr)
+        return 130
+    except RuntimeError as exc:
+        print(f"multimodel: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        driver.stop()
+    if stem is not None and report["runs"]:
+        png = rep.plot(report, stem.with_suffix(".png"))
+        if png is not None:
+            report["picture"] = png.name
+            rep.save(report, stem)
+    print(rep.markdown(report))
+    return 0 if all(r["answered"] == r["requests"] for r in report["runs"]) else 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -20,20 +19,21 @@ from ..settings import settings as process_settings
 from ..tp.broadcast import BroadcastBackend
 from ..tp.launch import adopt, spawn_workers
 from . import fastpath, poller, refill, serving
-from .compact import CompactHandler, CompactResult, CompactStats, Move, plan
-from .compact_staged import CompactPoke, CompactStep, CompactTicket, StagedCompaction
+from .admission import Admission
+from .compact import CompactHandler, CompactStats
+from .compact_staged import StagedCompaction
+from .compacting import Compacting
+from .limits import INFLIGHT_WAIT_S, Limits
 from .pages import PageTable
 from .parts import EvictHandler
-from .placement import Policy, drain_victims, make_policy, place_draining
+from .placement import Policy, make_policy, place_draining
 from .prefix_cache import PrefixCache
 from .pressure import PressureControl
+from .publishing import Publishing
 from .sleep import SleepControl, SleepHandler
 
-INFLIGHT_WAIT_S = 1.0  # the most a limit waits for the refill thread's batch in flight to land
-# (the process's poller serves the other allocators only after this: it stays well under a late heartbeat)
 
-
-class KVCacheManager:
+class KVCacheManager(Admission, Limits, Publishing, Compacting):
     """Hands out KV blocks from pages that are mapped on demand and returned when they empty.
 
     ``alloc`` never raises for exhaustion: it returns None when the limit or the device says
@@ -324,69 +324,6 @@ class KVCacheManager:
             self._publish()
             return freed
 
-    def available_size(self, *, device: bool = True) -> int:
-        """Blocks that could still be allocated now, within the limit and the device's free memory.
-
-        ``device=False`` leaves the device out (asking it can cost a system call or a directory
-        scan): an engine that asks every step learns of a full device from ``alloc`` instead.
-        """
-        with self._lock:
-            self._check_open()
-            pages = self.pages
-            in_mapped = pages.free_in_mapped()
-            unmapped = pages.unmapped
-            mappable = len(unmapped)
-            if self.limit_pages is not None:
-                mappable = min(mappable, max(0, self.limit_pages - self._mapped_or_mapping()))
-            if device and mappable:
-                mappable = min(mappable, self.backend.free_bytes() // self.bundle_bytes)
-            # Pages map lowest id first and only the last page may hold fewer than blocks_per_page
-            # blocks: it is among the next ``mappable`` pages only when they are all that is left.
-            blocks = mappable * self.blocks_per_page
-            last = len(pages.cap) - 1
-            if mappable and mappable == len(unmapped) and pages.cap[last] != self.blocks_per_page \
-                    and last in unmapped:
-                blocks -= self.blocks_per_page - pages.cap[last]
-            return in_mapped + blocks
-
-    def max_blocks(self) -> int:
-        """The most blocks this model could ever hold: under its limit and within the device's budget, were every
-        other model gone. An engine ends a request that needs more (it would wait, or be preempted, forever)."""
-        pages = self.backend.capacity_bytes() // self.bundle_bytes
-        if self.limit_pages is not None:
-            pages = min(pages, self.limit_pages)
-        return min(self.num_blocks, pages * self.blocks_per_page)
-
-    def schedulable_blocks(self, reserve: int = 0) -> int:
-        """Blocks an engine may plan to take now: what ``alloc`` can give (the device left out, as in
-        ``available_size(device=False)``) plus the cached blocks it may evict for them.
-
-        Under a deferred limit, never more than the limit leaves beside the active blocks: an engine
-        that admits work by this count (vLLM's scheduler) stops admitting and preempts until the
-        model fits, so its pages drain and the limit applies, instead of refilling every hole.
-
-        Under a budget shared with other models (``Backend.budget_free_bytes``), never more than that budget
-        leaves beside what is mapped: the engine queues instead of admitting work it cannot map, and a model
-        whose engine then waits with requests queued asks the others for memory (:meth:`publish_traffic`).
-        ``reserve``: blocks of that budget kept back for the growth of the requests already running, when an
-        engine admits a new one (vLLM's watermark, applied to the shared budget rather than to the model's
-        virtual capacity), so that admitting it does not preempt them a few tokens later.
-        """
-        with self._lock:
-            free = self.available_size(device=False) + len(self.cache)
-            if self.limit_status == L.LIMIT_DEFERRED and self.limit_pages is not None:
-                active = self.pages.blocks_used - len(self.cache)
-                free = min(free, max(0, self.limit_pages * self.blocks_per_page - active))
-            budget = self.backend.budget_free_bytes()
-            self._budget_short = False
-            if budget is not None:
-                room = max(0, self.pages.free_in_mapped() + len(self.cache) - reserve
-                           + min(budget // self.bundle_bytes, self._headroom()) * self.blocks_per_page)
-                if room < free:
-                    free, self._budget_short = room, True
-            self._schedulable = free
-            return free
-
     def trim(self) -> int:
         """Unmap every reserved page now; returns the bytes given back."""
         with self._lock:
@@ -397,56 +334,9 @@ class KVCacheManager:
             self._publish()
             return freed
 
-    def set_limit(self, limit_bytes: int | None) -> str:
-        """Cap mapped bytes (rounded down to whole page bundles); returns applied, deferred or none."""
-        problem = L.limit_problem(limit_bytes)
-        if problem is not None:
-            raise ValueError(problem)
-        with self._lock:
-            self._check_open()
-            self._apply_limit(limit_bytes)
-            self._publish()
-            return L.LIMIT_STATUS_NAMES[self.limit_status]
-
     def set_sleep_handler(self, handler: SleepHandler | None) -> None:
         """Declare that this engine can sleep (see :mod:`kvcached_core.allocator.sleep`); None withdraws it."""
         self.sleep.set_handler(handler)
-
-    def set_evict_handler(self, handler: EvictHandler | None) -> None:
-        """Let a lowered limit take memory from the prefix cache: while the limit is deferred and whole cached
-        pages hold it up, the allocator calls ``handler()`` (at once, then at every poller tick) and the engine
-        answers with :meth:`evict_for_limit`. Without one a limit waits for the engine to evict. None removes it."""
-        with self._lock:
-            self._evict_handler = handler
-            self.pressure.publish()  # whether it can give cached pages to another model's reclaim
-            self._ask_evict()
-
-    def evict_for_limit(self) -> list[int]:
-        """Under a deferred limit, or while another model's reclaim waits on this one (allocator/pressure.py),
-        evict the cached blocks that keep it from its target: whole cached pages, cheapest first, no more pages
-        than are over the target (``placement.drain_victims``); active blocks stay. Returns them: the engine
-        drops them from its prefix index. [] when nothing waits on cached blocks (a look without the lock
-        first: cheap enough for every engine step) or once closed."""
-        if not self.cache.blocks or self._closed or (self.limit_status != L.LIMIT_DEFERRED
-                                                     and self.pressure.give_target is None):
-            return []
-        with self._lock:
-            target = self._evict_target()
-            if self._closed or target is None:
-                return []
-            victims = self._drop_cached(drain_victims(self.cache, self.pages, target))
-            if victims:
-                self._update_limit_status()
-                self._publish()
-                if self.pressure.give_target is not None:  # a reclaim waits on these pages: answer it now
-                    poller.poke(self.segment.wake_token)
-            return victims
-
-    def _evict_target(self) -> int | None:
-        """The pages a deferred limit or a reclaim under way evicts cached pages down to (the lower); None: neither."""
-        targets = [t for t in (self.limit_pages if self.limit_status == L.LIMIT_DEFERRED else None,
-                               self.pressure.give_target) if t is not None]
-        return min(targets) if targets else None
 
     def backend_mapped_bytes(self) -> int:
         """Bytes mapped now (every mapped page bundle)."""
@@ -467,55 +357,6 @@ class KVCacheManager:
             self.backend.trim_pool(0)
             self._publish()
             return freed
-
-    @property
-    def state_seq(self) -> int:
-        """Changes whenever the published state changes (odd while a publish is under way): an engine that
-        asks ``schedulable_blocks`` many times a step can keep the answer until this moves."""
-        return self.segment.current_seq()
-
-    def publish_endpoint(self, url: str) -> None:
-        """Publish where the engine serves this model (an OpenAI-compatible server, ``http://HOST:PORT``) for
-        routers and readers (``kvctl route``, ``kvctl show``); ValueError for a URL a segment cannot hold."""
-        if not self._closed:
-            self.segment.publish_endpoint(url)
-
-    def publish_groups(self, groups: Sequence[tuple[str, int | None, int, int, int, int]]) -> None:
-        """Publish the engine's KV cache groups for kvtop and kvctl: per group (shape, window in tokens or None,
-        layers, blocks active, blocks cached, pages holding any of its blocks); a shape is one of
-        ``layout.GROUP_SHAPE_NAMES``' names. ValueError for figures a segment cannot hold."""
-        codes = L.GROUP_SHAPE_CODES
-        records = []
-        for shape, window, layers, active, cached, pages in groups:
-            if shape not in codes:
-                raise ValueError(f"KV cache group shape {shape!r} is not one of {', '.join(codes)}")
-            records.append((codes[shape], window or 0, layers, active, cached, pages))
-        if not self._closed:
-            self.segment.publish_groups(records)
-
-    def publish_traffic(self, running: int, waiting: int, finished: int, prompt_tokens: int,
-                        generated_tokens: int, preemptions: int, last_request_ns: int,
-                        waiting_blocks: int = 0) -> None:
-        """The engine's request figures, for kvtop and kvctl: gauges (running, waiting) and monotonic
-        counters, written into the segment as plain words (no lock, no system call: once a step is cheap).
-        Each call is activity for the idle clocks (after-idle sleep, idle return): a model whose requests
-        decode without taking a new block is not idle.
-
-        ``waiting_blocks``: the blocks the waiting requests need (0: unknown, taken as one page's worth). While
-        the shared budget holds them back, the model asks the other models for what they lack."""
-        self.traffic_published += 1
-        if not self._closed:
-            self.segment.publish_traffic(running, waiting, finished, prompt_tokens, generated_tokens, preemptions,
-                                         last_request_ns)
-            if waiting and self._budget_short:
-                # Requests wait while the shared budget, not the model's limit, holds the engine back: that is a
-                # refused growth too, although no alloc was tried (the engine schedules by schedulable_blocks).
-                lacking = max(1, waiting_blocks - self._schedulable)
-                need = -(-lacking // self.blocks_per_page) * self.bundle_bytes
-                if need > self.pressure.wanted:
-                    with self._lock:
-                        if not self._closed:
-                            self._refused(need)
 
     # -- prefix cache ------------------------------------------------------------------------
     def mark_cached(self, ids: Iterable[int]) -> list[int]:
@@ -553,154 +394,11 @@ class KVCacheManager:
             self._publish()
             return evicted
 
-    def set_compact_handler(self, handler: CompactHandler | None) -> None:
-        """The engine's copy for :meth:`compact` (see :mod:`kvcached_core.allocator.compact`); None removes it.
-
-        The handler is called with the manager's lock held, from the thread that asked: the engine's
-        own (``compact()``, idle packing in ``mark_cached``) or the process's poller (``kvctl compact``);
-        an engine whose own thread reads its prefix index meanwhile guards that index itself.
-        """
-        with self._lock:
-            self._check_open()
-            self._compact_handler = handler
-            if handler is not None:
-                self.staged.poke = None
-            self.compaction.capable = handler is not None or self.staged.poke is not None
-            self.segment.publish_compaction(self.compaction.values())
-
-    def set_compact_poke(self, poke: CompactPoke | None) -> None:
-        """Two-phase compaction (:mod:`kvcached_core.allocator.compact_staged`), instead of a compact handler: the
-        engine's thread compacts with :meth:`compact_begin` / :meth:`compact_commit`; ``poke`` (called with the
-        lock held, from any thread; it must not block) asks it to, for ``kvctl compact`` and idle packing.
-        None removes it."""
-        with self._lock:
-            self._check_open()
-            self.staged.poke = poke
-            if poke is not None:
-                self._compact_handler = None
-            self.compaction.capable = poke is not None or self._compact_handler is not None
-            self.segment.publish_compaction(self.compaction.values())
-
-    @property
-    def compact_wanted(self) -> bool:
-        """A two-phase compaction is asked for or under way: the engine should step (begin, carry, commit)."""
-        return self.staged.wanted
-
-    def compact_begin(self, max_moves: int | None = None) -> CompactTicket:
-        """Plan up to ``max_moves`` moves of cached blocks, take their destinations and hold their sources (none
-        is evicted, freed or handed out until the ticket ends). The engine re-points its prefix index to the
-        destinations, has the copies run with its next step, then calls :meth:`compact_commit` (an empty
-        ticket: at once). RuntimeError while another ticket is open."""
-        with self._lock:
-            self._check_open()
-            return self.staged.begin(max_moves)
-
-    def compact_commit(self, ticket: CompactTicket) -> CompactStep:
-        """The step that carried ``ticket``'s copies came back: free the sources, unmap the pages emptied, cache the
-        destinations. When no move is left, a waiting ``kvctl compact`` is answered and a deferred idle packing
-        runs: drop ``evicted`` from the prefix index."""
-        with self._lock:
-            self._check_open()
-            return self.staged.commit(ticket)
-
-    def compact_abort(self, ticket: CompactTicket) -> list[int]:
-        """Undo a begin whose copies were never sent: sources cached again, destinations freed; a waiting controller
-        is told it failed. Returns the blocks a deferred idle packing evicted instead. ValueError once a prefix
-        hit took a destination (the copies must run)."""
-        with self._lock:
-            self._check_open()
-            return self.staged.abort(ticket)
-
     @property
     def lock(self) -> threading.RLock:
         """The allocator's lock (re-entrant). A compact handler runs while it is held, so an engine whose
         thread reads the prefix index a handler rewrites holds it from the lookup to its ``reuse``."""
         return self._lock
-
-    def compact(self) -> CompactResult:
-        """Move cached blocks out of sparse pages into holes of dense ones and unmap the pages emptied.
-
-        The engine's handler gets the remap list, copies the KV data and returns the moves it
-        completed; it must also rewrite its own block ids. Only confirmed sources are freed; a
-        destination it did not confirm is released again. A handler that raises changes nothing.
-        """
-        with self._lock:
-            self._check_open()
-            if self._compact_handler is None:
-                raise RuntimeError("no compaction handler: the engine must call set_compact_handler first")
-            return self._compact()
-
-    def _compact(self) -> CompactResult:
-        """compact(), lock held and a handler registered; counts what moved in the COMPACT words."""
-        handler = self._compact_handler
-        assert handler is not None
-        started = time.monotonic_ns()
-        moves = plan(self.pages, self.cache)
-        if not moves:
-            return CompactResult((), 0, 0, 0)
-        for _, dst in moves:
-            self.pages.take_block(dst)
-        try:
-            confirmed = self._confirmed(moves, handler(list(moves)))
-        except BaseException:  # the handler failed or answered wrong: nothing moves
-            self._release_blocks([dst for _, dst in moves if self._holds_destination(dst)])
-            self._publish()
-            raise
-        ok = {s for s, _ in confirmed}
-        self._release_blocks([d for s, d in moves if s not in ok and self._holds_destination(d)])
-        for src, dst in confirmed:
-            self.cache.remove(src)
-            self.cache.add(dst)
-            self._dirty.update((src // self.blocks_per_page, dst // self.blocks_per_page))
-        mapped_before = self.pages.mapped_pages
-        self._release_blocks([s for s, _ in confirmed])
-        emptied = {s // self.blocks_per_page for s, _ in confirmed}
-        pool = [p for p in self.pages.reserved if p in emptied]
-        if pool:
-            self.pages.reserved[:] = [p for p in self.pages.reserved if p not in emptied]
-            self.backend.unmap_pages(pool)
-            self.pages.mark_unmapped(pool)
-            self._dirty.update(pool)
-        returned = (mapped_before - self.pages.mapped_pages) * self.bundle_bytes
-        copied = len(confirmed) * self.block_bytes * self.num_layers * self.num_kv_buffers * self.tp_world
-        self._publish()
-        result = CompactResult(tuple(confirmed), len(moves), copied, returned)
-        if confirmed:
-            self.compaction.count(result, time.monotonic_ns() - started)
-            self.segment.publish_compaction(self.compaction.values())
-        return result
-
-    def _holds_destination(self, block: int) -> bool:
-        """A compaction destination is still the one compaction took (used, not cached): the handler did not free it."""
-        return self.pages.is_used(block) and block not in self.cache
-
-    def _confirmed(self, moves: list[Move], answer: object) -> list[Move]:
-        """The planned moves a compact handler confirmed, checked before any accounting changes.
-
-        A well-formed pair that was never planned is not confirmed (its source stays). Raises ValueError
-        (nothing moves) when the answer is not a list of (source, destination) pairs of block ids, or when
-        the handler changed a block of a move it confirms (freed or reused its source, freed its
-        destination): the allocator frees the sources, the engine only copies and rewrites its ids.
-        """
-        items = list(answer) if isinstance(answer, (list, tuple)) else None
-        if items is None:
-            raise ValueError(f"{self.name}: the compact handler returned {type(answer).__name__}, not a list of "
-                             f"(source, destination) moves; nothing moved")
-        planned = dict(moves)
-        confirmed: dict[Move, None] = {}  # in order, an exact repeat counted once
-        for item in items:
-            pair = tuple(item) if isinstance(item, (tuple, list)) else ()
-            if len(pair) != 2 or not all(isinstance(b, Integral) and not isinstance(b, bool) for b in pair):
-                raise ValueError(f"{self.name}: the compact handler returned {item!r}, not a (source, destination) "
-                                 f"move; nothing moved")
-            move = (int(pair[0]), int(pair[1]))
-            if planned.get(move[0]) == move[1]:
-                confirmed[move] = None
-        for src, dst in confirmed:
-            if src not in self.cache or not self._holds_destination(dst):
-                raise ValueError(f"{self.name}: the compact handler confirmed move ({src}, {dst}) but freed or "
-                                 f"reused one of its blocks (the allocator frees the sources); nothing moved")
-        return list(confirmed)
 
     def reuse(self, ids: Iterable[int]) -> None:
         """A prefix hit: cached blocks go back into active use."""
@@ -902,18 +600,6 @@ class KVCacheManager:
         self.evicted_blocks += len(victims)
         return victims
 
-    def _compact_idle(self) -> set[int]:
-        """Idle packing's first step when the engine registered a compact handler: move the cached blocks into
-        fewer pages (the cache is kept); the policy then evicts only what still keeps it above its target.
-        Returns the destinations filled."""
-        if self._compact_handler is None or not self.cache.blocks or self.policy.pack_ratio is None:
-            return set()
-        try:
-            return {dst for _, dst in self._compact().moves}
-        except Exception:  # the engine's copy failed: nothing moved, eviction packs instead
-            logging.getLogger(__name__).exception("%s: idle compaction failed; evicting instead", self.name)
-            return set()
-
     def _pack(self, *, compact: bool = True) -> list[int]:
         """Idle packing: compact first (when the engine can, see ``_compact_idle``), then evict what the policy's
         idle packing still picks. The pages emptied are unmapped, not pooled."""
@@ -935,101 +621,6 @@ class KVCacheManager:
                 self._dirty.update(pool)
             self.idle_returned += (mapped_before - pages.mapped_pages) * self.bundle_bytes
         return victims
-
-    def _apply_limit(self, limit_bytes: int | None) -> None:
-        self.requested_limit = -1 if limit_bytes is None else limit_bytes
-        if limit_bytes is None:
-            self.limit_pages = None
-            self.limit_status = L.LIMIT_NONE
-            return
-        self.limit_pages = limit_bytes // self.bundle_bytes
-        self._unmap_excess()
-        # Pages the refill thread is mapping right now are resident too: wait (bounded) for its
-        # batch to land and give back what is over, so "applied" never hides memory in flight.
-        deadline = time.monotonic() + INFLIGHT_WAIT_S
-        while self.pages.inflight and self._mapped_or_mapping() > self.limit_pages and not self._closed:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break  # a stuck map: stays deferred, and the refill thread settles it when it lands
-            self._update_limit_status()  # the wait lets go of the lock: what it leaves is published first
-            self._publish()
-            self._mapping_done.wait(left)
-            self._unmap_excess()
-        self._update_limit_status()
-        self._ask_evict()
-
-    def _ask_evict(self) -> None:
-        """A deferred limit that whole cached pages hold up: ask the engine's evict handler to evict them."""
-        handler = self._evict_handler
-        target = self._evict_target()
-        if handler is None or self._closed or target is None:
-            return
-        if not drain_victims(self.cache, self.pages, target):
-            return  # active blocks hold it up: nothing to ask until they go
-        try:
-            handler()
-        except BaseException as exc:  # the limit stays deferred, as without a handler
-            if not isinstance(exc, Exception) and not poller.on_poller_thread():
-                raise  # SystemExit, KeyboardInterrupt: the engine's own thread's to handle (the poller's serves on)
-            logging.getLogger(__name__).exception("%s: the engine's evict handler failed", self.name)
-
-    def _unmap_excess(self, *, newest: bool = False) -> None:
-        """Unmap reserved pages until what is mapped (and being mapped) fits the limit, as far as pages allow."""
-        if self.limit_pages is not None:
-            excess = self._mapped_or_mapping() - self.limit_pages
-            if excess > 0:
-                self._unmap_reserved(excess, newest=newest)
-
-    def _update_limit_status(self) -> None:
-        """applied only when everything resident, in flight included, fits the limit; else deferred."""
-        if self.limit_pages is None:
-            self.limit_status = L.LIMIT_NONE
-        elif self.pages.pages_inuse > self.limit_pages or self._mapped_or_mapping() > self.limit_pages:
-            self.limit_status = L.LIMIT_DEFERRED
-        else:
-            self.limit_status = L.LIMIT_APPLIED
-
-    def _publish(self) -> None:
-        """Publish the state under the seqlock: the pages changed since the last publish, every counter.
-
-        With the C path attached, its ``publish`` (fastpath.c) writes the same bytes
-        (tests/test_fastpath.py compares them) without the interpreter inside the seqlock window:
-        on a busy host that window is what a preemption lands in (the publish's p99.9,
-        benchmarks/publish.py). :meth:`_publish_python` is the reference, and the path without C.
-        """
-        fast = self._fast
-        if fast is not None:
-            fast.publish()
-        else:
-            self._publish_python()
-
-    def _rank_records(self) -> Sequence[tuple[int, ...]]:
-        """Each rank's record for the segment (``layout.RANK_FIELDS``): tensor parallelism only."""
-        return self.backend.rank_records() if self.tp_world > 1 else ()  # type: ignore[attr-defined]
-
-    def _publish_python(self) -> None:
-        seg, pages, cached_by_page = self.segment, self.pages, self.cache.by_page
-        seg.begin()
-        dirty = self._dirty
-        if dirty:
-            mapped, used, set_page = pages.mapped, pages.used, seg.set_page
-            for page in dirty:  # layout.page_entry, inlined: this runs on every alloc and free
-                on_page = cached_by_page.get(page)
-                set_page(page, (L.PAGE_MAPPED if mapped[page] else 0) | used[page]
-                         | ((len(on_page) << L.PAGE_CACHED_SHIFT) if on_page else 0))
-            dirty.clear()
-        ranks = self._rank_records()
-        for index, record in enumerate(ranks):
-            seg.set_rank(index, *record)
-        effective = -1 if self.limit_pages is None else self.limit_pages * self.bundle_bytes
-        seg.publish((
-            pages.pages_inuse, len(pages.reserved), pages.blocks_used, len(self.cache),
-            pages.mapped_pages * self.bundle_bytes, self.alloc_count, self.free_count,
-            self.alloc_blocks, self.free_blocks, self.evicted_blocks, time.time_ns(),
-            self.limit_status, int(self._closed), effective, self.applied_revision,
-            self.trim_ack_seq, self.trim_bytes, self.requested_limit, self.trimmed_total,
-            self.idle_returned, max(1, len(ranks)),
-        ))
 
 
 __all__ = ["KVCacheManager", "SegmentError"]

@@ -355,8 +355,8 @@ INDEX = (b"<!doctype html><title>kvcached exporter</title><h1>kvcached exporter<
 
 def pages(registry: CollectorRegistry) -> dict[str, Page]:
     """``/metrics`` serves the metrics, ``/`` a small index that links there (anything else is 404).
-    Scrapes that arrive together share one making of the page (:class:`kvtop.http_page.PageServer`):
-    50 scrapers at once cost one or two reads of the segments, not 50."""
+    Scrapes that arrive together share one making of the page (:class:`kvtop.http_page.PageServer`, served by
+    aiohttp): 50 scrapers at once cost one or two reads of the segments, not 50."""
     return {
         "/metrics": Page("200 OK", CONTENT_TYPE_LATEST, lambda: generate_latest(registry)),
         "/": Page("200 OK", "text/html; charset=utf-8", lambda: INDEX),

@@ -1,30 +1,28 @@
-"""A small HTTP/1.x server for a few fixed pages, on one asyncio loop in a daemon thread.
+"""A few fixed pages served over HTTP by aiohttp, on one asyncio loop in a daemon thread.
 
-Why not a thread per connection (``socketserver``): 50 scrapers arriving together meant 50
-threads started and 50 WSGI handlers fighting for one interpreter, so the last scrape waited
-for all the others (benchmarks/exporter_load.py measures it; benchmarks/results/exporter-load-2cpu.md
-has both designs under the same load). One
-event loop parks every connection for the price of a few objects, and each answer is a single
-write. A page is made in a worker thread once for every request that arrived while no making of
-it had started yet: a request never gets a page read before it arrived, and a burst of 50 costs
-at most two makings (the one running when it began, and one for all that came during it).
+aiohttp parses the requests and :mod:`kvtop.aioserve` bounds them (head size, the wait for a head,
+the listen backlog); what is this module's own is how a page is made. A page is made in a worker
+thread once for every request that arrived while no making of it had started yet: a request
+never gets a page read before it arrived, and a burst of 50 costs at most two makings (the one
+running when it began, and one for all that came during it). One event loop parks every
+connection for the price of a few objects (a thread per connection made 50 scrapers arriving
+together wait for one another: benchmarks/results/exporter-load-2cpu.md).
 
-The server answers ``GET`` and ``HEAD`` only, one request per connection (``Connection: close``),
-with a bounded request head and a bounded wait for it, so a slow or hostile client holds
-nothing but its own socket.
+The server answers ``GET`` and ``HEAD`` (the query string ignored), one request per connection
+(``Connection: close``); another method is 405, an unknown path the ``not_found`` page, a page
+that cannot be made 500.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-HEAD_LIMIT = 16 * 1024  # bytes of request line and headers a client may send
-HEAD_TIMEOUT_S = 10.0  # how long a connection may take to send them
-BACKLOG = 128  # pending connections the kernel holds; its usual 5 made scrapers wait out SYN retries
+from aiohttp import web
+
+from kvtop.aioserve import BACKLOG, HEAD_TIMEOUT_S, Served, serve
 
 
 @dataclass(frozen=True)
@@ -35,13 +33,14 @@ class Page:
     content_type: str
     body: Callable[[], bytes]
 
+    @property
+    def code(self) -> int:
+        return int(self.status.split(None, 1)[0])
+
 
 NOT_FOUND = Page("404 Not Found", "text/plain; charset=utf-8", lambda: b"not found\n")
-ERRORS = {
-    "400": Page("400 Bad Request", "text/plain; charset=utf-8", lambda: b"bad request\n"),
-    "405": Page("405 Method Not Allowed", "text/plain; charset=utf-8", lambda: b"only GET and HEAD\n"),
-    "500": Page("500 Internal Server Error", "text/plain; charset=utf-8", lambda: b"the page could not be made\n"),
-}
+NOT_ALLOWED = Page("405 Method Not Allowed", "text/plain; charset=utf-8", lambda: b"only GET and HEAD\n")
+UNMADE = Page("500 Internal Server Error", "text/plain; charset=utf-8", lambda: b"the page could not be made\n")
 
 
 class _Making:
@@ -53,52 +52,44 @@ class _Making:
 
 
 class PageServer:
-    """Serves ``pages[path]`` (the query string ignored) until :meth:`close`; ``port`` is the bound port."""
+    """Serves ``pages[path]`` until :meth:`close`; ``port`` is the bound port. OSError when it cannot bind."""
 
-    def __init__(self, host: str, port: int, pages: dict[str, Page], not_found: Page = NOT_FOUND) -> None:
+    def __init__(self, host: str, port: int, pages: dict[str, Page], not_found: Page = NOT_FOUND,
+                 *, head_timeout_s: float = HEAD_TIMEOUT_S) -> None:
         self.pages = pages
         self.not_found = not_found
         self.backlog = BACKLOG
         self._makings: dict[str, _Making] = {}
         self._loop = asyncio.new_event_loop()
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self._handle)
         try:
-            self._server = self._loop.run_until_complete(asyncio.start_server(
-                self._handle, host, port, family=family, backlog=BACKLOG, reuse_address=True, limit=HEAD_LIMIT))
+            self._served: Served = self._loop.run_until_complete(
+                serve(app, host, port, head_timeout_s=head_timeout_s))
         except BaseException:
+            self._loop.run_until_complete(self._loop.shutdown_default_executor())  # its name lookup's thread
             self._loop.close()
             raise
-        self.port: int = self._server.sockets[0].getsockname()[1]
+        self.port: int = self._served.address[1]
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvcached-exporter-http", daemon=True)
         self._thread.start()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
+    async def _handle(self, request: web.Request) -> web.Response:
+        if request.method not in ("GET", "HEAD"):
+            page, body = NOT_ALLOWED, NOT_ALLOWED.body()
+        else:
+            key = request.path if request.path in self.pages else ""
+            page = self.pages.get(key, self.not_found)
             try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
-            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
-                return
-            parts = head.split(b"\r\n", 1)[0].split()
-            if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
-                await self._answer(writer, "400", True)
-                return
-            method, target = parts[0], parts[1].split(b"?", 1)[0].decode("latin-1")
-            version = "HTTP/1.0" if parts[2] == b"HTTP/1.0" else "HTTP/1.1"  # answer a 1.0 client in its own
-            if method not in (b"GET", b"HEAD"):
-                await self._answer(writer, "405", True, version)
-                return
-            if target not in self.pages:
-                target = ""
-            await self._answer(writer, target, method == b"GET", version)
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    def _page(self, key: str) -> Page:
-        if key in self.pages:
-            return self.pages[key]
-        return ERRORS.get(key, self.not_found)
+                body = await self._body(key)
+            except Exception:  # noqa: BLE001 - the page could not be made: say so, keep serving
+                page, body = UNMADE, UNMADE.body()
+        headers = {"Content-Type": page.content_type}
+        if page is NOT_ALLOWED:
+            headers["Allow"] = "GET, HEAD"
+        response = web.Response(status=page.code, body=body, headers=headers)
+        response.force_close()
+        return response
 
     def _body(self, key: str) -> asyncio.Future[bytes]:
         """The body a request arriving now gets: the next making of its page (started now if none runs)."""
@@ -113,7 +104,7 @@ class PageServer:
     def _start(self, key: str, making: _Making) -> None:
         assert making.next is not None
         promised, making.next, making.running = making.next, None, True
-        work = self._loop.run_in_executor(None, self._page(key).body)
+        work = self._loop.run_in_executor(None, self.pages.get(key, self.not_found).body)
 
         def finished(done: asyncio.Future[bytes]) -> None:
             making.running = False
@@ -127,27 +118,11 @@ class PageServer:
 
         work.add_done_callback(finished)
 
-    async def _answer(self, writer: asyncio.StreamWriter, key: str, with_body: bool,
-                      version: str = "HTTP/1.1") -> None:
-        page = self._page(key)
-        try:
-            body = await self._body(key)
-        except Exception:  # noqa: BLE001 - the page could not be made: say so, keep serving
-            page, body = ERRORS["500"], b"the page could not be made\n"
-        head = (f"{version} {page.status}\r\nContent-Type: {page.content_type}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode("latin-1")
-        writer.write(head + body if with_body else head)
-        await writer.drain()
-
     def close(self) -> None:
         """Stop accepting, stop the loop and release the port."""
-        async def shut() -> None:
-            self._server.close()
-            await self._server.wait_closed()
-
         if self._loop.is_closed():
             return
-        asyncio.run_coroutine_threadsafe(shut(), self._loop).result(timeout=10)
+        asyncio.run_coroutine_threadsafe(self._served.close(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()

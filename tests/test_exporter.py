@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -144,8 +145,24 @@ def test_problem_files_are_counted_and_do_not_break_a_scrape(spawn_allocator, ex
 
 
 def test_a_busy_port_is_a_clear_error():
-    with Exporter("127.0.0.1", 0) as first, pytest.raises(OSError):
-        Exporter("127.0.0.1", first.port)
+    import threading
+
+    with Exporter("127.0.0.1", 0, with_nvml=False) as first:
+        before = set(threading.enumerate())
+        with pytest.raises(OSError):
+            Exporter("127.0.0.1", first.port, interval=0.5, with_nvml=False)
+        assert set(threading.enumerate()) <= before  # nothing left running: no refresh, no loop, no worker
+
+
+def test_metrics_carry_prometheus_content_type_and_head_answers_headers_only(exporter):
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+    with urllib.request.urlopen(exporter.url, timeout=10) as response:
+        assert response.headers["Content-Type"] == CONTENT_TYPE_LATEST
+    head = urllib.request.Request(exporter.url, method="HEAD")
+    with urllib.request.urlopen(head, timeout=10) as response:
+        assert response.status == 200 and response.read() == b""
+        assert response.headers["Content-Type"] == CONTENT_TYPE_LATEST and int(response.headers["Content-Length"]) > 0
 
 
 def kvctl(*args: str) -> subprocess.Popen:
@@ -166,6 +183,29 @@ def test_kvctl_export_serves_until_sigterm(spawn_allocator):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
         assert proc.stdout.read() == ""  # stdout carries data only; a server has none
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_kvctl_export_answers_bad_requests_without_a_word_on_stderr():
+    proc = kvctl("export", "--port", "0")
+    try:
+        line = proc.stderr.readline()
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line).group(1))
+        for junk in (b"\x16\x03\x01garbage\r\n\r\n", b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 65536 + b"\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                answer = b""
+                with contextlib.suppress(ConnectionError):  # a head over the limit may be cut off mid-send
+                    sock.sendall(junk)
+                    answer = sock.recv(1 << 16)
+                assert answer == b"" or answer.split(b" ", 2)[1] == b"400"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            assert response.status == 200  # still serving
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert proc.stderr.read() == ""  # a stranger's bytes print no traceback on the operator's terminal
     finally:
         if proc.poll() is None:
             proc.kill()

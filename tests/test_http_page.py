@@ -70,10 +70,14 @@ def test_a_request_arriving_while_the_page_is_made_gets_the_next_making(slow) ->
 def test_head_unknown_paths_other_methods_and_garbage_get_plain_answers(slow) -> None:
     server, counter = slow
     assert raw(server.port, b"HEAD /p HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200 OK")
-    assert raw(server.port, b"HEAD /p HTTP/1.1\r\nHost: x\r\n\r\n").endswith(b"\r\n\r\n")  # no body
+    head = raw(server.port, b"HEAD /p HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert head.endswith(b"\r\n\r\n") and b"\r\nContent-Length: 8\r\n" in head  # the body's length, no body
+    assert b"\r\nContent-Type: text/plain\r\n" in head and b"\r\nConnection: close\r\n" in head
     assert raw(server.port, b"GET /nope HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.0 404")
-    assert raw(server.port, b"POST /p HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 405")
-    assert raw(server.port, b"\x16\x03\x01garbage\r\n\r\n").startswith(b"HTTP/1.1 400")
+    not_allowed = raw(server.port, b"POST /p HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert not_allowed.startswith(b"HTTP/1.1 405") and b"\r\nAllow: GET, HEAD\r\n" in not_allowed
+    assert raw(server.port, b"GET /p HTTP/1.1\r\n\r\n").split(b" ", 2)[1] == b"400"  # HTTP/1.1 needs a Host
+    assert raw(server.port, b"\x16\x03\x01garbage\r\n\r\n").split(b" ", 2)[1] == b"400"
     with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/p?x=1", timeout=30) as response:
         assert response.read().startswith(b"making")
 
@@ -89,6 +93,28 @@ def test_a_client_that_never_finishes_its_request_holds_up_nobody(slow) -> None:
     except ConnectionError:
         answer = b""
     assert not answer.startswith(b"HTTP/1.1 200")  # a head over the limit is dropped, never served
+
+
+def test_a_client_that_trickles_its_request_head_is_dropped_at_the_deadline() -> None:
+    server = PageServer("127.0.0.1", 0, {"/p": Page("200 OK", "text/plain", lambda: b"page")}, head_timeout_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as slow:
+            slow.sendall(b"GET /p HTTP/1.1\r\n")
+            dropped = False
+            deadline = time.monotonic() + 60
+            while not dropped and time.monotonic() < deadline:  # a header byte at a time, never the blank line
+                try:
+                    slow.sendall(b"X")
+                    slow.settimeout(0.1)
+                    dropped = slow.recv(1 << 16) == b""
+                except TimeoutError:
+                    continue
+                except ConnectionError:
+                    dropped = True
+            assert dropped  # the server closed it: the trickle does not keep resetting a timer
+            assert raw(server.port, b"GET /p HTTP/1.0\r\n\r\n").endswith(b"page")
+    finally:
+        server.close()
 
 
 def test_a_page_that_cannot_be_made_is_a_500_and_the_server_keeps_serving() -> None:

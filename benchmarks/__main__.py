@@ -42,6 +42,20 @@ RUNNING = [
     "`benchmarks/vmm.py` is the GPU one (run it on a GPU machine, see its docstring), and results recorded on "
     "GPU machines (`benchmarks/results/*.md`) are copied below as they are. `benchmarks/probes/` holds one-off "
     "GPU probes that explain a figure there, which the command does not run.", "",
+    "`benchmarks/multimodel.py` (static shares against one elastic budget, several engines) is its own command, "
+    "never part of the suite; one method for every engine (`benchmarks/fair/`): one discarded warm-up replay per "
+    "configuration, then ABBA pairs, every run listed with its counters. On a GPU (transformers 5.17 or newer; "
+    "each command writes `benchmarks/results/multimodel-transformers-cuda-<shape>[-single].{json,md,png}`):", "",
+    "```bash",
+    "for shape in steady ramps bursty saturated; do",
+    "  python -m benchmarks multimodel --engine transformers --device cuda --shape $shape --pairs 4",
+    "done",
+    "python -m benchmarks multimodel --engine transformers --device cuda --single --shape steady --pairs 4"
+    "   # the allocator alone",
+    "python -m benchmarks multimodel --engine transformers --device cpu --quick --single --shape steady "
+    "--pairs 2 --duration 3 --no-write   # CPU smoke",
+    ".venv-vllm/bin/python -m benchmarks multimodel --quick   # real vLLM servers on CPU, the same method",
+    "```", "",
 ]
 RESULTS = Path(__file__).resolve().parent / "results"
 

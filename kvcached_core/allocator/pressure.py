@@ -11,8 +11,16 @@ first, then the one furthest above its share of the budget, then the longest idl
 poller answers: reserved pages first, then whole pages of cached blocks through its engine's evict
 handler (the one a lowered limit uses, so the engine's prefix index stays right), never an active
 block, never below its ``min``; it answers with the bytes it gave (``layout.PRESSURE``) and then
-keeps its warm pool down for ``HOLD_S`` (no ping-pong between two busy models). One request per
+keeps its warm pool down for ``HOLD_S`` (no ping-pong between two busy models): it neither refills it nor
+asks another model for a warm pool's worth meanwhile, only for what its own refused growth lacks. One request per
 donor at a time: an asker writes only when the donor has answered every earlier one.
+
+An asker whose ask was answered in full may ask again at once, and asks for more each time while
+answers keep coming back whole (twice the last ask: 1, 2, 4, 8 pages...), within its headroom under
+its limit and what the donors can give; the part beyond what the refused growth itself lacks is
+asked only of donors whose priority is not above its own. Only an ask answered short (or by nobody)
+holds the next one back for ``REASK_S``. The refill thread maps what was given at once, so no third
+model takes it from the budget first.
 
 Everything is counted where kvctl, kvtop and the exporter show it: reclaims asked and answered,
 bytes given and taken, the last reclaim's latency and the bytes a model waits for.
@@ -40,8 +48,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HOLD_S = 2.0  # a donor keeps its warm pool down this long after it gave (and asks nobody meanwhile)
-REASK_S = 0.25  # an asker asks again at most this often while its growth stays refused
+HOLD_S = 2.0  # a donor keeps its warm pool down this long after it gave: it asks only for what its growth lacks
+REASK_S = 0.25  # after an ask answered short (or by nobody), the next waits this long; a whole answer waits nothing
+GROW_KEEP_S = 1.0  # an ask grows from the last whole answer only if that came within this long
 ANSWER_WAIT_S = 1.0  # how long an asker waits for one donor's answer before it tries the next
 LATE_KEEP_S = 30.0  # an answer that came after ANSWER_WAIT_S is still counted when it comes within this
 LATE_LOOK_S = 0.01  # how often the refill thread looks for such an answer
@@ -119,10 +128,16 @@ class PressureControl:
         self._giving: tuple[int, int, int, int, int, float] | None = None
         # asker
         self.took_total = self.took_count = self.asked_count = 0
-        self.wanted = 0  # bytes a refused growth waits for (0: none)
-        self.latency_ns = 0  # the last reclaim: from the refused growth to the bytes given
+        self.wanted = 0  # bytes a refused growth waits for (0: none), its warm pool and a grown ask included
+        self.needed = 0  # of those, the bytes the refused growth itself lacks
+        self.latency_ns = 0  # the last reclaim: from its ask (or the refused growth, if later) to the bytes given
         self._wanted_since = 0
         self._next_ask = 0.0
+        self._grown = 0  # bytes of the last ask answered in full (0: the last was short); the next asks twice that
+        self._grown_at = float("-inf")
+        # The pacing before asks grew (every ask held the next back REASK_S, given bytes mapped as the warm pool's
+        # refill): kept for benchmarks/reclaim.py, which runs both side by side. Nothing else sets it.
+        self.fixed_pace = False
         self._asking = threading.Lock()
         # requests whose answer did not come in ANSWER_WAIT_S: (donor's path, seq, wanted since, given up at)
         self._late: list[tuple[Path, int, int, float]] = []
@@ -148,6 +163,7 @@ class PressureControl:
 
     def satisfied(self) -> None:
         """A growth succeeded (lock held): nothing waits for memory any more."""
+        self.needed = 0
         if self.wanted:
             self.wanted = 0
             self._write()
@@ -248,23 +264,33 @@ class PressureControl:
         a warm pool's worth beside them (so the allocs that follow are served from the pool, not by one reclaim
         each), as far as the model's limit lets it map."""
         m = self._m
-        nbytes = min(nbytes + m.min_reserved * m.bundle_bytes, m._headroom() * m.bundle_bytes)
+        room = m._headroom() * m.bundle_bytes
+        # a warm pool's worth beside it, unless the model gave lately: its pool stays down (no ping-pong)
+        ask = nbytes + (0 if self.holding() and not self.fixed_pace else m.min_reserved * m.bundle_bytes)
+        if not self.fixed_pace and time.monotonic() - self._grown_at < GROW_KEEP_S:
+            ask = max(ask, 2 * self._grown)  # the last ask was answered in full: this one asks for twice as much
+        self.needed = max(self.needed, min(nbytes, room))
+        ask = min(ask, room)
         if not self.wanted:
             self._wanted_since = time.monotonic_ns()
-        if nbytes > self.wanted:
-            self.wanted = nbytes
+        if ask > self.wanted:
+            self.wanted = ask
             self._write()
 
     def relieve(self) -> int:
         """Ask donors for the bytes a refused growth waits for (refill thread, lock not held); the bytes given."""
-        if not self.wanted or self.holding() or time.monotonic() < self._next_ask:
+        if not self.wanted or (self.fixed_pace and self.holding()) or time.monotonic() < self._next_ask:
             return 0
         if not self._asking.acquire(blocking=False):
             return 0
+        whole = False
         try:
-            return self._ask_donors()
+            got, whole = self._ask_donors()
+            return got
         finally:
-            self._next_ask = time.monotonic() + REASK_S
+            # Only a short answer holds the next ask back: a model growing page by page behind a donor that gives
+            # in full waits for no clock (the fixed pace held every ask back, one page every REASK_S).
+            self._next_ask = time.monotonic() + (0.0 if whole and not self.fixed_pace else REASK_S)
             self._asking.release()
 
     @property
@@ -306,32 +332,41 @@ class PressureControl:
                 self.latency_ns = latency
                 self._write()
 
-    def _ask_donors(self) -> int:
+    def _ask_donors(self) -> tuple[int, bool]:
+        """Ask the donors in their order for what is wanted: the bytes given, and whether that was all of it."""
         m = self._m
+        asked_at = time.monotonic_ns()
         found = scan(with_pages=True, directory=m.segment.path.parent)
         me = next((s for s in found.models if s.path == str(m.segment.path)), None)
         if me is None:
-            return 0
+            return 0, False
         got = 0
-        want = self.wanted
+        want, need = self.wanted, min(self.needed, self.wanted)
         for candidate in donors(found.models, me, m.backend.capacity_bytes()):
-            ask = min(want - got, candidate.givable)
+            # beyond what the refused growth lacks (its warm pool, a grown ask) only models of no higher priority
+            ask = min((want if candidate.priority <= self.priority else need) - got, candidate.givable)
+            if ask <= 0:
+                continue
             given = self._ask(candidate.snapshot, ask)
             if given is None:
                 continue
             got += given
             if got >= want:
                 break
+        whole = want > 0 and got >= want
         with m._lock:
+            now = time.monotonic_ns()
             if got:
                 self.took_total += got
                 self.took_count += 1
-                self.latency_ns = time.monotonic_ns() - self._wanted_since
-            self.wanted = max(0, self.wanted - got) if got < self.wanted else 0
-            if self.wanted:
-                self._wanted_since = time.monotonic_ns() if got else self._wanted_since
+                self.latency_ns = now - max(self._wanted_since, asked_at)  # the ask to its answer, no pacing wait
+            self.wanted = 0 if whole else max(0, self.wanted - got)
+            self.needed = 0 if whole else max(0, self.needed - got)
+            if self.wanted and got:
+                self._wanted_since = now
+            self._grown, self._grown_at = (want, time.monotonic()) if whole else (0, float("-inf"))
             self._write()
-        return got
+        return got, whole
 
     def _ask(self, donor: ModelSnapshot, want: int) -> int | None:
         """One reclaim request to ``donor`` and its answer: the bytes it gave; None when it could not be asked

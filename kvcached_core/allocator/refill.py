@@ -42,9 +42,13 @@ def step(m: Served, linger_until: float) -> float | None:
     """
     if m.pressure.late:
         m.pressure.collect_late()
-    if m.pressure.wanted and m.pressure.relieve():
+    given = m.pressure.relieve() if m.pressure.wanted else 0
+    if given:
         with m._lock:  # other models gave memory: map what the refused growth needed now
             m._refill_requested = True
+            asked = None if m.pressure.fixed_pace else take_given(m, given)
+        if asked:
+            return map_asked(m, asked, time.monotonic() + m.refill_linger_s)
     if not (m._refill_requested or m._closed) and time.monotonic() < linger_until:
         time.sleep(REFILL_POLL_S)  # nothing asked: look again without touching the lock
         return linger_until
@@ -65,6 +69,20 @@ def step(m: Served, linger_until: float) -> float | None:
     if asked is None:
         time.sleep(REFILL_POLL_S)
         return linger_until
+    return map_asked(m, asked, linger_until)
+
+
+def take_given(m: Served, nbytes: int) -> list[int]:
+    """The pages that ``nbytes`` given by other models back (lock held), taken to be mapped at once: the budget
+    has them free now, and a third model's growth would take them first if they waited for the warm pool's
+    refill. As many as the limit leaves; none while the model sleeps."""
+    if m._closed or m.sleep.state != L.SLEEP_AWAKE:
+        return []
+    return m.pages.take_unmapped(min(nbytes // m.bundle_bytes, m._headroom()))
+
+
+def map_asked(m: Served, asked: list[int], linger_until: float) -> float:
+    """Map ``asked`` (taken from the unmapped pages) outside the lock, then settle them under it."""
     try:
         mapped = m.backend.map_pages(asked) if asked else []
     except BackendError:

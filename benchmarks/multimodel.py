@@ -47,7 +47,7 @@ from .fair.vllm import (  # noqa: F401  (the vLLM driver's names, as tests_vllm/
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PREFIX = {"on": (True,), "off": (False,)}
+PREFIX = {"on": (True,), "off": (False,), "both": (True, False)}
 DEFAULT_SEED = 31
 
 
@@ -86,7 +86,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, metavar="DIR", help="write the report here instead of benchmarks/results/")
     p.add_argument("--no-write", action="store_true", help="print the report only")
     p.add_argument("--plot", type=Path, metavar="JSON", help="draw the picture of a written report again")
-    p.add_argument("--prefix", choices=sorted(PREFIX), default="on", help="vLLM: prefix caching in both (on)")
+    p.add_argument("--prefix", choices=sorted(PREFIX), default="on",
+                   help="vLLM: prefix caching in both configurations: on (the default), off, or both (one run each)")
     p.add_argument("--trace", type=Path, help="vLLM: replay this trace file instead")
     p.add_argument("--make-trace", action="store_true", help="vLLM: write the recorded trace again (fixed seed)")
     p.add_argument("--keep-logs", action="store_true", help="vLLM: keep the engines' logs (their folder is printed)")
@@ -152,16 +153,23 @@ def vllm_main(p: argparse.ArgumentParser, args: argparse.Namespace, command: str
     if importlib.util.find_spec("vllm") is None:
         print(vllm.INSTALL_HINT, file=sys.stderr)
         return 1
-    tmp = Path(tempfile.mkdtemp(prefix="kvcached-multimodel-"))  # kept on failure: the engines' logs
-    driver = vllm.VllmDriver(workdir=tmp, shape=args.shape, seed=args.seed, single=args.single, quick=args.quick,
-                             prefix_caching=PREFIX[args.prefix][0], share_blocks=blocks, trace_file=args.trace,
-                             duration_s=args.duration)
-    code = run(driver, pairs=args.pairs, seed=args.seed, shape=args.shape, single=args.single, command=command,
-               stem=stem(args))
-    if code == 0 and not args.keep_logs:
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        print(f"engine logs: {tmp}", file=sys.stderr)
+    code = 0
+    for on in PREFIX[args.prefix]:
+        tmp = Path(tempfile.mkdtemp(prefix="kvcached-multimodel-"))  # kept on failure: the engines' logs
+        driver = vllm.VllmDriver(workdir=tmp, shape=args.shape, seed=args.seed, single=args.single, quick=args.quick,
+                                 prefix_caching=on, share_blocks=blocks, trace_file=args.trace,
+                                 duration_s=args.duration)
+        where = stem(args)
+        if where is not None and not on:
+            where = where.with_name(where.name + "-prefix-off")
+        code = max(code, run(driver, pairs=args.pairs, seed=args.seed, shape=args.shape, single=args.single,
+                             command=command, stem=where))
+        if code == 0 and not args.keep_logs:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"engine logs: {tmp}", file=sys.stderr)
+        if code:
+            break
     return code
 
 

@@ -357,6 +357,9 @@ class Servers:
     def submit(self, rid: str, row: dict, arrival: float) -> None:
         model = int(row["model"][1:])
         answer = self.answers[rid] = Answer(model, arrival, None, None, 0)
+        # each run's own tokens after the system prompt (the run's name in the seed): no run finds the one before
+        # it in the prefix cache; the system prompts stay shared, as the trace means them to
+        row = dict(row, seed=f"{row['seed']}-{rid.rsplit('-', 1)[0]}")
         th = threading.Thread(target=send, args=(self.engines[model], row, answer), daemon=True)
         th.start()
         self.threads[rid] = th

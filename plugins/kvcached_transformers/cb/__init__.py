@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from .loop import LoopControl, Traffic
     from .paged import KvcachedPagedAttentionCache
+    from .stats import AdmissionStats
 
 _ATTR = "_kvcached_cb"  # the model attribute that holds its CBInstall
 _context = threading.local()  # the install whose cache is being built on this thread
@@ -108,6 +109,15 @@ class CBInstall:
                 if not cache.kv_manager._closed:
                     cache.release_all()
                 self.caches.remove(cache)
+
+    @property
+    def stats(self) -> AdmissionStats:
+        """The open allocator's admission counters (:class:`~.stats.AdmissionStats`, a copy): requests per step, passes
+        in which each gate held a waiting request back, bytes claimed but unused. Zeros before the first batch."""
+        from .stats import AdmissionStats
+
+        traffic = self._traffic
+        return traffic[1].admission.copy() if traffic is not None else AdmissionStats()
 
     @property
     def segment(self) -> str | None:

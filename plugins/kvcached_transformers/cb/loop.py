@@ -26,6 +26,7 @@ from typing import Any
 from kvcached_core.engines import LIMIT_DEFERRED
 
 from .paged import KvcachedPagedAttentionCache
+from .stats import AdmissionStats
 
 log = logging.getLogger("kvcached_transformers.cb")
 
@@ -40,6 +41,7 @@ class Traffic:
     def __init__(self) -> None:
         self.finished = self.prompt_tokens = self.generated_tokens = self.offloads = 0
         self.last_request_ns = 0
+        self.admission = AdmissionStats()
 
 
 class LoopControl:
@@ -116,8 +118,21 @@ class LoopControl:
         return ready
 
     def schedule_batch(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._schedule(*args, **kwargs)
+        """One scheduling pass: kvcached's room asked once for it, and its admissions counted (``Traffic.admission``)."""
+        cache, scheduler = self.cache, self.scheduler
+        cache.begin_pass(scheduler.active_requests)
+        try:
+            result = self._schedule(*args, **kwargs)
+        finally:
+            cache.end_pass()
         self._nothing_scheduled = result[0] is None
+        refused = cache.refused
+        if scheduler.waiting_requests and cache.free_share < getattr(scheduler, "safety_margin", 0.0):
+            refused.add("margin")
+        manager = self.manager
+        reserved = len(manager.pages.reserved) * manager.bundle_bytes
+        pooled = getattr(manager.backend, "pooled_bytes", None)
+        self.traffic.admission.count_pass(len(result[0] or ()), refused, reserved, pooled() if pooled else 0)
         return result
 
     def offload_requests(self) -> bool:

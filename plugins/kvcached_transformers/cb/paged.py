@@ -10,8 +10,12 @@ padding tokens read (zeros) and write. Here:
   ``s`` and only the pages of sectors in use are mapped;
 - a sector is taken with ``alloc`` and given back with ``free`` the moment no block of it is in use
   (transformers keeps emptied sectors until its scheduler asks; kvcached gets them at once);
-- the free count the scheduler admits by is ``schedulable_blocks``: the limit, a shared budget
-  and other models' memory bound it;
+- the free count the scheduler admits by is ``schedulable_blocks``, asked once per scheduling pass
+  (:meth:`KvcachedPagedAttentionCache.begin_pass`; the sectors the pass takes and gives back are counted on it): the
+  limit, a shared budget and other models' memory bound it, and each pass sees what the others freed;
+- a new request is admitted beside the growth running requests can still need (:meth:`~KvcachedPagedAttentionCache.
+  growth_reserve`), and transformers' FIFO safety margin is taken over what the model holds plus what it may take,
+  not over its whole address space (:meth:`~KvcachedPagedAttentionCache.compute_free_capacity`);
 - the two trash sectors are any two kvcached blocks (zeroed), the allocators' trash indices point at them.
 
 The upstream ``__init__`` sizes the cache unchanged over a ``meta`` tensor (no memory); then the
@@ -55,6 +59,7 @@ class KvcachedCachePool(CachePool):
         self.held: set[int] = set()  # sectors taken from kvcached and handed to an allocator
         self.after_free: Callable[[], None] | None = None  # the cache's: newly cached blocks go to kvcached
         self._free_seq, self._free_count = -1, 0
+        self.pass_free: int | None = None  # within a scheduling pass: the sectors kvcached can still give
         super().__init__(num_sectors, num_allocators)
 
     def reset(self) -> None:
@@ -66,6 +71,8 @@ class KvcachedCachePool(CachePool):
 
     @property
     def num_free_sectors(self) -> int:
+        if self.pass_free is not None:
+            return self.pass_free
         manager = self.manager
         seq = manager.state_seq  # the answer only moves when the allocator publishes
         if seq != self._free_seq:
@@ -78,8 +85,14 @@ class KvcachedCachePool(CachePool):
         ids = self.manager.alloc(n)
         if ids is None:
             return False
+        self.taken(n)
         self.give(index, ids)
         return True
+
+    def taken(self, n: int) -> None:
+        """``n`` sectors just came from kvcached: the pass's count goes down."""
+        if self.pass_free is not None:
+            self.pass_free = max(0, self.pass_free - n)
 
     def give(self, index: int, sectors: list[int]) -> None:
         """Sectors just taken from kvcached become allocator ``index``'s free blocks."""
@@ -109,6 +122,8 @@ class KvcachedCachePool(CachePool):
             torch.cuda.synchronize()
         self.held.difference_update(sectors)
         self.manager.free(sectors)
+        if self.pass_free is not None:
+            self.pass_free += len(sectors)
 
 
 class KvcachedPagedAttentionCache(PagedAttentionCache):
@@ -142,6 +157,10 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
         allocators = list(self.cache_allocators.values())
         self.mirrors = len(allocators) == 1 and allocators[0].blocks_per_sector == 1
         self._newly_cached: list[int] = []
+        self._running: dict[str, Any] = {}  # the scheduler's active requests, during a pass
+        self._reserve: int | None = None  # growth_reserve, once per pass
+        self.refused: set[str] = set()  # the gates that held a waiting request back in this pass (stats.GATES)
+        self.free_share = 1.0  # compute_free_capacity's last relative answer
         if self.mirrors:
             self._mirror(allocators[0].ledger)
             self.kv_pool.after_free = self.flush_cached
@@ -207,6 +226,37 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
             ids = manager.alloc(n)
         return ids
 
+    # -- one scheduling pass -------------------------------------------------------------------------
+    def begin_pass(self, running: dict[str, Any]) -> None:
+        """A scheduling pass starts: kvcached's room is asked once (not at every waiting request) and counted down
+        as the pass takes sectors; ``running`` is the scheduler's active requests (see :meth:`growth_reserve`)."""
+        self.kv_pool.pass_free = self.kv_manager.schedulable_blocks()
+        self._running, self._reserve = running, None
+        self.refused = set()
+
+    def end_pass(self) -> None:
+        self.kv_pool.pass_free = None
+        self._running, self._reserve = {}, None
+
+    def growth_reserve(self) -> int:
+        """Sectors kept back for running requests when a new one is admitted: one for each allocator's blocks that
+        the running requests' next two tokens do not fit (less the free blocks it holds). A request whose last block
+        has room, or that ends within two tokens, needs none."""
+        if self._reserve is not None:
+            return self._reserve
+        reserve = 0
+        for allocator in self.cache_allocators.values():
+            blocks = 0
+            for rid, state in self._running.items():
+                left = None if state.max_new_tokens is None else state.max_new_tokens - len(state.generated_tokens)
+                if rid in allocator.block_table and (left is None or left >= 2):
+                    blocks += min(1, allocator.needs_new_blocks(rid, state.current_len(), 2))
+            short = blocks - self.pool.count_free_blocks(allocator.index)
+            if short > 0:
+                reserve += -(-short // allocator.blocks_per_sector)
+        self._reserve = reserve
+        return reserve
+
     @staticmethod
     def page_size_for(bytes_per_sector: int) -> int:
         """kvcached's page: the configured one if it holds whole sectors, else the least multiple of both."""
@@ -255,13 +305,17 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
         pool = self.pool
         assert isinstance(pool, KvcachedCachePool)
         if total:
-            # A new request is admitted against what a shared budget leaves beside one sector per request already
-            # holding sectors (their next growth), as vLLM's watermark: admitting it must not starve them.
-            free = (self.kv_manager.schedulable_blocks(self.holders()) if state.status.name == "PENDING"
-                    else pool.num_free_sectors)
+            free = pool.num_free_sectors
+            if free < total:
+                self.refused.add("budget")
+            elif state.status.name == "PENDING" and free - self.growth_reserve() < total:
+                # A new request is admitted beside the growth the running ones still need: it must not starve them.
+                self.refused.add("reserve")
+                free -= self.growth_reserve()
             ids = self._take(total) if free >= total else None
             if ids is None:
                 return False
+            pool.taken(total)
             at = 0
             for name, n in needed.items():
                 if n > 0:
@@ -271,15 +325,18 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
             allocator.allocate_cache_to_request(state.request_id, state.current_len(), request_len)
         return True
 
-    def holders(self) -> int:
-        """Requests holding sectors (the largest block table of any allocator)."""
-        return max((len(allocator.block_table) for allocator in self.cache_allocators.values()), default=0)
-
     def compute_free_capacity(self, relative: bool = True) -> int | float:
-        free = self.pool.num_free_sectors * self.bytes_per_sector
+        """Free bytes; ``relative``: their share of what the model holds plus what it may take (transformers' FIFO
+        safety margin is taken over this, as a static cache's over its whole size), not of its address space."""
+        free_sectors = self.pool.num_free_sectors
+        free = free_sectors * self.bytes_per_sector
         for allocator in self.cache_allocators.values():
             free += self.pool.count_free_blocks(allocator.index) * allocator.bytes_per_block
-        return free / (self.num_sectors * self.bytes_per_sector) if relative else free
+        if not relative:
+            return free
+        reach = (len(self.kv_pool.held) + free_sectors) * self.bytes_per_sector
+        self.free_share = free / reach if reach else 0.0
+        return self.free_share
 
     def release_all(self) -> None:
         """Forget every request and cached block; every sector, the trash included, back to kvcached."""

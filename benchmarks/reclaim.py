@@ -17,6 +17,14 @@ on the host (256 KiB pages, 2 layers, K and V), 8 MiB on CUDA (2 MiB pages); 4 b
   every millisecond as an engine's scheduler would retry each step. Beside it, the asker's own
   published ``pressure.latency_s`` (its refused growth to the donor's answer).
 
+Growth (``growth``): a model that grows one page per alloc behind an idle donor whose cached blocks fill the
+budget (``KVCACHED_HOST_CAPACITY=64MiB``, 2 MiB page bundles, no warm pool on either side, so each refused alloc
+lacks one page). Timed from the asker's first alloc to its 18th page, each alloc retried every millisecond;
+beside it the asks it wrote and its published latency. Each round runs both pacings, in turns: ``grown`` (an
+ask answered in full lets the next go at once and ask twice as much) and ``fixed`` (every ask held the next
+back ``REASK_S``: ``PressureControl.fixed_pace``, the pacing before). ``python -m benchmarks.reclaim
+--growth`` prints every round and the medians.
+
 The configurations take turns round by round (the order reversed every other round), so a slow
 spell of the machine falls on all of them. CUDA rows are skipped, with the reason, without a GPU.
 """
@@ -240,6 +248,104 @@ def _row(config: Config, samples: list[dict]) -> dict:
             "rounds": ok}
 
 
+GROWTH_PAGES = 18  # the pages the growing model takes, one per alloc
+GROWTH_TARGET_MS = 200.0
+GROWTH_BUNDLE = 2 * MiB
+GROWTH_GEOMETRY = dict(num_blocks=4 * 32, block_bytes=GROWTH_BUNDLE // 4, num_layers=1, num_kv_buffers=1,
+                       page_size=GROWTH_BUNDLE)
+GROWTH_ENV = {"KVCACHED_HOST_CAPACITY": "64MiB", "KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_IDLE_RETURN_S": "-1"}
+
+GROWTH_DONOR = f"""
+import sys
+from kvcached_core import KVCacheManager
+m = KVCacheManager("donor", name="donor", **{GROWTH_GEOMETRY!r})
+active, cached = m.alloc(8), m.alloc(4 * 30)
+assert active is not None and cached is not None, "the donor could not map its blocks"
+m.mark_cached(cached)
+m.set_evict_handler(lambda: m.evict_for_limit())
+print("READY", flush=True)
+sys.stdin.readline()
+m.close()
+"""
+
+GROWTH_ASKER = f"""
+import json, sys, time
+from kvcached_core import KVCacheManager
+
+print("READY", flush=True)
+for line in sys.stdin:
+    m = KVCacheManager("asker", name="asker", **{GROWTH_GEOMETRY!r})
+    m.pressure.fixed_pace = line.strip() == "fixed"
+    try:
+        t0 = time.perf_counter()
+        for _ in range({GROWTH_PAGES}):
+            while m.alloc(4) is None:
+                if time.perf_counter() - t0 > 30:
+                    raise SystemExit("no growth within 30 s")
+                time.sleep({RETRY_S!r})
+        ms = (time.perf_counter() - t0) * 1e3
+        print(json.dumps({{"ms": ms, "asks": m.pressure.asked_count, "published_ms": m.pressure.latency_ns / 1e6}}),
+              flush=True)
+    finally:
+        m.close()
+"""
+
+
+def growth(rounds: int) -> list[dict]:
+    """Both pacings, ``rounds`` each, taking turns (the order reversed every other round); a fresh donor each time."""
+    samples: list[dict] = []
+    with private_segments(**GROWTH_ENV):
+        asker = _spawn(GROWTH_ASKER, {})
+        try:
+            for i in range(rounds):
+                for pace in ("grown", "fixed") if i % 2 == 0 else ("fixed", "grown"):
+                    donor = _spawn(GROWTH_DONOR, {})
+                    try:
+                        asker.stdin.write(pace + "\n")  # type: ignore[union-attr]
+                        line = asker.stdout.readline()  # type: ignore[union-attr]
+                        if not line:
+                            raise RuntimeError("the growing model's process ended")
+                        samples.append({"round": i + 1, "pace": pace} | json.loads(line))
+                    finally:
+                        donor.stdin.close()  # type: ignore[union-attr]
+                        try:
+                            donor.wait(timeout=10)
+                        except subprocess.TimeoutExpired:
+                            stop(donor)
+        finally:
+            stop(asker)
+    return samples
+
+
+def growth_rows(samples: list[dict]) -> list[dict]:
+    rows = []
+    by = {pace: [s for s in samples if s["pace"] == pace] for pace in ("grown", "fixed")}
+    ratios = [f["ms"] / g["ms"] for g, f in zip(by["grown"], by["fixed"], strict=True)]
+    for pace, runs in by.items():
+        ms = [s["ms"] for s in runs]
+        note = (f"{GROWTH_PAGES} pages of {GROWTH_BUNDLE // MiB} MiB one per alloc behind an idle donor (64 MiB budget); "
+                f"median of {len(ms)} rounds, range {min(ms):.1f}-{max(ms):.1f} ms; asks "
+                f"{statistics.median(s['asks'] for s in runs):g} (median); published latency of the last reclaim "
+                f"p50 {statistics.median(s['published_ms'] for s in runs):.2f} ms")
+        if pace == "grown":
+            met = "met" if statistics.median(ms) <= GROWTH_TARGET_MS else "not met"
+            note += (f"; fixed pace / grown, per round: median {statistics.median(ratios):.1f}x "
+                     f"(range {min(ratios):.1f}-{max(ratios):.1f}x); target <= {GROWTH_TARGET_MS:g} ms: {met}")
+        rows.append({"name": f"reclaim growth, {pace} asks: {GROWTH_PAGES} pages behind an idle donor",
+                     "value": round(statistics.median(ms), 1), "unit": "ms median", "note": note})
+    return rows
+
+
+def print_growth(samples: list[dict]) -> None:
+    """Every round as a table, then the rows."""
+    print("| round | pacing | ms to 18 pages | asks | published latency ms |")
+    print("|---|---|---|---|---|")
+    for s in samples:
+        print(f"| {s['round']} | {s['pace']} | {s['ms']:.1f} | {s['asks']} | {s['published_ms']:.2f} |")
+    for row in growth_rows(samples):
+        print(f"{row['name']}: {row['value']} {row['unit']}  ({row['note']})")
+
+
 def run(quick: bool) -> list[dict]:
     rounds = 6 if quick else 30
     reason = cuda_reason()
@@ -258,7 +364,7 @@ def run(quick: bool) -> list[dict]:
         finally:
             for proc in askers.values():
                 stop(proc)
-    rows = [_row(c, samples[c]) for c in configs]
+    rows = [_row(c, samples[c]) for c in configs] + growth_rows(growth(2 if quick else 5))
     if reason is not None:
         rows += [{"name": f"reclaim, cuda {layout} layout: refused alloc to the first alloc that succeeds",
                   "value": "skipped", "unit": "", "note": reason} for layout in ("layer", "page")]
@@ -267,5 +373,8 @@ def run(quick: bool) -> list[dict]:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    if "--growth" in sys.argv:
+        print_growth(growth(3 if "--quick" in sys.argv else 5))
+        sys.exit(0)
     for row in run(quick="--quick" in sys.argv):
         print(f"{row['name']}: {row['value']} {row['unit']}  ({row['note']})")

@@ -14,7 +14,7 @@ from textual.binding import Binding
 # How the help screen and the palette write Textual's key names.
 KEY_NAMES = {"question_mark": "?", "space": "space", "plus": "+", "minus": "-", "equals_sign": "=",
              "down": "↓", "up": "↑", "left": "←", "right": "→", "enter": "enter", "pageup": "pgup",
-             "pagedown": "pgdn", "escape": "esc"}
+             "pagedown": "pgdn", "escape": "esc", "tab": "tab"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ ACTIONS: tuple[Action, ...] = (
     Action("up,k", "cursor(-1)", "Previous model", show=False),
     Action("home", "cursor(-1000000)", "First model", show=False),
     Action("end", "cursor(1000000)", "Last model", show=False),
+    Action("tab", "switch_arrows", "Arrows: models/map", show=False, priority=True,
+           palette="Arrow keys: models / page map", palette_help="↑/↓ select a model, or scroll the page map"),
     Action("left", "map_scroll(-1)", "Page map back a row", show=False),
     Action("right", "map_scroll(1)", "Page map on a row", show=False),
     Action("enter", "details", "Details", show=False, palette="Model details",

@@ -31,7 +31,7 @@ from kvcached_core import AckTimeout, ControlError, ModelNotFound, ModelSnapshot
 from kvtop.actions import bindings, help_rows
 from kvtop.cli.common import Number, Whole
 from kvtop.commands import KvtopCommands
-from kvtop.events import ERROR, GOOD, INFO, WARN, Event, diff, policy_text
+from kvtop.events import ERROR, GOOD, INFO, WARN, Event, asleep_key, asleep_text, diff, policy_text
 from kvtop.history import History
 from kvtop.messages import ControlDone, FrameReady, PollFailed
 from kvtop.source import Frame, LiveSource, Source
@@ -102,6 +102,7 @@ class KvtopApp(App[int]):
         self._awaiting: set[tuple[str, str]] = set()
         self._visible: list[ModelSnapshot] = []
         self._said: dict[str, float] = {}  # notification -> when it was last shown
+        self.arrows = "models"  # what ↑/↓ drive: "models" (the selection) or "map" (the page map's rows); tab
 
     # -- layout ----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -128,6 +129,7 @@ class KvtopApp(App[int]):
         for widget in (self.devices, self.table, self.frag, self.event_log):
             widget.add_class("panel")
         self.map_column.border_title = "page map"
+        self.table.add_class("-arrows")  # the panel ↑/↓ drive: the models until tab says the page map
         self._draw_status()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop = asyncio.get_running_loop()
@@ -177,6 +179,11 @@ class KvtopApp(App[int]):
         self._prev = frame
         self.frames_seen += 1
         self.frame = frame
+        for screen in self.screen_stack:  # an open dialog's figures follow the model it is about
+            update, about = getattr(screen, "update_model", None), getattr(screen, "model", None)
+            fresh = frame.model(about.name) if isinstance(about, ModelSnapshot) else None
+            if callable(update) and fresh is not None:
+                update(fresh)
 
     def on_poll_failed(self, message: PollFailed) -> None:
         self._add_events([Event(time.time(), "error", "", f"reading segments failed: {message.error}", ERROR)])
@@ -270,7 +277,19 @@ class KvtopApp(App[int]):
             self.action_details()
         self.selected = event.name
 
+    def action_switch_arrows(self) -> None:
+        """Tab: ↑/↓ (j/k, home/end) move the selection in the models, or scroll the page map; the panel they
+        drive has its border lit."""
+        self.arrows = "map" if self.arrows == "models" else "models"
+        self.table.set_class(self.arrows == "models", "-arrows")
+        self.map_column.set_class(self.arrows == "map", "-arrows")
+        self._say_once("↑/↓ scroll the page map (tab: back to the models)" if self.arrows == "map"
+                       else "↑/↓ select a model (tab: the page map)")
+
     def action_cursor(self, step: int) -> None:
+        if self.arrows == "map":
+            self._scroll_map(step)
+            return
         names = [m.name for m in self._visible]
         if not names:
             return
@@ -341,14 +360,16 @@ class KvtopApp(App[int]):
         longer = [i for i in INTERVALS if i > self.interval + 1e-9]
         self.interval = longer[0] if longer else INTERVALS[-1]
 
+    ZOOM_NOTHING = "the whole map fits at one page per cell: nothing to zoom"
+
     def action_zoom_in(self) -> None:
         if not self.pagemap.zoom_in():
-            self._say_once("one page per cell: Z zooms out")
+            self._say_once(self.ZOOM_NOTHING if self.pagemap.fit() <= 1 else "one page per cell: Z zooms out")
         self._draw_selected()
 
     def action_zoom_out(self) -> None:
         if not self.pagemap.zoom_out():
-            self._say_once("whole map on screen: z zooms in")
+            self._say_once(self.ZOOM_NOTHING if self.pagemap.fit() <= 1 else "whole map on screen: z zooms in")
         self._draw_selected()
 
     def _say_once(self, text: str, timeout: float = 3.0) -> None:
@@ -490,11 +511,8 @@ class KvtopApp(App[int]):
                 f"Wake {m.name}?", f"It is {m.sleep.state}. Its engine schedules again; pages are mapped as its "
                 "requests need them.", "Wake"), confirmed)
             return
-        self.push_screen(ConfirmScreen(
-            f"Put {m.name} to sleep?",
-            f"Its whole KV cache ({format_bytes(m.mapped_bytes)} mapped) is given back: new requests wait in its "
-            "engine's queue, running ones finish first, the prefix cache is dropped, then every page is unmapped. "
-            "Weights stay. The next request wakes it, as does this key.", "Sleep"), confirmed)
+        self.push_screen(ConfirmScreen(f"Put {m.name} to sleep?", confirm_label="Sleep", model=m,
+                                       describe=sleep_detail), confirmed)
 
     def action_limit(self) -> None:
         m = self._control_target("limit", "limit")
@@ -555,11 +573,17 @@ class KvtopApp(App[int]):
         if kind in ("sleep", "wake"):
             ack = self.source.sleep(m, kind, CONTROL_WAIT_S)
             text = f"{kind} acknowledged: {ack.status}"
+            key: tuple = (kind, m.name, ack.revision)
             if ack.status == "asleep":
                 text += f", {format_bytes(ack.bytes_returned)} released in {ack.latency_s * 1000:.0f} ms"
+                key = asleep_key(m.name, ack.revision, ack.bytes_returned, ack.latency_s)
             elif ack.status == "draining":
                 text += " (running requests finish first)"
-            said = Event(time.time(), kind, m.name, text, WARN if ack.status == "superseded" else GOOD)
+                key = ("sleep", m.name, "draining", ack.revision)
+            elif ack.status == "woken":
+                text = (f"sleep acknowledged: slept ({format_bytes(ack.bytes_returned)} released in "
+                        f"{ack.latency_s * 1000:.0f} ms), then woken")
+            said = Event(time.time(), kind, m.name, text, WARN if ack.status == "superseded" else GOOD, key)
             if ack.status != "draining":
                 return [said]
             self.post_message(ControlDone([said]))  # say so now, then when it is asleep
@@ -601,8 +625,8 @@ class KvtopApp(App[int]):
             if info is None or info.state != "draining":
                 if info is None or info.state != "asleep":
                     return None
-                return Event(time.time(), "sleep", m.name, f"asleep: {format_bytes(info.slept_bytes)} released "
-                             f"in {info.took_s * 1000:.0f} ms", GOOD)
+                return Event(time.time(), "sleep", m.name, asleep_text(info.slept_bytes, info.took_s), GOOD,
+                             asleep_key(m.name, info.acked_revision, info.slept_bytes, info.took_s))
             time.sleep(0.1)
         return None
 
@@ -613,6 +637,18 @@ class KvtopApp(App[int]):
             if event.level == ERROR:
                 self.notify(f"{event.model}: {event.text}", severity="error", markup=False)
         self._poll_now()
+
+
+def sleep_detail(m: ModelSnapshot) -> str:
+    """What putting ``m`` to sleep gives back, from its latest read (the dialog redraws it at each refresh)."""
+    cached = m.cached_bytes or 0  # (a model that can sleep publishes it)
+    active = max(0, m.held_bytes - cached)
+    return (f"Every page it has mapped is unmapped once its running requests finish: {format_bytes(m.mapped_bytes)} "
+            f"mapped now ({format_bytes(m.reserved_bytes)} reserved, {format_bytes(m.pinned_bytes)} in pages in use, "
+            f"holding {format_bytes(cached)} of cached blocks, dropped, and {format_bytes(active)} of running "
+            "requests, which finish first). The event log says what was released: what it had mapped when the "
+            "sleep began. New requests wait in its engine's queue; weights stay. The next request wakes it, as "
+            "does this key.")
 
 
 # -- command line ------------------------------------------------------------------------------

@@ -4,7 +4,8 @@
 disappearing; limit revisions acknowledged (applied / deferred / conflict) and deferred limits
 that became applied; trims acknowledged with the bytes they returned; policy revisions (min, priority)
 taken; memory one model gave another
-under pressure (a donor's ``pressure.gave_count`` grew); new problem files.
+under pressure (a donor's ``pressure.gave_count`` grew); sleeps and wakes with their cause (a controller's
+request takes a revision, an engine's request does not); new problem files.
 Each event carries a ``key`` so that an acknowledgement kvtop already reported for its own
 request is not logged twice.
 """
@@ -23,8 +24,8 @@ INFO, GOOD, WARN, ERROR = "info", "good", "warn", "error"
 @dataclass(frozen=True)
 class Event:
     at: float  # wall-clock seconds
-    kind: str  # watching, appeared, stale, live, disappeared, limit, trimmed, compacted, gave, policy, problem,
-    # action, error
+    kind: str  # watching, appeared, stale, live, disappeared, limit, trimmed, compacted, gave, policy, sleep, wake,
+    # problem, action, error
     model: str
     text: str
     level: str = INFO
@@ -96,6 +97,50 @@ def _gave_event(prev: ModelSnapshot, cur: ModelSnapshot, models: Sequence[ModelS
     return Event(at, "gave", cur.name, text, INFO, ("gave", cur.name, new.gave_count))
 
 
+CONTROLLER_WAKE = "a wake request (kvctl wake, kvtop's w, or kvctl route for a request)"
+REQUEST_WAKE = "a request (its engine took one, or an alloc needed a page)"
+
+
+def asleep_text(slept_bytes: int, took_s: float) -> str:
+    """What a sleep gave back: every page it had mapped when the sleep began (pages the drain emptied too)."""
+    return f"asleep: {format_bytes(slept_bytes)} released in {took_s * 1000:.0f} ms"
+
+
+def asleep_key(name: str, revision: int, slept_bytes: int, took_s: float) -> tuple:
+    """One sleep's key, the same from the refresh diff and from kvtop's own request: logged once."""
+    return ("sleep", name, "asleep", revision, slept_bytes, took_s)
+
+
+def wake_cause(prev_revision: int, revision: int) -> str:
+    """Who woke the model: a controller's wake takes a revision; a request reaches the engine with none."""
+    return CONTROLLER_WAKE if revision > prev_revision else REQUEST_WAKE
+
+
+def _sleep_event(prev: ModelSnapshot, cur: ModelSnapshot, at: float) -> Event | None:
+    """The model went to sleep, fell asleep or woke since the last refresh, and why (from its SLEEP words)."""
+    old, new = prev.sleep, cur.sleep
+    if old is None or new is None or "unknown" in (old.state, new.state):
+        return None
+    name, rev = cur.name, new.acked_revision
+    asked = rev > old.acked_revision
+    if new.state == "draining" and old.state == "awake":
+        why = f"sleep request r{rev}" if asked else f"after-idle policy: {new.after_idle_s:g} s without a request"
+        return Event(at, "sleep", name, f"going to sleep ({why}): running requests finish first", INFO,
+                     ("sleep", name, "draining", rev))
+    if new.state == "asleep" and old.state != "asleep":
+        return Event(at, "sleep", name, asleep_text(new.slept_bytes, new.took_s), GOOD,
+                     asleep_key(name, rev, new.slept_bytes, new.took_s))
+    if new.state == "awake" and old.state in ("asleep", "draining"):
+        before = "" if old.state == "asleep" else " before it slept"
+        return Event(at, "wake", name, f"woken{before} by {wake_cause(old.acked_revision, rev)}", INFO,
+                     ("wake", name, rev) if asked else ())
+    if new.state == old.state == "awake" and (new.slept_bytes, new.took_s) != (old.slept_bytes, old.took_s):
+        return Event(at, "wake", name, f"slept ({format_bytes(new.slept_bytes)} released in "
+                     f"{new.took_s * 1000:.0f} ms) and was woken by {wake_cause(old.acked_revision, rev)}, "
+                     "both since the last refresh", INFO)
+    return None
+
+
 def diff(prev: Sequence[ModelSnapshot] | None, cur: Sequence[ModelSnapshot], at: float,
          prev_problems: Sequence[Problem] = (), problems: Sequence[Problem] = ()) -> list[Event]:
     """Events between two scans; ``prev=None`` (the first refresh) gives one summary line."""
@@ -130,6 +175,9 @@ def diff(prev: Sequence[ModelSnapshot] | None, cur: Sequence[ModelSnapshot], at:
             gave = _gave_event(old, m, cur, at)
             if gave is not None:
                 events.append(gave)
+            slept = _sleep_event(old, m, at)
+            if slept is not None:
+                events.append(slept)
             if m.trim_ack_seq > old.trim_ack_seq:
                 events.append(Event(at, "trimmed", name, f"trimmed: {format_bytes(m.trim_bytes)} returned", GOOD,
                                     ("trim", name, m.trim_ack_seq)))

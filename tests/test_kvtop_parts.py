@@ -77,6 +77,38 @@ def test_trim_acknowledged_and_legacy_limit_and_new_problem() -> None:
     assert diff((), (), 2.0, (problem,), (problem,)) == []
 
 
+def slept(m, state: str, revision: int = 0, slept_bytes: int = 0, took_s: float = 0.0, after_idle_s=None):
+    return replace(m, sleep=SleepInfo(True, state, revision, after_idle_s, slept_bytes, took_s))
+
+
+def test_sleeps_and_wakes_are_logged_with_their_cause() -> None:
+    m = fake_model("m")
+    awake = slept(m, "awake")
+    texts = lambda a, b: [e.text for e in diff((a,), (b,), 1.0)]  # noqa: E731
+    draining = slept(m, "draining", 1)
+    assert texts(awake, draining) == ["going to sleep (sleep request r1): running requests finish first"]
+    asleep = slept(m, "asleep", 1, 10 * MiB, 5.2)
+    [event] = diff((draining,), (asleep,), 2.0)
+    assert (event.text, event.key) == ("asleep: 10.0 MiB released in 5200 ms", ("sleep", "m", "asleep", 1, 10 * MiB, 5.2))
+    # Woken with no new revision: a request reached the engine (or an alloc needed a page).
+    woken = slept(m, "awake", 1, 10 * MiB, 5.2)
+    assert texts(asleep, woken) == ["woken by a request (its engine took one, or an alloc needed a page)"]
+    # A controller's wake takes a revision.
+    assert texts(asleep, slept(m, "awake", 2, 10 * MiB, 5.2)) == [
+        "woken by a wake request (kvctl wake, kvtop's w, or kvctl route for a request)"]
+    assert texts(draining, slept(m, "awake", 1)) == [
+        "woken before it slept by a request (its engine took one, or an alloc needed a page)"]
+    # The after-idle policy: no revision.
+    idle = slept(m, "awake", 1, 10 * MiB, 5.2, after_idle_s=30.0)
+    assert texts(idle, slept(m, "draining", 1, 10 * MiB, 5.2, after_idle_s=30.0)) == [
+        "going to sleep (after-idle policy: 30 s without a request): running requests finish first"]
+    # Asleep and awake again between two refreshes: its last sleep's figures changed.
+    assert texts(woken, slept(m, "awake", 1, 4 * MiB, 0.25)) == [
+        "slept (4.0 MiB released in 250 ms) and was woken by a request (its engine took one, or an alloc needed "
+        "a page), both since the last refresh"]
+    assert diff((woken,), (woken,), 3.0) == []
+
+
 # -- history and view ---------------------------------------------------------------------------
 
 def test_history_rate_and_repeated_reads() -> None:

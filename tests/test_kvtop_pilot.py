@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import pytest
-from conftest import send
+from conftest import kvctl, send
 from fakes import FAKE_T0, FakeSource, fake_model, fake_pages, sample_fleet
 from rich.console import Console
 from textual.command import CommandPalette
@@ -151,6 +151,67 @@ def test_l_sets_a_limit_deferred_then_a_percentage(spawn_allocator) -> None:
     assert snap.limit_status == "applied"
     assert snap.requested_limit == wanted
     assert snap.limit_bytes == wanted // BUNDLE * BUNDLE
+
+
+def test_the_limit_dialog_checks_as_you_type_and_follows_the_model(spawn_allocator) -> None:
+    """A bad size is explained before Enter, a good one previewed; the model's current figures follow each refresh."""
+    proc = spawn_allocator("m1", script="ids = m.alloc(8)\n")  # 2 pages in use
+    app = KvtopApp(LiveSource(), interval=0.1)
+
+    def shown(part: str) -> str:
+        return str(app.screen.query_one(part).render())
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1", lambda m: m.pages_inuse == 2), "m1 on screen")
+        await pilot.press("l")
+        await until(pilot, lambda: isinstance(app.screen, LimitScreen), "the limit dialog")
+        assert "in use 2.0 MiB" in shown("#detail")
+        await pilot.press(*"12 parsecs")
+        await until(pilot, lambda: "unknown unit 'parsecs'" in shown("#error"), "the error, without Enter")
+        assert app.screen.has_class("-invalid") and shown("#preview") == ""
+        for _ in range(len("12 parsecs")):
+            await pilot.press("backspace")
+        await pilot.press(*"8MiB")
+        await until(pilot, lambda: "= 8.0 MiB" in shown("#preview"), "the preview")
+        assert shown("#error") == "" and not app.screen.has_class("-invalid")
+        send(proc, "more = m.alloc(16)")  # 4 more pages in use while the dialog is open
+        await until(pilot, lambda: "in use 6.0 MiB" in shown("#detail"), "the current figures refreshed")
+        await pilot.press("escape")
+
+    drive(app, script)
+    assert read_model("m1").limit_revision == 0
+
+
+def test_the_sleep_dialog_says_what_is_released_and_every_wake_is_logged_with_its_cause(spawn_allocator) -> None:
+    """The sleep dialog's figures follow the model until it is confirmed, and the event log says who woke it:
+    a request reaching the engine (no revision), or a controller's wake (a revision)."""
+    proc = spawn_allocator("m1", script=SLEEPER)  # 20 blocks: 5 pages in use
+    app = KvtopApp(LiveSource(), interval=0.1)
+
+    def detail() -> str:
+        return str(app.screen.query_one("#detail").render())
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(app, "m1") and app.selected == "m1", "m1 on screen")
+        await pilot.press("w")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the sleep dialog")
+        mapped = read_model("m1").mapped_bytes
+        assert f"{kc.format_bytes(mapped)} mapped now" in detail()
+        send(proc, "more = m.alloc(16)")  # 4 pages more while the dialog is open: the figure follows
+        await until(pilot, lambda: f"{kc.format_bytes(read_model('m1').mapped_bytes)} mapped now" in detail()
+                    and read_model("m1").mapped_bytes > mapped, "the dialog's figures refreshed")
+        send(proc, "m.free(more)")
+        await until(pilot, lambda: read_model("m1").blocks_used == 20, "the extra blocks freed")
+        await pilot.press("y")
+        await until(pilot, lambda: log_has(app, "sleep acknowledged: asleep") or log_has(app, "asleep: "),
+                    "the sleep in the event log")
+        send(proc, "m.sleep.wake()")  # the engine took a request: no controller, no revision
+        await until(pilot, lambda: log_has(app, "woken by a request"), "the request's wake in the log")
+        assert kvctl("sleep", "m1", "--wait", "10").exit_code == 0
+        assert kvctl("wake", "m1", "--wait", "10").exit_code == 0
+        await until(pilot, lambda: log_has(app, "woken by a wake request"), "kvctl's wake in the log")
+
+    drive(app, script)
 
 
 def test_invalid_limit_keeps_the_dialog_open_and_writes_nothing(spawn_allocator) -> None:
@@ -677,6 +738,8 @@ KEY_EFFECTS: dict[str, tuple[Callable[[KvtopApp], bool | None], Callable[[KvtopA
     "cursor(-1)": (lambda app: at(app, 2), lambda app: app.selected == names(app)[1]),
     "cursor(-1000000)": (lambda app: at(app, 3), lambda app: app.selected == names(app)[0]),
     "cursor(1000000)": (lambda app: at(app, 0), lambda app: app.selected == names(app)[-1]),
+    "switch_arrows": (lambda app: None, lambda app: app.map_column.has_class("-arrows")
+                      and not app.table.has_class("-arrows")),
     "map_scroll(-1)": (zoomed, lambda app: app.pagemap.scroll_y == 4),
     "map_scroll(1)": (zoomed, lambda app: app.pagemap.scroll_y == 1),
     "details": (lambda app: at(app, 2), lambda app: isinstance(app.screen, DetailsScreen)
@@ -811,3 +874,42 @@ def test_columns_no_model_can_fill_are_left_out_until_one_can() -> None:
     drive(app, script, size=(200, 30))
     assert not {"tok/s", "req/s", "wait", "idle"} & set(seen_headers[0]), seen_headers[0]
     assert {"tok/s", "wait"} <= set(seen_headers[1]), seen_headers[1]
+
+
+def test_tab_moves_the_arrow_keys_to_the_page_map_and_back() -> None:
+    """Tab lights the page map's border and ↑/↓ scroll it; tab again, and they select models."""
+    app = KvtopApp(sample_fleet(), interval=0.2, model="deepseek")
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: app.selected == "deepseek-v3-100k" and app.frame.detail is not None,
+                    "the 100k-page map")
+        await until(pilot, lambda: zoomed(app) or app.pagemap.max_scroll_y > 3, "a page map longer than the screen")
+        assert app.table.has_class("-arrows") and not app.map_column.has_class("-arrows")
+        await pilot.press("tab")
+        assert app.map_column.has_class("-arrows") and not app.table.has_class("-arrows")
+        await pilot.press("down", "down")
+        await until(pilot, lambda: app.pagemap.scroll_y == 2, "↓ to scroll the page map")
+        assert app.selected == "deepseek-v3-100k"
+        await pilot.press("tab", "down")
+        await until(pilot, lambda: app.selected == "kvcached_vllm_3311", "↓ to select the next model again")
+        assert app.table.has_class("-arrows")
+
+    drive(app, script, size=(120, 40))
+
+
+def test_zoom_keys_at_a_map_that_fits_say_there_is_nothing_to_zoom(spawn_allocator) -> None:
+    """A page map that fits the screen at one page per cell: z and Z say one thing, not point at each other."""
+    spawn_allocator("m1", script="ids = m.alloc(4)\n")
+    app = KvtopApp(LiveSource(), interval=0.2)
+    told: list[str] = []
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: app.frame is not None and app.frame.detail is not None, "m1's page map")
+        await until(pilot, lambda: app.pagemap.total > 0 and app.pagemap.fit() == 1, "the map at one page per cell")
+        app.notify = lambda message, **kw: told.append(str(message))  # type: ignore[method-assign]
+        await pilot.press("z")
+        await pilot.press("Z")
+        await pilot.pause(0.1)
+
+    drive(app, script)
+    assert told == ["the whole map fits at one page per cell: nothing to zoom"]

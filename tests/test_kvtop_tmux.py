@@ -98,8 +98,8 @@ def test_kvtop_demo_in_tmux(tmux: Tmux, shm_dir: Path, tmp_path: Path) -> None:
     tmux.keys("space")
     tmux.wait_for(lambda s: "PAUSED" not in s, "space to resume")
     tmux.keys("z")
-    tmux.wait_for(lambda s: "(zoom)" in title_line(s) or "one page per cell: Z zooms out" in s,
-                  "z to zoom the page map (or to say it shows one page per cell already)")
+    tmux.wait_for(lambda s: "(zoom)" in title_line(s) or "one page per cell: Z zooms out" in s
+                  or "nothing to zoom" in s, "z to zoom the page map (or to say it shows one page per cell already)")
     tmux.keys("?")
     tmux.wait_for(lambda s: "kvtop — keys" in s and "Trim all" in s, "the help screen")
     tmux.keys("Escape")

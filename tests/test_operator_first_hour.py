@@ -497,7 +497,7 @@ def test_zooming_past_either_end_says_so() -> None:
             self.told.append(message)
             super().notify(message, **kwargs)  # type: ignore[arg-type]
 
-    app = Told(sample_fleet(), interval=0.05, model="llama")
+    app = Told(sample_fleet(), interval=0.05, model="deepseek")  # 100k pages: both ends of the zoom exist
 
     async def script(pilot: Pilot) -> None:
         await settled(pilot)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -38,9 +38,23 @@ class ConfirmScreen(ModalScreen[bool]):
         Binding("n,escape", "answer(False)", "No"),
     ]
 
-    def __init__(self, question: str, detail: str = "", confirm_label: str = "Yes") -> None:
+    def __init__(self, question: str, detail: str = "", confirm_label: str = "Yes", *,
+                 model: ModelSnapshot | None = None, describe: Callable[[ModelSnapshot], str] | None = None) -> None:
+        """``describe``: the detail drawn from ``model``, drawn again from each refresh (:meth:`update_model`)."""
         super().__init__(classes="dialog")
-        self.question, self.detail, self.confirm_label = question, detail, confirm_label
+        self.question, self.confirm_label = question, confirm_label
+        self.model, self.describe = model, describe
+        self.detail = describe(model) if describe is not None and model is not None else detail
+
+    def update_model(self, model: ModelSnapshot) -> None:
+        """A fresher read of the model the question is about: its figures in the detail follow it."""
+        if self.describe is None or self.model is None or model.name != self.model.name:
+            return
+        self.model = model
+        detail = self.describe(model)
+        if detail != self.detail:
+            self.detail = detail
+            self.query_one("#detail", Static).update(Text(detail))
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
@@ -106,7 +120,7 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
             yield Label(Text(f"Set the limit of {m.name}"), id="question")
             yield Static(self._summary(), id="detail")
             yield Input(placeholder="4G, 512MiB, 30%, none", id="limit-input",
-                        validators=[SizeValidator(self.percent_of)], validate_on=["submitted"])
+                        validators=[SizeValidator(self.percent_of)], validate_on=["changed", "submitted"])
             yield Static("", id="preview")
             yield Static("", id="error")
             yield Static("Enter applies · Escape cancels", id="hint")
@@ -133,18 +147,37 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
             raise SizeError(self.percent_problem)
         return parse_size(value, percent_of=self.percent_of, allow_none=True)
 
+    def update_model(self, model: ModelSnapshot) -> None:
+        """A fresher read of the model: the current figures and the preview follow it while the dialog is open."""
+        if model.name != self.model.name:
+            return
+        self.model = model
+        self.query_one("#detail", Static).update(self._summary())
+        self._check(self.query_one(Input).value)
+
     def on_input_changed(self, event: Input.Changed) -> None:
-        preview = self.query_one("#preview", Static)
-        self.query_one("#error", Static).update("")
-        self.remove_class("-invalid")
-        if not event.value.strip():
+        self._check(event.value)
+
+    def _check(self, typed: str) -> None:
+        """As the text is typed: the size it means, or why it is none (the same words Enter would show)."""
+        preview, error = self.query_one("#preview", Static), self.query_one("#error", Static)
+        if not typed.strip():
             preview.update("")
+            error.update("")
+            self.remove_class("-invalid")
             return
         try:
-            value = self._parse(event.value)
-        except SizeError:
+            value = self._parse(typed)
+            refusal = limit_refusal(self.model.name, value) if self.model.legacy else None
+            if refusal is not None:
+                raise SizeError(refusal)
+        except SizeError as exc:
             preview.update("")
+            error.update(Text(f"✗ {exc}", style="bold red"))
+            self.add_class("-invalid")
             return
+        error.update("")
+        self.remove_class("-invalid")
         preview.update(self._describe(value))
 
     def _describe(self, value: int | None) -> Text:

@@ -12,6 +12,7 @@ to its user, in one place for every server of the project:
 - a listen backlog that holds a burst of clients (the kernel's usual 5 made them wait out SYN
   retries of 1, 3, 7 s);
 - no access log and no signal handlers: the command that serves decides how it stops;
+- a ``Server`` header that names no versions (aiohttp's default tells a stranger its and Python's);
 - a request that is not HTTP, or breaks a limit, is answered 400 and logged at debug level only: a
   stranger's bytes never print a traceback on the operator's terminal.
 """
@@ -31,6 +32,7 @@ HEAD_LIMITS: dict[str, Any] = {"max_line_size": 8190, "max_field_size": 8190, "m
 HEAD_TIMEOUT_S = 10.0  # how long a connection may take to send a whole request head
 BACKLOG = 1024  # pending connections the kernel holds
 SHUTDOWN_TIMEOUT_S = 5.0  # how long closing waits for the requests being answered
+SERVER_NAME = "kvtop"  # the Server header of every answer
 
 
 class _ClientFaults(logging.Filter):
@@ -113,6 +115,10 @@ class _Guarded(asyncio.Protocol):
         self._inner.resume_writing()
 
 
+async def _plain_server_header(_request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER_NAME
+
+
 class Served:
     """An application listening on a port until :meth:`close`."""
 
@@ -134,6 +140,7 @@ async def serve(app: web.Application, host: str, port: int, *, backlog: int = BA
     port 0 means one port) and serve ``app`` with the limits above. OSError when the address cannot be bound."""
     deadlines = _Deadlines(head_timeout_s)
     app.middlewares.append(deadlines.middleware)
+    app.on_response_prepare.append(_plain_server_header)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                            logger=LOG, **HEAD_LIMITS)
     await runner.setup()

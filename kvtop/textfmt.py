@@ -156,7 +156,7 @@ def pressure_fields(m: ModelSnapshot, models: Sequence[ModelSnapshot] = ()) -> l
                  f"{fmt_bytes(p.given_cached)}, reserved {fmt_bytes(p.given_reserved)}) in {p.given_took_s * 1000:.0f} ms")
     took = f"{fmt_bytes(p.took_total)} in {p.took_count} reclaims, {p.asked_count} requests asked"
     if p.took_count:
-        took += f"; last {p.latency_s * 1000:.0f} ms from the refused growth to the bytes given"
+        took += f"; last {p.latency_s * 1000:.0f} ms from its ask to the bytes given"
     return [*rows, ("gave", gave), ("took", took)]
 
 

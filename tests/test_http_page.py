@@ -137,3 +137,14 @@ def test_a_page_that_cannot_be_made_is_a_500_and_the_server_keeps_serving() -> N
         server.close()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", server.port), timeout=2).close()  # the port is released
+
+
+def test_answers_name_no_library_or_python_version() -> None:
+    server = PageServer("127.0.0.1", 0, {"/p": Page("200 OK", "text/plain", lambda: b"x")})
+    try:
+        for request in (b"GET /p HTTP/1.0\r\n\r\n", b"GET /nowhere HTTP/1.0\r\n\r\n"):
+            head = raw(server.port, request).split(b"\r\n\r\n", 1)[0].lower()
+            assert b"\r\nserver: kvtop" in head
+            assert b"aiohttp" not in head and b"python" not in head
+    finally:
+        server.close()

@@ -147,7 +147,7 @@ class PressureInfo:
     took_count: int
     asked_count: int
     wanted_bytes: int
-    latency_s: float  # the last reclaim it asked for: from the refused growth to the bytes given
+    latency_s: float  # the last reclaim it asked for: from its ask (or the refused growth, if later) to the bytes given
 
     def policy_dict(self) -> dict:
         return {"min_bytes": self.min_bytes, "priority": self.priority}

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+from procs import Processes
 
 from kvcached_core.settings import Settings
 
@@ -76,6 +77,15 @@ def child_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {**os.environ, **(overrides or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")])
     return env
+
+
+@pytest.fixture
+def procs():
+    """Start child processes with ``procs.start(command, **popen_kwargs)``: default signal dispositions, a
+    session of their own; each one's process group is ended at teardown, whether the test passed or not."""
+    started = Processes()
+    yield started
+    started.end_all()
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 
 from conftest import ROOT, child_env, kvctl, wait_for
+from procs import Processes
 
 import kvcached_core as kc
 
@@ -116,7 +117,7 @@ def check_the_limit_story(args: list[str], shown: list[str], out: list[str], see
     assert "acknowledged `deferred` at once (status `shrinking`" in story and "says `applied` within a second" in story
 
 
-def test_the_five_step_tour_runs_as_the_readme_shows_it() -> None:
+def test_the_five_step_tour_runs_as_the_readme_shows_it(procs: Processes) -> None:
     tour = blocks(section("A five-minute tour"), "console")
     steps: list[tuple[list[str], list[str]]] = []  # (kvctl arguments, the output shown)
     for block in tour:
@@ -128,8 +129,8 @@ def test_the_five_step_tour_runs_as_the_readme_shows_it() -> None:
     assert [args[0] for args, _ in steps] == ["demo", "list", "limit", "trim", "watch"]
 
     (demo_args, demo_shown), *rest = steps
-    demo = subprocess.Popen([sys.executable, "-m", "kvtop.cli", *demo_args], stdout=subprocess.PIPE, text=True,
-                            env=child_env(), cwd=ROOT)
+    demo = procs.start([sys.executable, "-m", "kvtop.cli", *demo_args], stdout=subprocess.PIPE, text=True,
+                       env=child_env(), cwd=ROOT)  # as from a terminal: Ctrl-C reaches it; ended at teardown
     try:
         assert demo.stdout is not None
         assert demo.stdout.readline().rstrip("\n") == demo_shown[0]

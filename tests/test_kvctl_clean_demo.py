@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, child_env, kvctl, wait_heartbeat_late
+from procs import Processes
 
 
 def stale(spawn_allocator, name: str) -> Path:
@@ -75,17 +76,18 @@ def test_clean_keeps_another_users_segment(spawn_allocator, shm_dir: Path):
     assert theirs.read_bytes() == before
 
 
-def demo(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kvtop.cli", "demo", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT, start_new_session=True)
+def demo(procs: Processes, *args: str) -> subprocess.Popen:
+    """``kvctl demo ARGS`` as from a terminal, in its own process group (ended at teardown)."""
+    return procs.start([sys.executable, "-m", "kvtop.cli", "demo", *args], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
 
 
 def live_names() -> list[str]:
     return sorted(r["name"] for r in json.loads(kvctl("list", "--json").stdout) if r["status"] == "live")
 
 
-def test_demo_runs_for_its_duration_and_cleans_up(shm_dir: Path):
-    proc = demo("--models", "2", "--duration", "4", "--seed", "3")
+def test_demo_runs_for_its_duration_and_cleans_up(shm_dir: Path, procs: Processes):
+    proc = demo(procs, "--models", "2", "--duration", "4", "--seed", "3")
     first = proc.stdout.readline()
     assert first.startswith("demo: 2 simulated models running: demo-llama-3-8b, demo-qwen2-7b"), proc.stderr.read()
     assert live_names() == ["demo-llama-3-8b", "demo-qwen2-7b"]
@@ -98,8 +100,8 @@ def test_demo_runs_for_its_duration_and_cleans_up(shm_dir: Path):
     assert segments(shm_dir) == []
 
 
-def test_demo_ctrl_c_stops_every_model(shm_dir: Path):
-    proc = demo("--models", "3")
+def test_demo_ctrl_c_stops_every_model(shm_dir: Path, procs: Processes):
+    proc = demo(procs, "--models", "3")
     assert proc.stdout.readline().startswith("demo: 3 simulated models running")
     assert len(live_names()) == 3
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C does: the whole process group
@@ -108,8 +110,8 @@ def test_demo_ctrl_c_stops_every_model(shm_dir: Path):
     assert segments(shm_dir) == []
 
 
-def test_demo_refuses_to_start_twice(shm_dir: Path):
-    first = demo("--models", "1", "--duration", "30")
+def test_demo_refuses_to_start_twice(shm_dir: Path, procs: Processes):
+    first = demo(procs, "--models", "1", "--duration", "30")
     try:
         assert first.stdout.readline().startswith("demo: 1 simulated model running")
         second = kvctl("demo", "--models", "1")

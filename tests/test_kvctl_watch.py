@@ -74,30 +74,33 @@ def test_table_ticks(spawn_allocator):
         assert lines[1].split()[0] == "NAME" and lines[2].split()[:2] == ["m1", "custom"]
 
 
-def test_closed_pipe_prints_one_line_and_no_traceback(spawn_allocator):
+def test_closed_pipe_prints_one_line_and_no_traceback(spawn_allocator, procs):
     spawn_allocator("m1")
     line = shlex.join([*kvctl_command(), "watch", "--format", "json", "--interval", "0.05"]) + " | head -n 1"
-    done = subprocess.run(["sh", "-c", line], capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=60)
-    assert done.returncode == 0
-    assert done.stderr == ""
-    lines = done.stdout.splitlines()
+    shell = procs.start(["sh", "-c", line], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        env=child_env(), cwd=ROOT)
+    out, err = shell.communicate(timeout=60)
+    assert shell.returncode == 0
+    assert err == ""
+    lines = out.splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["models"][0]["name"] == "m1"
 
 
-def test_closed_pipe_exit_status_is_0(spawn_allocator):
+def test_closed_pipe_exit_status_is_0(spawn_allocator, procs):
     spawn_allocator("m1")
-    proc = subprocess.Popen([*kvctl_command(), "watch", "--format", "csv", "--interval", "0.05"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(), cwd=ROOT)
+    proc = procs.start([*kvctl_command(), "watch", "--format", "csv", "--interval", "0.05"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(), cwd=ROOT)
     assert proc.stdout.readline().startswith(b"time,tick,name")
     proc.stdout.close()  # the reader goes away
     assert proc.wait(timeout=60) == 0
     assert proc.stderr.read() == b""
 
 
-def test_ctrl_c_exits_130_quietly(spawn_allocator):
+def test_ctrl_c_exits_130_quietly(spawn_allocator, procs):
+    """Also when the test run itself ignores SIGINT (a background job): the child starts as from a terminal."""
     spawn_allocator("m1")
-    proc = subprocess.Popen([*kvctl_command(), "watch", "--format", "json", "--interval", "0.05"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(), cwd=ROOT)
+    proc = procs.start([*kvctl_command(), "watch", "--format", "json", "--interval", "0.05"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(), cwd=ROOT)
     assert json.loads(proc.stdout.readline())["tick"] == 0
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import child_env, kvctl, send, wait_for
+from procs import Processes
 from textual.pilot import Pilot
 
 import kvcached_core as kc
@@ -199,27 +200,22 @@ def demo_models(shm_dir: Path, count: int) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT])
-def test_demo_models_end_with_kvctl_demo_whatever_the_signal(sig, shm_dir: Path) -> None:
-    proc = subprocess.Popen([*KVCTL, "demo", "--models", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=child_env(), text=True)
-    try:
-        assert proc.stdout.readline().startswith("demo: 2 simulated models running")
-        children = demo_models(shm_dir, 2)
-        proc.send_signal(sig)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def test_demo_models_end_with_kvctl_demo_whatever_the_signal(sig, shm_dir: Path, procs: Processes) -> None:
+    proc = procs.start([*KVCTL, "demo", "--models", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       env=child_env(), text=True)
+    assert proc.stdout.readline().startswith("demo: 2 simulated models running")
+    children = demo_models(shm_dir, 2)
+    proc.send_signal(sig)  # to kvctl demo alone: its models must follow by themselves
+    proc.wait(timeout=30)
     wait_for(lambda: not any(is_alive(pid, started) for pid, started in children), 15, "the demo models to end")
     wait_for(lambda: not [f for f in os.listdir(shm_dir) if f.startswith("kvc.")], 5, "their segments to go")
     assert "Traceback" not in proc.stderr.read()
 
 
-def test_a_demo_model_whose_parent_is_gone_before_it_starts_ends_at_once(shm_dir: Path) -> None:
+def test_a_demo_model_whose_parent_is_gone_before_it_starts_ends_at_once(shm_dir: Path, procs: Processes) -> None:
     """The stdin watchdog covers what PR_SET_PDEATHSIG cannot: a parent gone before the child's prctl."""
-    child = subprocess.Popen([sys.executable, "-m", "kvtop.demo", "orphan", "vllm", "1", "0", ""],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(), text=True)
+    child = procs.start([sys.executable, "-m", "kvtop.demo", "orphan", "vllm", "1", "0", ""],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(), text=True)
     assert child.stdout.readline() == "ready\n"
     assert (shm_dir / "kvc.orphan").exists()
     child.stdin.close()  # what the kernel does to the pipe when the parent dies
@@ -273,7 +269,7 @@ def test_the_capacity_lock_is_not_left_in_the_segment_directory(shm_dir: Path, s
     assert os.listdir(shm_dir) == []  # no lock file, no segment
 
 
-def test_the_capacity_lock_still_excludes_while_it_comes_and_goes(shm_dir: Path) -> None:
+def test_the_capacity_lock_still_excludes_while_it_comes_and_goes(shm_dir: Path, procs: Processes) -> None:
     """Holders unlink the lock before unlocking; a waiter on the old inode retries, so two never overlap."""
     ledger = kc.KVCacheManager("a", name="a", **SMALL)
     try:
@@ -285,7 +281,7 @@ def test_the_capacity_lock_still_excludes_while_it_comes_and_goes(shm_dir: Path)
                 "while fd < 0:\n"  # _lock gives up (-1) rather than wait long on a holder: ask again
                 "    fd = l._lock()\n"
                 "print('locked', time.monotonic(), flush=True); l._unlock(fd); m.close()\n")
-        other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=child_env(), text=True)
+        other = procs.start([sys.executable, "-c", code], stdout=subprocess.PIPE, env=child_env(), text=True)
         time.sleep(1.0)  # the other process is now waiting on the inode we hold
         released = time.monotonic()
         ledger.backend.ledger._unlock(fd)
@@ -306,32 +302,27 @@ def test_the_event_log_names_a_problem_file_once() -> None:
     assert (event.model, event.text) == ("/dev/shm/kvc.bad", "corrupt: bad magic")
 
 
-def test_watch_into_a_closed_pipe_ends_at_once_not_an_interval_later(spawn_allocator) -> None:
+def test_watch_into_a_closed_pipe_ends_at_once_not_an_interval_later(spawn_allocator, procs: Processes) -> None:
     spawn_allocator("m1")
-    proc = subprocess.Popen([*KVCTL, "watch", "--format", "json", "--interval", "600"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env())
-    try:
-        assert json.loads(proc.stdout.readline())["models"][0]["name"] == "m1"  # the first record at once
-        proc.stdout.close()  # as `head -1` does after its line
-        assert proc.wait(timeout=30) == 0  # it would sleep the 600 s interval before the next write
-        assert proc.stderr.read() == b""
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    proc = procs.start([*KVCTL, "watch", "--format", "json", "--interval", "600"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env())
+    assert json.loads(proc.stdout.readline())["models"][0]["name"] == "m1"  # the first record at once
+    proc.stdout.close()  # as `head -1` does after its line
+    assert proc.wait(timeout=30) == 0  # it would sleep the 600 s interval before the next write
+    assert proc.stderr.read() == b""
 
 
 # -- waiting until a limit is applied ------------------------------------------------------
 
-def test_limit_wait_applied_waits_for_the_memory_then_exits_0(spawn_allocator) -> None:
+def test_limit_wait_applied_waits_for_the_memory_then_exits_0(spawn_allocator, procs: Processes) -> None:
     proc = spawn_allocator("m1", script="b = m.alloc(20)")  # 5 pages (bundles of 1 MiB) in use
     quick = kvctl("limit", "m1", "2MiB", "--wait-applied", "0.3")  # nothing frees a page: it runs out
     assert quick.exit_code == 3, quick.stderr
     assert quick.stdout.startswith("m1: limit 2.0 MiB deferred")
     assert quick.stderr == "kvctl: m1: limit 2.0 MiB not applied within 0.3 s: 5.0 MiB of pages still in use\n"
 
-    waiter = subprocess.Popen([*KVCTL, "limit", "m1", "2MiB", "--wait-applied", "60", "--json"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(), text=True)
+    waiter = procs.start([*KVCTL, "limit", "m1", "2MiB", "--wait-applied", "60", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(), text=True)
     wait_for(lambda: kc.snapshot("m1").limit_revision == 2, 30, "the second request")
     assert waiter.poll() is None  # still waiting: the pages are still in use
     send(proc, "m.free(b[8:])")  # 2 pages left in use: now the limit holds
@@ -394,17 +385,12 @@ def test_the_exporter_serves_metrics_at_metrics_an_index_at_root_and_404_elsewhe
             assert (status, body) == (404, b"not found: the metrics are at /metrics\n"), path
 
 
-def test_kvctl_export_ctrl_c_exits_130_as_the_readme_says() -> None:
-    proc = subprocess.Popen([*KVCTL, "export", "--port", "0"], stderr=subprocess.PIPE, env=child_env(), text=True)
-    try:
-        line = proc.stderr.readline()
-        assert line.startswith("kvctl export: serving http://127.0.0.1:"), line
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 130
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def test_kvctl_export_ctrl_c_exits_130_as_the_readme_says(procs: Processes) -> None:
+    proc = procs.start([*KVCTL, "export", "--port", "0"], stderr=subprocess.PIPE, env=child_env(), text=True)
+    line = proc.stderr.readline()
+    assert line.startswith("kvctl export: serving http://127.0.0.1:"), line
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
     metrics_page = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
     assert "It stops on Ctrl-C (exit 130" in " ".join(metrics_page.split())
 

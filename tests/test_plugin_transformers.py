@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from conftest import ROOT, child_env  # noqa: E402
+from procs import Processes  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 import kvcached_core as kc  # noqa: E402
@@ -250,28 +251,23 @@ def run_example(*args: str, timeout: float = 300) -> subprocess.CompletedProcess
                           text=True, env=child_env(), timeout=timeout, cwd=ROOT)
 
 
-def test_example_publishes_its_segment_and_holds_it():
-    proc = subprocess.Popen(
+def test_example_publishes_its_segment_and_holds_it(procs: Processes):
+    proc = procs.start(  # as from a terminal, whatever started the tests: Ctrl-C reaches it
         [sys.executable, str(ROOT / "examples" / "generate.py"), "--requests", "4", "--max-new-tokens", "8",
          "--prompt-len", "12", "--check", "--hold", "120"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("holding the segment"):
-                break
-        text = "".join(lines)
-        assert "identical to DynamicCache: yes" in text, text + proc.stderr.read() if proc.poll() is not None else text
-        snap = kc.snapshot("tiny-llama")  # another process: read through the segment
-        assert snap.status == "live" and snap.engine == "transformers" and snap.pid == proc.pid
-        assert snap.blocks_used == 0 and snap.alloc_blocks > 0 and snap.free_blocks == snap.alloc_blocks
-        proc.send_signal(signal.SIGINT)  # ends the hold early, cleanly
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("holding the segment"):
+            break
+    text = "".join(lines)
+    assert "identical to DynamicCache: yes" in text, text + proc.stderr.read() if proc.poll() is not None else text
+    snap = kc.snapshot("tiny-llama")  # another process: read through the segment
+    assert snap.status == "live" and snap.engine == "transformers" and snap.pid == proc.pid
+    assert snap.blocks_used == 0 and snap.alloc_blocks > 0 and snap.free_blocks == snap.alloc_blocks
+    proc.send_signal(signal.SIGINT)  # ends the hold early, cleanly
+    assert proc.wait(timeout=60) == 0
     assert "tiny-llama" not in [m.name for m in kc.list_models()]
 
 

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import child_env
+from procs import end, end_group, group_members, start
 
 from kvcached_core.segment.procinfo import is_alive
 from kvcached_core.segment.reader import list_models
@@ -21,19 +23,34 @@ pytestmark = pytest.mark.slow
 TIMEOUT_S = 60.0
 
 
+# What the terminal the tests run in sets for its children: inside tmux, TMUX and TERM; and GNU readline
+# (which pytest imports) exports that terminal's LINES and COLUMNS into the environment every child
+# inherits, so kvtop in a pane would draw for the outer terminal's size, not the pane's.
+OUTER_TERMINAL = ("TMUX", "TMUX_PANE", "TERM_PROGRAM", "TERM_PROGRAM_VERSION", "LINES", "COLUMNS", "STY", "WINDOW")
+
+
 class Tmux:
-    """One private tmux server (its own socket, no user config) holding one session."""
+    """One private tmux server (its own socket file, no user config, an environment without the outer
+    terminal's) holding one session; ``kill`` ends the panes' processes, the server and its socket."""
 
     def __init__(self) -> None:
-        self.socket = f"kvtop-test-{uuid.uuid4().hex[:8]}"
+        self.directory = Path(tempfile.mkdtemp(prefix="kvtop-tmux-"))  # short: a socket path has 107 bytes
+        self.socket = str(self.directory / "socket")
         self.session = "kvtop"
+        env = {k: v for k, v in child_env().items() if k not in OUTER_TERMINAL}
+        self.env = {**env, "TERM": "xterm-256color"}
 
     def __call__(self, *args: str) -> str:
-        out = subprocess.run(["tmux", "-L", self.socket, "-f", "/dev/null", *args], capture_output=True,
-                             text=True, timeout=20)
-        if out.returncode != 0:
-            raise AssertionError(f"tmux {' '.join(args)} failed: {out.stderr.strip()}")
-        return out.stdout
+        proc = start(["tmux", "-S", self.socket, "-f", "/dev/null", *args], stdin=subprocess.DEVNULL,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env)
+        try:
+            out, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            end(proc, grace=1)
+            raise AssertionError(f"tmux {' '.join(args)} did not answer within 20 s") from None
+        if proc.returncode != 0:
+            raise AssertionError(f"tmux {' '.join(args)} failed: {err.strip()}")
+        return out
 
     def screen(self) -> str:
         return self("capture-pane", "-p", "-t", self.session)
@@ -52,7 +69,21 @@ class Tmux:
         raise AssertionError(f"timed out waiting for {what}; the screen was:\n{screen}")
 
     def kill(self) -> None:
-        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=20)
+        """End what runs in the panes (each pane's shell leads its own process group: SIGTERM, so that
+        kvtop stops its demo models, then SIGKILL), then the server; remove the socket."""
+        try:
+            panes = [int(pid) for pid in self("list-panes", "-a", "-F", "#{pane_pid}").split()]
+            server = int(self("display-message", "-p", "#{pid}").strip())
+        except AssertionError:  # no server: the test failed before it started one
+            panes, server = [], None
+        for pane in panes:
+            end_group(pane)
+        with contextlib.suppress(AssertionError):
+            self("kill-server")
+        deadline = time.monotonic() + 10
+        while server is not None and group_members(server) and time.monotonic() < deadline:
+            time.sleep(0.05)  # a server leads its own group (it daemonized); a zombie is not counted
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 @pytest.fixture

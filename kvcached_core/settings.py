@@ -111,6 +111,9 @@ VARIABLES: tuple[Var, ...] = (
         "where the engine serves its model (`http://HOST:PORT`), published in its segment for `kvctl route`; "
         "the vLLM plugin sets it from vLLM's `--host`/`--port` itself"),
     Var("KVCTL_DEBUG", None, "flag", "kvctl: show the traceback of an internal error instead of its one line"),
+    Var("KVCTL_ROUTE_API_KEY", None, "secret",
+        "`kvctl route`: the key every request must carry (`Authorization: Bearer KEY`); unlike `--api-key`, "
+        "not shown in `ps` ([kvctl.md](kvctl.md#kvctl-route))"),
     Var("ENABLE_KVCACHED", None, "boolean",
         "the vLLM plugin: `true` (or `1`, `yes`, `on`) lets kvcached hold vLLM's KV cache; unset or "
         "false leaves vLLM alone ([engines.md](engines.md#vllm))"),
@@ -184,6 +187,7 @@ class Settings:
     kvctl_debug: bool
     enable_kvcached: bool
     endpoint: str | None  # KVCACHED_ENDPOINT; None: unset
+    route_api_key: str | None  # KVCTL_ROUTE_API_KEY; None: unset (never shown by repr)
     given: frozenset[str] = field(default=frozenset())  # the variables set to a non-empty value
 
     def __getattribute__(self, name: str) -> Any:
@@ -193,7 +197,8 @@ class Settings:
         return value
 
     def __repr__(self) -> str:
-        shown = ", ".join(f"{f.name}={object.__getattribute__(self, f.name)!r}" for f in fields(self))
+        shown = ", ".join(f"{f.name}={'<hidden>' if f.name == 'route_api_key' else repr(object.__getattribute__(self, f.name))}"
+                          for f in fields(self))
         return f"Settings({shown})"
 
     def mode(self, name: str) -> str:
@@ -459,6 +464,7 @@ _PARSERS: dict[str, Callable[[Raw, dict[str, Any]], Any]] = {
     "kvctl_debug": lambda raw, done: bool(raw["KVCTL_DEBUG"]),
     "enable_kvcached": _enable,
     "endpoint": _endpoint,
+    "route_api_key": lambda raw, done: raw["KVCTL_ROUTE_API_KEY"] or None,
 }
 
 

@@ -52,12 +52,13 @@ def loopback(host: str) -> bool:
         return False  # a host name: whatever it resolves to may be reached from elsewhere
 
 
-def api_key_of(given: str | None, path: str | None, no_auth: bool, host: str) -> str:
-    """The key requests must carry ("" for none), from --api-key (or the environment) or --api-key-file; a usage
-    error for a key that cannot be one, two sources, or a non-loopback address without a key or --no-auth."""
+def api_key_of(given: str | None, path: str | None, no_auth: bool, host: str, from_env: str | None) -> str:
+    """The key requests must carry ("" for none), from --api-key, --api-key-file or else the environment
+    (``from_env``); a usage error for a key that cannot be one, two options, or a non-loopback address without a
+    key or --no-auth."""
     if given is not None and path is not None:
-        raise click.UsageError(f"give the key once: --api-key (or {KEY_ENV}) or --api-key-file, not both")
-    key = given
+        raise click.UsageError("give the key once: --api-key or --api-key-file, not both")
+    key = given if given is not None or path is not None else from_env
     if path is not None:
         try:
             with open(path, encoding="utf-8") as fh:
@@ -78,14 +79,14 @@ def api_key_of(given: str | None, path: str | None, no_auth: bool, host: str) ->
 
 
 def startup_report(url: str, directory: Directory, keyed: bool) -> str:
-    """What the router says once it listens: the URL, the models it serves, and those it skips with why."""
+    """What the router says once it listens: the URL, the models it skips with why, and those it serves (last)."""
     lines = [f"kvctl route: serving {url}/v1 (Ctrl-C stops){'; requests need the API key' if keyed else ''}"]
-    served = directory.serving()
+    lines.extend(f"  skipped: {s.name}: {s.why}" for s in directory.skipped)
+    served = directory.serving()  # last: a reader of the report knows it is whole
     if served:
         lines.append("  serving: " + ", ".join(f"{e.model_id} ({e.state})" for e in served))
     else:
         lines.append("  serving: no model yet (models are found as their engines start)")
-    lines.extend(f"  skipped: {s.name}: {s.why}" for s in directory.skipped)
     return "\n".join(lines)
 
 
@@ -100,7 +101,7 @@ def startup_report(url: str, directory: Directory, keyed: bool) -> str:
 @click.option("--max-in-flight", "max_in_flight", type=click.IntRange(min=0), default=0, show_default=True,
               metavar="N", help="At most N requests at a time to the engines of one device (0: no limit); the "
               "others wait, the model of highest `kvctl policy --priority` first.")
-@click.option("--api-key", "api_key", envvar=KEY_ENV, metavar="KEY",
+@click.option("--api-key", "api_key", metavar="KEY",
               help=f"Answer 401 to a request without 'Authorization: Bearer KEY' (also from {KEY_ENV}; a command "
               "line shows in ps, the environment or --api-key-file does not).")
 @click.option("--api-key-file", "api_key_file", type=click.Path(dir_okay=False), metavar="PATH",
@@ -145,7 +146,7 @@ def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float, max_i
       curl -s localhost:8080/v1/completions -H 'Content-Type: application/json' \\
            -d '{"model": "llama-3-8b", "prompt": "Hello", "max_tokens": 16}'
     """
-    from kvcached_core.settings import shm_dir_problem
+    from kvcached_core.settings import settings, shm_dir_problem
 
     problem = shm_dir_problem()
     if problem:
@@ -155,7 +156,7 @@ def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float, max_i
     except ImportError as exc:
         raise Failure(f"kvctl route needs aiohttp ({exc}): pip install 'aiohttp>=3.9'") from None
     host, port = listen
-    key = api_key_of(api_key, api_key_file, no_auth, host)
+    key = api_key_of(api_key, api_key_file, no_auth, host, settings().route_api_key)
 
     def ready(url: str, directory: Directory) -> None:
         click.echo(startup_report(url, directory, bool(key)), err=True)

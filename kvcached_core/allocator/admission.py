@@ -6,10 +6,14 @@ its methods are the manager's own and keep their state on it; it never imports t
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from ..segment import layout as L
 from .served import Served
+
+log = logging.getLogger(__name__)
 
 
 class _Admits(Served, Protocol):
@@ -18,6 +22,9 @@ class _Admits(Served, Protocol):
     num_blocks: int
     _budget_short: bool
     _schedulable: int
+    _room_handler: Callable[[], None] | None
+    _room_wanted: bool
+    room_wakes: int
 
     def _mapped_or_mapping(self) -> int: ...
     def available_size(self, *, device: bool = True) -> int: ...
@@ -88,3 +95,28 @@ class Admission:
                     free, self._budget_short = room, True
             self._schedulable = free
             return free
+
+    # -- waking an engine that waits for room --------------------------------------------------------------
+    def set_room_handler(self: _Admits, handler: Callable[[], None] | None) -> None:
+        """``handler()`` is called, with no lock held, when room may have come for an engine whose admission was
+        refused for room (:meth:`room_refused`): pages the refill thread mapped, a reclaim answered, another model's
+        memory freed under the shared budget. An engine whose loop waits on a poll sets its wake-up there. None
+        withdraws it."""
+        self._room_handler = handler
+
+    def room_refused(self: _Admits, refused: bool) -> None:
+        """The engine's last scheduling pass held a waiting request back for room (True) or did not (False): while
+        True, room coming calls the room handler. A plain write, no lock: an engine calls it every pass."""
+        self._room_wanted = refused
+
+    def _room_came(self: _Admits) -> bool:
+        """Room may have come (no lock held): wake the engine if it waits for room; whether the handler ran."""
+        handler = self._room_handler
+        if handler is None or not self._room_wanted or self._closed:
+            return False
+        self.room_wakes += 1
+        try:
+            handler()
+        except Exception:  # the engine's wake-up failed: it finds the room at its next poll
+            log.exception("%s: the engine's room handler failed", self.name)
+        return True

@@ -6,7 +6,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from numbers import Integral
 from typing import Any
 
@@ -165,6 +165,9 @@ class KVCacheManager(Admission, Limits, Publishing, Compacting):
         self._refill_polling = False  # the refill thread looks by itself: no need to wake it
         self._budget_short = False  # schedulable_blocks found the shared budget, not the limit, holding it back
         self._schedulable = 0  # schedulable_blocks' last answer
+        self._room_handler: Callable[[], None] | None = None  # set_room_handler: wakes an engine waiting for room
+        self._room_wanted = False  # room_refused: the engine's last pass held a request back for room
+        self.room_wakes = 0  # room handler calls
         self.sleep = SleepControl(self)  # sleep and wake (kvcached_core.allocator.sleep)
         self._compact_handler: CompactHandler | None = None  # the engine's copy (see compact)
         self._evict_handler: EvictHandler | None = None  # see set_evict_handler

@@ -331,6 +331,8 @@ class PressureControl:
                 self.took_count += answered
                 self.latency_ns = latency
                 self._write()
+        if got:
+            self._m._room_came()  # the budget has the late answer's bytes: an engine that waits for room looks now
 
     def _ask_donors(self) -> tuple[int, bool]:
         """Ask the donors in their order for what is wanted: the bytes given, and whether that was all of it."""

@@ -49,6 +49,7 @@ def step(m: Served, linger_until: float) -> float | None:
             asked = None if m.pressure.fixed_pace else take_given(m, given)
         if asked:
             return map_asked(m, asked, time.monotonic() + m.refill_linger_s)
+        m._room_came()  # nothing to map here (the warm pool's refill maps it): the budget has room all the same
     if not (m._refill_requested or m._closed) and time.monotonic() < linger_until:
         time.sleep(REFILL_POLL_S)  # nothing asked: look again without touching the lock
         return linger_until
@@ -110,6 +111,8 @@ def map_asked(m: Served, asked: list[int], linger_until: float) -> float:
             m._refill_polling = False
             m._refill_wanted.wait(timeout=0.05)
             m._refill_polling = True
+    if mapped:
+        m._room_came()  # an engine that waits for room admits at once (lock not held)
     return linger_until
 
 

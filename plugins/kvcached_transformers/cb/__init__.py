@@ -86,7 +86,7 @@ class CBInstall:
             return
         for lc in self.loops:
             if lc.processor is processor:  # a processor kept for the next session: its loop runs again
-                cache.kv_manager.set_sleep_handler(lc.request)
+                lc.attach_handlers()
                 return
         if cache not in self.caches:
             self.caches.append(cache)

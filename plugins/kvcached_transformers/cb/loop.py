@@ -13,6 +13,8 @@ changes the cache runs there, never from kvcached's poller thread:
 - a limit or budget below what the waiting and running requests need: where transformers would stop
   with "No requests can be scheduled and no requests can be offloaded", the step is skipped and the
   requests wait until memory comes back (a limit raised, another model's requests ending).
+- a request held back for room wakes the idle loop when room comes (kvcached's room handler sets the event the
+  loop waits on for 0.1 s): the refill thread mapped pages, another model answered a reclaim.
 - traffic (running, waiting, finished, tokens, offloads) is published for kvtop and kvctl whenever it changes.
 """
 
@@ -73,14 +75,21 @@ class LoopControl:
         self.scheduler.schedule_batch = self.schedule_batch
         self.scheduler.finish_request = self.finish_request
         offloader.offload_requests = self.offload_requests
-        self.manager.set_sleep_handler(self.request)
+        self.attach_handlers()
         self.manager.set_evict_handler(self.evict_asked)
 
+    def attach_handlers(self) -> None:
+        """The loop (again) serves sleep requests, and wakes when room comes for the requests it holds back."""
+        self.manager.set_sleep_handler(self.request)
+        self.manager.set_room_handler(self._wake_loop.set)
+
     def detach(self) -> None:
-        """The loop stopped: nobody serves a sleep or an eviction now."""
+        """The loop stopped: nobody serves a sleep or an eviction now, nor waits for room."""
         if not self.manager._closed:  # a manager closed first needs nothing
             self.manager.set_sleep_handler(None)
             self.manager.set_evict_handler(None)
+            self.manager.set_room_handler(None)
+            self.manager.room_refused(False)
 
     # -- kvcached's poller thread ----------------------------------------------------------------
     def request(self, action: str) -> None:
@@ -130,6 +139,9 @@ class LoopControl:
         if scheduler.waiting_requests and cache.free_share < getattr(scheduler, "safety_margin", 0.0):
             refused.add("margin")
         manager = self.manager
+        # A request held back for room: kvcached wakes the loop when room comes (its refill mapped pages, a reclaim
+        # was answered), instead of the loop finding it at its next 0.1 s poll.
+        manager.room_refused(bool(refused) and bool(scheduler.waiting_requests))
         reserved = len(manager.pages.reserved) * manager.bundle_bytes
         pooled = getattr(manager.backend, "pooled_bytes", None)
         self.traffic.admission.count_pass(len(result[0] or ()), refused, reserved, pooled() if pooled else 0)

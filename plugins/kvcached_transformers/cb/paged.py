@@ -314,6 +314,8 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
                 free -= self.growth_reserve()
             ids = self._take(total) if free >= total else None
             if ids is None:
+                if free >= total:  # the room counted was not there: the refused alloc asks the other models for it
+                    self.refused.add("budget")
                 return False
             pool.taken(total)
             at = 0

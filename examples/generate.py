@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -180,4 +181,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # `kill` (SIGTERM) unwinds like Ctrl-C does, through `with cache:`: the segment goes with the process
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     sys.exit(main())

@@ -251,7 +251,10 @@ def run_example(*args: str, timeout: float = 300) -> subprocess.CompletedProcess
                           text=True, env=child_env(), timeout=timeout, cwd=ROOT)
 
 
-def test_example_publishes_its_segment_and_holds_it(procs: Processes):
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 0), (signal.SIGTERM, 128 + signal.SIGTERM)],
+                         ids=["ctrl-c", "sigterm"])
+def test_example_publishes_its_segment_and_holds_it(sig: int, code: int, procs: Processes):
+    """Ctrl-C ends the hold early, cleanly; so does `kill` (SIGTERM): the segment goes with the example."""
     proc = procs.start(  # as from a terminal, whatever started the tests: Ctrl-C reaches it
         [sys.executable, str(ROOT / "examples" / "generate.py"), "--requests", "4", "--max-new-tokens", "8",
          "--prompt-len", "12", "--check", "--hold", "120"],
@@ -266,8 +269,8 @@ def test_example_publishes_its_segment_and_holds_it(procs: Processes):
     snap = kc.snapshot("tiny-llama")  # another process: read through the segment
     assert snap.status == "live" and snap.engine == "transformers" and snap.pid == proc.pid
     assert snap.blocks_used == 0 and snap.alloc_blocks > 0 and snap.free_blocks == snap.alloc_blocks
-    proc.send_signal(signal.SIGINT)  # ends the hold early, cleanly
-    assert proc.wait(timeout=60) == 0
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == code
     assert "tiny-llama" not in [m.name for m in kc.list_models()]
 
 

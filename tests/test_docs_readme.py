@@ -118,7 +118,7 @@ def check_the_limit_story(args: list[str], shown: list[str], out: list[str], see
 
 
 def test_the_five_step_tour_runs_as_the_readme_shows_it(procs: Processes) -> None:
-    tour = blocks(section("A five-minute tour"), "console")
+    tour = blocks(section("A five-minute tour"), "console")[:2]  # the third is the router's step
     steps: list[tuple[list[str], list[str]]] = []  # (kvctl arguments, the output shown)
     for block in tour:
         for chunk in re.split(r"^\$ ", block, flags=re.M)[1:]:
@@ -190,3 +190,45 @@ def test_with_vllm_says_what_runs_where_and_what_it_costs() -> None:
     assert all(shape in words.replace("-", " ") for shape in SHAPES.values()), SHAPES
     assert "On GPUs, vLLM with the plugin is not proven yet" in words
     assert re.search(r"Expect a [\d.]+ GB venv .* about \d+ minutes to build", words)
+
+
+def test_the_tours_sixth_step_routes_a_request_and_wakes_the_model_it_slept(procs: Processes) -> None:
+    """Step 6 as the README shows it, over the demo of step 1: kvctl route's startup report, a completion through
+    it (the toy generator's words are the same for the same prompt), kvctl sleep, the same request answered again."""
+    import json
+    import urllib.request
+
+    demo_block, _, route_block = blocks(section("A five-minute tour"), "console")
+    steps = [chunk.rstrip("\n").splitlines() for chunk in re.split(r"^\$ ", route_block, flags=re.M)[1:]]
+    (route_cmd, *report), (curl, data, *answer), (sleep_cmd, slept), (again, *answer_again) = steps
+    assert route_cmd.split("#")[0].split() == ["kvctl", "route", "&"] and again.split("#")[0].split() == ["curl", "..."]
+    found = re.search(r"-d '(.*)'", data)
+    assert found and curl.startswith("curl -s localhost:8080/v1/completions") and answer == answer_again
+    body = json.loads(found[1])
+    demo_args = demo_block.split("\n")[0].removeprefix("$ ").split("#")[0].split()[1:]
+    demo = procs.start([sys.executable, "-m", "kvtop.cli", *demo_args], stdout=subprocess.PIPE, text=True,
+                       env=child_env(), cwd=ROOT)
+    assert demo.stdout is not None
+    names = demo.stdout.readline().rstrip("\n").split(": ")[-1].split(", ")
+    router = procs.start([sys.executable, "-m", "kvtop.cli", "route", "--listen", "127.0.0.1:0"],
+                         stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
+    assert router.stderr is not None
+    got = [router.stderr.readline().rstrip("\n") for _ in report]
+    assert re.fullmatch(re.escape(report[0]).replace("8080", r"\d+"), got[0]), (got, report)
+    assert got[1:] == report[1:] and all(n in report[-1] for n in names)
+    listening = re.search(r"(http://\S+)/v1", got[0])
+    assert listening
+
+    def complete() -> str:
+        req = urllib.request.Request(listening[1] + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.status == 200
+            return json.dumps(json.load(resp)["choices"][0]["text"])
+
+    assert [complete()] == answer
+    done = kvctl(*sleep_cmd.split("#")[0].split()[1:])
+    assert done.exit_code == 0 and done.stdout.startswith(slept.split(" released")[0] + " released "), done.stdout
+    assert kc.snapshot(names[0]).sleep.state == "asleep"
+    assert [complete()] == answer_again
+    assert kc.snapshot(names[0]).sleep.state == "awake"  # the request woke it

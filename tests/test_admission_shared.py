@@ -8,10 +8,14 @@ One fixed request stream runs twice through transformers' continuous batching on
 
 Both are counted the same way (transformers' scheduler, wrapped at its class): the mean requests per step over the
 run. With the same memory the elastic engine must admit at least as many.
+
+And the room an engine admits by under a shared budget counts the other models' warm pools, which a reclaim gives
+first and at once: memory only its owner could use is no reason to hold a request back.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +24,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import send, wait_for  # noqa: E402
+
+import kvcached_core as kc  # noqa: E402
 from kvcached_transformers import cb  # noqa: E402
 from kvcached_transformers.cb.seams import UnsupportedTransformers, check_version  # noqa: E402
 from kvcached_transformers.tiny import random_prompts, tiny_llama  # noqa: E402
@@ -103,3 +110,53 @@ def test_an_elastic_engine_admits_as_many_requests_per_step_as_a_static_one_of_i
     assert elastic_mean >= static_mean, (static_mean, elastic_mean, stats)
     # The plugin's own count agrees with the scheduler's.
     assert stats.steps == len(elastic) and stats.step_requests == sum(elastic)
+
+
+def test_other_models_warm_pools_are_room_the_engine_admits_by(model: Any, spawn_allocator: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """An 8 MiB budget (4 pages): the engine's padding sectors on one page (two sectors of it free), another
+    process's idle model with the other three pages in its warm pool. The engine's room counts them (old code: the two
+    free sectors only), and two requests of three sectors each are admitted and served with the pool's pages."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    mib = 1 << 20
+    monkeypatch.setenv("KVCACHED_HOST_CAPACITY", "8MiB")
+    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "1")
+    prompts = random_prompts(2, seed=9, min_len=600, max_len=600)  # 3 blocks each, one prefill chunk each
+    handle = cb.install(model, name="pool-asker")
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    config = ContinuousBatchingConfig(page_size=PAGE_TOKENS, num_blocks=16, max_batch_tokens=1024,
+                                      max_requests_per_batch=4, scheduler_type="fifo")
+    manager_cb = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
+    manager_cb.start()
+    try:
+        wait_for(lambda: handle.manager is not None and kc.snapshot("pool-asker").mapped_bytes == 2 * mib,
+                 what="the engine's padding page")
+        donor = spawn_allocator("pool-donor", num_blocks=64, block_bytes=BLOCK_BYTES, num_layers=1, num_kv_buffers=1,
+                                page_size=2 * mib, env={"KVCACHED_MAX_RESERVED_PAGES": "10"})
+        send(donor, "held = m.alloc(12)")
+        send(donor, "m.free(held)")
+        donor_snap = kc.snapshot("pool-donor")
+        assert donor_snap.pages_reserved == 3 and donor_snap.mapped_bytes == 6 * mib  # the budget is full
+        manager = handle.manager
+        assert manager is not None
+        # Two free sectors of its own, and the other model's three pages of four sectors.
+        assert manager.schedulable_blocks() == 2 + 3 * 4
+        ids = manager_cb.add_requests(prompts, max_new_tokens=8)
+        results = {}
+        deadline = time.monotonic() + 60
+        while len(results) < len(ids):
+            assert time.monotonic() < deadline, f"requests did not finish: {handle.stats}"
+            got = manager_cb.get_result(timeout=1)
+            if got is not None and got.is_finished():
+                assert got.error is None, got.error
+                results[got.request_id] = list(got.generated_tokens)
+        assert all(len(tokens) == 8 for tokens in results.values())
+        given = kc.snapshot("pool-donor").pressure
+        assert given.given_reserved > 0 and given.gave_total >= 2 * mib  # the pages came from its warm pool
+    finally:
+        manager_cb.stop(block=True, timeout=30)
+        handle.close()

@@ -80,6 +80,10 @@ class Admission:
         ``reserve``: blocks of that budget kept back for the growth of the requests already running, when an
         engine admits a new one (vLLM's watermark, applied to the shared budget rather than to the model's
         virtual capacity), so that admitting it does not preempt them a few tokens later.
+
+        The other models' warm pools (their reserved pages above their ``min``) count as room: a reclaim gives them
+        first and at once. An alloc that needs them misses, and the refill thread asks for them
+        (:mod:`.pressure`); once mapped, the room handler wakes the engine (:meth:`set_room_handler`).
         """
         with self._lock:
             free = self.available_size(device=False) + len(self.cache)
@@ -89,6 +93,9 @@ class Admission:
             budget = self.backend.budget_free_bytes()
             self._budget_short = False
             if budget is not None:
+                ledger = getattr(self.backend, "ledger", None)  # the scan budget_free_bytes just counted
+                if ledger is not None:
+                    budget += ledger.takeable_bytes()
                 room = max(0, self.pages.free_in_mapped() + len(self.cache) - reserve
                            + min(budget // self.bundle_bytes, self._headroom()) * self.blocks_per_page)
                 if room < free:

@@ -3,6 +3,8 @@
 Each allocator records the bytes it holds in its own segment (the LIVENESS block's CLAIMED
 word); a process that wants more records the larger claim first, then sums the claims of the
 other live segments of the same backend and device, and backs off if they exceed the budget.
+The same scan counts the others' warm pools a reclaim could take (:meth:`CapacityLedger.takeable_bytes`),
+which admission counts as room.
 The host backend's budget is ``KVCACHED_HOST_CAPACITY``; the CUDA backend's is
 ``KVCACHED_DEVICE_BUDGET`` when set (without it the driver's own out-of-memory is the budget).
 
@@ -73,6 +75,7 @@ class CapacityLedger:
         self._set_claimed: Callable[[int], None] | None = None  # callback into our segment
         self._own: tuple[int, int] | None = None  # our segment's (st_dev, st_ino): counted as self.claimed
         self._others_cached, self._others_at = 0, float("-inf")  # see free_bytes
+        self._takeable_cached = 0  # see takeable_bytes: counted in the same scan
 
     def bind(self, set_claimed: Callable[[int], None] | None, own_segment: tuple[int, int] | None = None) -> None:
         self._set_claimed = set_claimed
@@ -86,17 +89,22 @@ class CapacityLedger:
         return self.device is None or head["device"] == self.device
 
     def _others(self) -> int:
-        """Bytes the other live allocators on this budget claim: only claims that can be verified count.
+        """Bytes the other live allocators on this budget claim (see :meth:`_scan`)."""
+        return self._scan()[0]
+
+    def _scan(self) -> tuple[int, int]:
+        """Bytes the other live allocators on this budget claim, and of those the bytes of their warm pools a
+        reclaim can take (:func:`_takeable`). Only claims that can be verified count.
 
         A claim counts when its segment is an owner-only regular file, its writer is alive by the
         one liveness verdict (a process of the file's owner, or a fresh heartbeat across pid
         namespaces), and it claims no more than the whole capacity (no allocator can).
         """
-        total = 0
+        total = takeable = 0
         try:
             names = os.listdir(self.directory)
         except OSError:
-            return 0
+            return 0, 0
         for name in names:
             if not name.startswith(SEGMENT_PREFIX):
                 continue
@@ -119,7 +127,8 @@ class CapacityLedger:
             claimed = L.U64.unpack_from(raw, L.CLAIMED_OFF)[0]
             if claimed <= self.capacity and writer_alive(head, raw, st.st_uid):
                 total += claimed
-        return total
+                takeable += min(claimed, _takeable(raw))
+        return total, takeable
 
     def claim(self, nbytes: int) -> bool:
         """Claim ``nbytes`` more; False when the shared budget (or, on the host, the machine's RAM) says no."""
@@ -210,6 +219,26 @@ class CapacityLedger:
         they are counted: an engine that asks every scheduler step takes a figure a few milliseconds old)."""
         now = time.monotonic()
         if max_age_s <= 0 or now - self._others_at > max_age_s:
-            self._others_cached, self._others_at = self._others(), now
+            (self._others_cached, self._takeable_cached), self._others_at = self._scan(), now
         return max(0, self.capacity - self._others_cached - self.claimed)
+
+    def takeable_bytes(self) -> int:
+        """Of the others' claims, the bytes of their warm pools (reserved pages, above their ``min``) that a reclaim
+        gives first and at once: counted by the scan of the last :meth:`free_bytes`."""
+        return self._takeable_cached
+
+
+def _takeable(raw: bytes) -> int:
+    """The reserved bytes a reclaim could take from one segment (its header up to the page map): its warm pool,
+    never below its ``min``; 0 while its counters are being published (an odd sequence)."""
+    if L.U64.unpack_from(raw, L.SEQ_OFF)[0] & 1:
+        return 0
+    counters = L.COUNTERS.unpack_from(raw, L.COUNTERS_OFF)
+    inuse, reserved, mapped = counters[0], counters[1], counters[4]
+    if not reserved or mapped <= 0:
+        return 0
+    bundle = mapped // (inuse + reserved)
+    floor = L.PRESSURE.unpack_from(raw, L.PRESSURE_OFF + 8)[1]  # min_bytes (after the block's sequence); -1: none
+    floor = -(-floor // bundle) * bundle if floor > 0 and bundle else 0  # whole pages, as reclaim keeps them
+    return max(0, min(bundle * reserved, mapped - floor))
 

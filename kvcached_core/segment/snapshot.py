@@ -5,6 +5,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field, fields
 from pathlib import PurePath
+from typing import cast
 
 from .names import SEGMENT_PREFIX, InvalidName, validate
 
@@ -297,6 +298,15 @@ class ModelSnapshot:
         """The raw page map (see :mod:`kvcached_core.segment.layout`); empty when not read."""
         return self.pages if self.pages is not None else array("I")
 
+    def to_record(self) -> dict:
+        """Every field but the page map, lossless (``kvctl record``); :meth:`from_record` reads it back."""
+        return snapshot_record(self)
+
+    @classmethod
+    def from_record(cls, values: dict, pages: array | None = None) -> ModelSnapshot:
+        """The snapshot :meth:`to_record` described, with ``pages`` as its page map."""
+        return snapshot_from_record(values, pages)
+
     def to_dict(self) -> dict:
         """The JSON shape that ``kvctl list --json`` documents."""
         return {
@@ -332,6 +342,52 @@ class ModelSnapshot:
 
 
 MODEL_FIELDS = frozenset(f.name for f in fields(ModelSnapshot))
+
+# The record form: every field of a snapshot, nothing derived or rounded (``to_dict`` is the documented JSON,
+# which leaves out figures a reader needs to compare two snapshots). ``kvctl record`` stores it; replay reads
+# it back with :meth:`ModelSnapshot.from_record`. Nested values are named by their field here, once.
+_NESTED: dict[str, type] = {"traffic": Traffic, "sleep": SleepInfo, "compaction": CompactInfo,
+                            "pressure": PressureInfo}
+_SEQUENCES: dict[str, type] = {"ranks": RankInfo, "groups": KVGroup, "answers": CompactAnswer}
+
+
+def _as_record(value: object) -> object:
+    if isinstance(value, tuple):
+        return [_as_record(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return {f.name: _as_record(getattr(value, f.name)) for f in fields(value)}  # type: ignore[arg-type]
+    return value
+
+
+def _from_record(cls: type, values: dict) -> object:
+    """``cls`` made of a record's ``values``; keys it has no field for are left out (a newer recorder's)."""
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in values or f.name == "pages":
+            continue
+        value = values[f.name]
+        if value is not None and f.name in _NESTED:
+            value = _from_record(_NESTED[f.name], value)
+        elif value is not None and f.name in _SEQUENCES:
+            value = tuple(_from_record(_SEQUENCES[f.name], v) for v in value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def snapshot_record(snap: ModelSnapshot) -> dict:
+    """Every field of ``snap`` but its page map, as plain JSON values (nested dataclasses as objects)."""
+    return {f.name: _as_record(getattr(snap, f.name)) for f in fields(ModelSnapshot) if f.name != "pages"}
+
+
+def snapshot_from_record(values: dict, pages: array | None = None) -> ModelSnapshot:
+    """The snapshot :func:`snapshot_record` wrote (equal to the original), with ``pages`` as its page map;
+    raises TypeError, ValueError or KeyError where ``values`` is no record (a field missing or misshapen)."""
+    if not isinstance(values, dict):
+        raise TypeError("a snapshot record is a JSON object")
+    snap = cast(ModelSnapshot, _from_record(ModelSnapshot, values))
+    if pages is not None:
+        object.__setattr__(snap, "pages", pages)
+    return snap
 
 
 def model_from_fields(values: dict) -> ModelSnapshot:

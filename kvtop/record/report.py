@@ -1,0 +1,267 @@
+"""The figures of ``kvctl report``: what each model of a recording did over a window of time.
+
+Every figure comes from the samples' counters (:meth:`Recording.samples_of`), one model at a time:
+
+- a sample's state (its limit deferred, its sleep state) is taken to hold from that sample to the next
+  sample of the same model in the window, so each duration is within one sample interval of the truth at
+  each change; the last sample in the window counts for nothing;
+- means (mapped bytes, waste, requests waiting) are over the samples, which the recorder takes at a fixed
+  interval; waste and waiting leave out the samples where they are unknown (nothing held, no traffic
+  published);
+- reclaims are the increments of the cumulative counters between consecutive samples: ``took_count`` and
+  ``took_total`` for reclaims taken, ``gave_count`` and ``gave_total`` for reclaims given. A sample whose
+  process is another one (pid or start time changed) or whose counter went down starts the count again
+  from zero: everything it shows accrued since the previous sample. Each interval where a count grew gives
+  one latency, the one the later sample publishes: the last reclaim's (``latency_s`` for a reclaim taken,
+  from the ask to the bytes given; ``given_took_s`` for one given, from the request to the answer). Where
+  several reclaims fell in one interval only the last one's latency is known, so the percentiles are over
+  the intervals, not the reclaims; they are nearest-rank percentiles.
+
+No click and no drawing here: ``kvtop.cli.report`` prints, ``kvtop.record.plot`` draws.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from kvcached_core import ModelNotFound, ModelSnapshot
+
+# The marks on a plot, where a sample differs from the one before it.
+MARK_KINDS = ("limit deferred", "limit applied", "reclaim", "sleep", "wake")
+
+
+@dataclass(frozen=True)
+class Reclaims:
+    """Reclaims one side of which is the model (given or taken) over the window."""
+
+    bytes: int
+    count: int
+    latencies_s: tuple[float, ...]  # one per sample interval where the count grew (see the module's note)
+
+    @property
+    def p50_s(self) -> float | None:
+        return percentile(self.latencies_s, 50)
+
+    @property
+    def p99_s(self) -> float | None:
+        return percentile(self.latencies_s, 99)
+
+    def to_dict(self) -> dict:
+        p50, p99 = self.p50_s, self.p99_s
+        return {"bytes": self.bytes, "count": self.count, "latencies": len(self.latencies_s),
+                "latency_p50_s": None if p50 is None else round(p50, 6),
+                "latency_p99_s": None if p99 is None else round(p99, 6)}
+
+
+@dataclass(frozen=True)
+class Mark:
+    """Something that happened to a model between two samples, placed at the later one."""
+
+    at: float
+    model: str
+    kind: str  # one of MARK_KINDS
+    mapped_bytes: int  # the model's mapped bytes at that sample (where a plot puts the mark)
+
+
+@dataclass(frozen=True)
+class ModelReport:
+    """One model over the window."""
+
+    name: str
+    samples: int
+    first_at: float  # seconds since the epoch: its first and last sample in the window
+    last_at: float
+    peak_mapped_bytes: int
+    mean_mapped_bytes: int
+    deferred_s: float  # with a lowered limit waiting for pages to empty (limit status deferred)
+    asleep_s: float  # with its sleep state asleep
+    given: Reclaims
+    taken: Reclaims
+    waste_mean: float | None  # pinned / held; None: nothing held in any sample
+    waste_max: float | None
+    waiting_mean: float | None  # requests its engine had waiting; None: no traffic published
+    waiting_max: int | None
+    marks: tuple[Mark, ...] = ()
+    series: tuple[tuple[float, int], ...] = field(default=(), repr=False)  # (at, mapped bytes), when asked for
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "samples": self.samples, "first_at": self.first_at, "last_at": self.last_at,
+                "peak_mapped_bytes": self.peak_mapped_bytes, "mean_mapped_bytes": self.mean_mapped_bytes,
+                "deferred_s": round(self.deferred_s, 3), "asleep_s": round(self.asleep_s, 3),
+                "given": self.given.to_dict(), "taken": self.taken.to_dict(),
+                "waste_mean": _round(self.waste_mean), "waste_max": _round(self.waste_max),
+                "waiting_mean": _round(self.waiting_mean), "waiting_max": self.waiting_max}
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """The nearest-rank ``p``-th percentile (the smallest value with at least p % of them at or below it)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+class _Counter:
+    """The increments of one cumulative (count, bytes) pair across samples, with the latency at each."""
+
+    def __init__(self) -> None:
+        self.count = self.bytes = 0
+        self.latencies: list[float] = []
+
+    def step(self, count: tuple[int, int], total: tuple[int, int], latency: float, restarted: bool) -> bool:
+        """Count the increment from ``count[0]``/``total[0]`` to ``count[1]``/``total[1]``; True when it grew."""
+        (count0, count1), (total0, total1) = count, total
+        if restarted or count1 < count0 or total1 < total0:
+            count0 = total0 = 0  # another process, or its counters began again: all it shows is new
+        if count1 <= count0:
+            return False
+        self.count += count1 - count0
+        self.bytes += total1 - total0
+        self.latencies.append(latency)
+        return True
+
+    def result(self) -> Reclaims:
+        return Reclaims(self.bytes, self.count, tuple(self.latencies))
+
+
+def _asleep(s: ModelSnapshot) -> bool:
+    return s.sleep is not None and s.sleep.state == "asleep"
+
+
+def _marks(prev: ModelSnapshot, cur: ModelSnapshot, at: float, reclaimed: bool) -> Iterator[Mark]:
+    def mark(kind: str) -> Mark:
+        return Mark(at, cur.name, kind, cur.mapped_bytes)
+
+    if cur.limit_status == "deferred" and prev.limit_status != "deferred":
+        yield mark("limit deferred")
+    elif prev.limit_status == "deferred" and cur.limit_status == "applied":
+        yield mark("limit applied")
+    if reclaimed:
+        yield mark("reclaim")
+    if _asleep(cur) and not _asleep(prev):
+        yield mark("sleep")
+    elif not _asleep(cur) and prev.sleep is not None and prev.sleep.state in ("asleep", "draining") \
+            and cur.sleep is not None and cur.sleep.state == "awake":
+        yield mark("wake")
+
+
+def model_report(name: str, samples: Iterable[tuple[float, ModelSnapshot]], *,
+                 keep_series: bool = False) -> ModelReport | None:
+    """The figures of one model from its samples in time order; None when there is none."""
+    count = peak = mapped_sum = 0
+    first_at = last_at = 0.0
+    deferred_s = asleep_s = 0.0
+    given, taken = _Counter(), _Counter()
+    wastes: list[float] = []
+    waiting: list[int] = []
+    marks: list[Mark] = []
+    series: list[tuple[float, int]] = []
+    prev: ModelSnapshot | None = None
+    for at, snap in samples:
+        if prev is None:
+            first_at = at
+        else:
+            held_for = max(0.0, at - last_at)
+            if prev.limit_status == "deferred":
+                deferred_s += held_for
+            if _asleep(prev):
+                asleep_s += held_for
+            reclaimed = False
+            if prev.pressure is not None and snap.pressure is not None:
+                restarted = (prev.pid, prev.start_time) != (snap.pid, snap.start_time)
+                p0, p1 = prev.pressure, snap.pressure
+                reclaimed = taken.step((p0.took_count, p1.took_count), (p0.took_total, p1.took_total),
+                                       p1.latency_s, restarted)
+                gave = given.step((p0.gave_count, p1.gave_count), (p0.gave_total, p1.gave_total),
+                                  p1.given_took_s, restarted)
+                reclaimed = reclaimed or gave
+            marks.extend(_marks(prev, snap, at, reclaimed))
+        count += 1
+        last_at = at
+        peak = max(peak, snap.mapped_bytes)
+        mapped_sum += snap.mapped_bytes
+        ratio = snap.waste_ratio
+        if ratio is not None:
+            wastes.append(ratio)
+        if snap.traffic is not None:
+            waiting.append(snap.traffic.waiting)
+        if keep_series:
+            series.append((at, snap.mapped_bytes))
+        prev = snap
+    if not count:
+        return None
+    return ModelReport(
+        name, count, first_at, last_at, peak, round(mapped_sum / count), deferred_s, asleep_s,
+        given.result(), taken.result(),
+        sum(wastes) / len(wastes) if wastes else None, max(wastes) if wastes else None,
+        sum(waiting) / len(waiting) if waiting else None, max(waiting) if waiting else None,
+        tuple(marks), tuple(series))
+
+
+def pick_model(name: str, names: Sequence[str]) -> str:
+    """A model of the recording by exact name or unique prefix, as kvctl names running ones
+    (``kvcached_core.resolve``); ModelNotFound lists the candidates."""
+    if name in names:
+        return name
+    matches = sorted(n for n in names if n.startswith(name))
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise ModelNotFound(f"model name {name!r} is ambiguous in this recording: {', '.join(matches)}", matches)
+    known = ", ".join(sorted(names)) or "none"
+    raise ModelNotFound(f"no model named {name!r} in this recording (known: {known})", sorted(names))
+
+
+# -- moments: --from and --to ----------------------------------------------------------------------
+
+_RELATIVE = re.compile(r"^([-+])(\d+(?:\.\d+)?)(s|m|h|d)$")
+_CLOCK = re.compile(r"^(\d{1,2}):(\d{2})(?::(\d{2}))?$")
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+MOMENT_FORMS = "an ISO time (2026-12-06T03:10), HH:MM[:SS] (that day of the recording), -2h (before its end) " \
+    "or +30m (after its start)"
+
+
+def moment_problem(text: str) -> str | None:
+    """Why ``text`` is no moment a report takes (None when it is one): checked before the recording is read."""
+    text = text.strip()
+    if _RELATIVE.match(text):
+        return None
+    clock = _CLOCK.match(text)
+    if clock:
+        hour, minute, second = int(clock[1]), int(clock[2]), int(clock[3] or 0)
+        return None if hour < 24 and minute < 60 and second < 60 else f"{text!r} is no time of day"
+    try:
+        datetime.fromisoformat(text)
+    except ValueError:
+        return f"{text!r} is not a time: give {MOMENT_FORMS}"
+    return None
+
+
+def moment(text: str, start: float, end: float) -> float:
+    """Seconds since the epoch for ``text`` (see :func:`moment_problem`) in a recording from ``start`` to ``end``.
+
+    ``-2h`` is two hours before the recording's end, ``+30m`` 30 minutes after its start (units s, m, h, d);
+    ``HH:MM`` is that local time on the day the recording began (on the next day when it had passed at the
+    start and the recording lasts until then the next day); an ISO time without a zone is local."""
+    text = text.strip()
+    relative = _RELATIVE.match(text)
+    if relative:
+        seconds = float(relative[2]) * _UNIT_S[relative[3]]
+        return end - seconds if relative[1] == "-" else start + seconds
+    clock = _CLOCK.match(text)
+    if clock:
+        began = datetime.fromtimestamp(start)
+        at = began.replace(hour=int(clock[1]), minute=int(clock[2]), second=int(clock[3] or 0), microsecond=0)
+        later = at + timedelta(days=1)
+        if at.timestamp() < start and later.timestamp() <= end:
+            at = later
+        return at.timestamp()
+    return datetime.fromisoformat(text).timestamp()  # naive: local time, as the clock form

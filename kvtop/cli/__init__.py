@@ -37,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "demo": "kvtop.cli.demo:demo_cmd",
     "export": "kvtop.cli.export:export_cmd",
     "route": "kvtop.cli.route:route_cmd",
+    "record": "kvtop.cli.record:record_cmd",
 }
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}

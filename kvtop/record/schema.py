@@ -9,6 +9,7 @@ first) a key sample and key rows for every map, so any moment rebuilds from at m
 
 from __future__ import annotations
 
+import os
 import re
 import sqlite3
 import time
@@ -90,7 +91,8 @@ def event_crc_input(seq: int, t: float, kind: str, model: str, level: str, text:
 
 
 def create(path: Path, meta: dict[str, str]) -> sqlite3.Connection:
-    """Open (creating it if new) a day file for writing: WAL, the tables, ``meta`` on a new file."""
+    """Open (creating it if new, owner-only) a day file for writing: WAL, the tables, ``meta`` on a new file."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600))  # its WAL takes the same mode
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")  # WAL: a crash loses at most the last commits, never the file

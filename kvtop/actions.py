@@ -2,7 +2,8 @@
 
 A row is one binding (its keys, the action they run, the label the footer and the help screen show); a row with
 a ``palette`` title is also a command palette entry, whose hint names the row's first key. Nothing else lists
-keys or commands, so the three cannot drift apart.
+keys or commands, so the three cannot drift apart. A row's ``mode`` says which dashboard has it: the live one,
+the replay of a recording (``kvtop --replay``), or both; a key may do one thing live and another in a replay.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from textual.binding import Binding
 # How the help screen and the palette write Textual's key names.
 KEY_NAMES = {"question_mark": "?", "space": "space", "plus": "+", "minus": "-", "equals_sign": "=",
              "down": "↓", "up": "↑", "left": "←", "right": "→", "enter": "enter", "pageup": "pgup",
-             "pagedown": "pgdn", "escape": "esc", "tab": "tab"}
+             "pagedown": "pgdn", "escape": "esc", "tab": "tab", "comma": ",", "full_stop": "."}
+LIVE, REPLAY, BOTH = "live", "replay", ""
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class Action:
     palette_action: str = ""  # the palette runs this instead of ``action`` (one entry for a key's two actions)
     in_help: bool = True  # a row of the help screen (False: the other half of a key listed once)
     help_label: str = ""  # the help screen's words where they differ from the footer's
+    mode: str = BOTH  # LIVE, REPLAY or BOTH: the dashboards that have this row
 
     @property
     def help_text(self) -> str:
@@ -74,11 +77,31 @@ ACTIONS: tuple[Action, ...] = (
     # space is one key: the footer shows the one of these two it does now; the help screen and the palette
     # list it once
     Action("space", "pause", "Pause", help_label="Pause / resume", palette="Pause / resume", palette_help="stop or restart refreshing",
-           palette_action="toggle_pause"),
-    Action("space", "resume", "Resume", in_help=False),
+           palette_action="toggle_pause", mode=LIVE),
+    Action("space", "resume", "Resume", in_help=False, mode=LIVE),
     Action("plus,equals_sign", "faster", "Faster", show=False, palette="Refresh faster",
-           palette_help="shorter refresh interval"),
-    Action("minus", "slower", "Slower", show=False, palette="Refresh slower", palette_help="longer refresh interval"),
+           palette_help="shorter refresh interval", mode=LIVE),
+    Action("minus", "slower", "Slower", show=False, palette="Refresh slower", palette_help="longer refresh interval",
+           mode=LIVE),
+    # a replay's clock (kvtop --replay): space plays and pauses it, +/- its speed
+    Action("space", "replay_pause", "Pause", help_label="Play / pause", palette="Play / pause",
+           palette_help="play the recording, or hold the moment shown", palette_action="replay_toggle",
+           mode=REPLAY),
+    Action("space", "replay_play", "Play", in_help=False, mode=REPLAY),
+    Action("plus,equals_sign", "replay_speed(1)", "Faster", show=False, help_label="Play faster (up to 600x)",
+           palette="Play faster", palette_help="1, 2, 5, 10, 30, 60, 120, 300, 600x", mode=REPLAY),
+    Action("minus", "replay_speed(-1)", "Slower", show=False, help_label="Play slower (down to 1x)",
+           palette="Play slower", palette_help="600, 300, 120, 60, 30, 10, 5, 2, 1x", mode=REPLAY),
+    Action("full_stop", "replay_step(1)", "Step", show=False, help_label="Pause, one sample on",
+           palette="Step one sample on", palette_help="pause and show the next sample", mode=REPLAY),
+    Action("comma", "replay_step(-1)", "Step back", show=False, help_label="Pause, one sample back",
+           palette="Step one sample back", palette_help="pause and show the sample before", mode=REPLAY),
+    Action("g", "replay_jump", "Go to", help_label="Go to a moment: 03:00, an ISO time, +10m, -30s",
+           palette="Go to a moment", palette_help="HH:MM[:SS], an ISO time, or +10m / -30s", mode=REPLAY),
+    Action("n", "replay_event(1)", "Next event", help_label="Next event: a limit deferred, a reclaim, a model going stale",
+           palette="Next event", palette_help="a limit deferred, a reclaim, a model going stale", mode=REPLAY),
+    Action("N", "replay_event(-1)", "Previous event", show=False, help_label="Previous event",
+           palette="Previous event", palette_help="a limit deferred, a reclaim, a model going stale", mode=REPLAY),
     Action("z", "zoom_in", "Zoom", palette="Zoom page map in", palette_help="fewer pages per cell"),
     Action("Z", "zoom_out", "Unzoom", show=False, palette="Zoom page map out",
            palette_help="more pages per cell, back to fit"),
@@ -89,19 +112,24 @@ ACTIONS: tuple[Action, ...] = (
 PALETTE_KEY = Action("ctrl+p", "command_palette", "Command palette", show=False)
 
 
-def bindings() -> list[Binding]:
-    return [a.binding() for a in ACTIONS]
+def rows(mode: str = LIVE) -> list[Action]:
+    """The rows of one dashboard: ``LIVE`` or ``REPLAY``."""
+    return [a for a in ACTIONS if a.mode in (BOTH, mode)]
 
 
-def help_rows() -> list[Action]:
+def bindings(mode: str = LIVE) -> list[Binding]:
+    return [a.binding() for a in rows(mode)]
+
+
+def help_rows(mode: str = LIVE) -> list[Action]:
     """The help screen's rows, in the table's order, the palette's own key last."""
-    return [a for a in ACTIONS if a.in_help] + [PALETTE_KEY]
+    return [a for a in rows(mode) if a.in_help] + [PALETTE_KEY]
 
 
-def palette() -> tuple[tuple[str, str, str], ...]:
+def palette(mode: str = LIVE) -> tuple[tuple[str, str, str], ...]:
     """The command palette's entries: (title, help with the key that does the same, action to run)."""
     entries = [(a.palette, f"{a.palette_help} ({KEY_NAMES.get(a.keys.split(',')[0], a.keys.split(',')[0])})",
-                a.palette_action or a.action) for a in ACTIONS if a.palette]
+                a.palette_action or a.action) for a in rows(mode) if a.palette]
     # what changes a model first, leaving kvtop and its help last
     last = [e for e in entries if e[2] in ("help", "quit")]
     return tuple([e for e in entries if e not in last] + sorted(last, key=lambda e: e[2] == "quit"))

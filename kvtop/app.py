@@ -28,7 +28,7 @@ from textual.widgets import Footer, Static
 from textual.worker import get_current_worker
 
 from kvcached_core import AckTimeout, ControlError, ModelNotFound, ModelSnapshot, __version__, format_bytes, resolve
-from kvtop.actions import bindings, help_rows
+from kvtop.actions import LIVE, bindings, help_rows
 from kvtop.cli.common import Number, Whole
 from kvtop.commands import KvtopCommands
 from kvtop.events import ERROR, GOOD, INFO, WARN, Event, asleep_key, asleep_text, diff, policy_text
@@ -69,7 +69,8 @@ class KvtopApp(App[int]):
     COMMANDS = {KvtopCommands}  # ours only: one list, one style (quit, keys and help are in it)
     VERTICAL_BREAKPOINTS = [(0, "-short"), (36, "-tall")]
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
-    BINDINGS: ClassVar[list[BindingType]] = list(bindings())  # kvtop/actions.py: keys, palette and help in one table
+    BINDINGS: ClassVar[list[BindingType]] = list(bindings(LIVE))  # kvtop/actions.py: keys, palette and help in one table
+    MODE = LIVE  # the rows of kvtop/actions.py this dashboard has (kvtop.replay_app: REPLAY)
 
     # ``var``: no repaint of the whole screen when one changes; the watchers redraw what changed.
     frame: var[Frame | None] = var(None, always_update=True, init=False)
@@ -107,6 +108,7 @@ class KvtopApp(App[int]):
     # -- layout ----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield StatusLine(id="status")
+        yield from self.compose_bars()
         yield DevicePanel(id="devices")
         yield ModelTable(id="models")
         with Horizontal(id="lower"):
@@ -116,6 +118,10 @@ class KvtopApp(App[int]):
             yield FragSummary(id="frag")
         yield EventLog(id="events")
         yield Footer(compact=True)
+
+    def compose_bars(self) -> ComposeResult:
+        """Bars under the status line: none live (a replay's time bar)."""
+        yield from ()
 
     def on_mount(self) -> None:
         # Kept as attributes: a frame may arrive while a modal screen is on top.
@@ -319,10 +325,10 @@ class KvtopApp(App[int]):
     @classmethod
     def help_keys(cls) -> list[tuple[tuple[str, ...], str, str]]:
         """The help screen's rows: (Textual key names, action, description), from kvtop/actions.py."""
-        return [(tuple(a.keys.split(",")), a.action, a.help_text) for a in help_rows()]
+        return [(tuple(a.keys.split(",")), a.action, a.help_text) for a in help_rows(cls.MODE)]
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen([(a.key_text, a.help_text) for a in help_rows()], self.readonly))
+        self.push_screen(HelpScreen([(a.key_text, a.help_text) for a in help_rows(self.MODE)], self.readonly))
 
     def action_details(self) -> None:
         m = self.selected_model()
@@ -398,10 +404,14 @@ class KvtopApp(App[int]):
         self.exit(0)
 
     # -- control actions -------------------------------------------------------------------------
+    def readonly_text(self, what: str) -> str:
+        """Why ``what`` is refused in read-only mode."""
+        return f"read-only: {what} is disabled (kvtop was started with --readonly)"
+
     def _refuse_readonly(self, what: str) -> bool:
         if not self.readonly:
             return False
-        text = f"read-only: {what} is disabled (kvtop was started with --readonly)"
+        text = self.readonly_text(what)
         self.notify(text, severity="warning", markup=False)
         self._add_events([Event(time.time(), "action", "", text, WARN)])
         return True
@@ -681,6 +691,40 @@ def _exit_on_signals() -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def run_replay(path: str, *, at: str | None, once: bool, gpus: list[int] | None, model: str | None) -> int:
+    """``kvtop --replay FILE``: the dashboard over a recording, or (``--once``, no terminal) the moment ``at``.
+
+    A file that is no readable recording is one line and exit 1; an ``--at`` the recording does not hold,
+    one line and exit 2."""
+    from pathlib import Path
+
+    from kvtop.once import print_once
+    from kvtop.record.reading import Recording, RecordingError
+    from kvtop.replay import ReplayClock, ReplaySource, parse_moment
+    from kvtop.replay_app import ReplayApp
+
+    try:
+        recording = Recording.open(Path(path))
+    except RecordingError as exc:
+        click.echo(f"kvtop: {exc}", err=True)
+        return 1
+    try:
+        moment = None
+        if at is not None:
+            try:
+                moment = parse_moment(at, start=recording.start, end=recording.end, now=recording.start)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--at") from None
+        if once or not (sys.stdout.isatty() and sys.stdin.isatty()):
+            return print_once(ReplaySource(recording, ReplayClock(recording.times(), at=moment)), model=model,
+                              gpus=gpus)
+        app = ReplayApp(recording, name=path, model=model, gpus=gpus, at=moment)
+        app.run()
+        return app.return_code or 0
+    finally:
+        recording.close()
+
+
 def run(*, demo: bool, demo_models: int, once: bool, interval: float, gpus: list[int] | None,
         model: str | None, readonly: bool) -> int:
     """Start the demo fleet if asked, then the dashboard or the one-shot snapshot; always stop the fleet."""
@@ -729,14 +773,24 @@ def run(*, demo: bool, demo_models: int, once: bool, interval: float, gpus: list
 @click.option("--model", metavar="NAME", help="Select this model (exact name or unique prefix).")
 @click.option("--readonly", is_flag=True,
               help="Disable every action that changes something (trim, compact, sleep/wake, limit, policy).")
+@click.option("--replay", "replay", metavar="FILE",
+              help="Replay a recording (kvctl record: a day file or its directory) instead of the live models.")
+@click.option("--at", "at", metavar="TIME",
+              help="With --replay: start at this moment (HH:MM[:SS], an ISO time, +10m from the start).")
 @click.version_option(__version__, prog_name="kvtop")
 def cli(demo: bool, demo_models: int, once: bool, interval: float, gpu: str | None, model: str | None,
-        readonly: bool) -> int:
+        readonly: bool, replay: str | None, at: str | None) -> int:
     """Live dashboard of kvcached models: devices, models, page maps, fragmentation; trim and set limits.
 
     Keys: q quit · ? help · ↑/↓ j/k select · ←/→ pgup/pgdn page map · enter details · t trim · T trim all · l limit · p policy · s sort ·
     f filter · space pause · +/- interval · z/Z zoom · ctrl+p command palette.
     """
+    if replay is not None:
+        if demo:
+            raise click.UsageError("--replay shows a recording: it cannot go with --demo")
+        return run_replay(replay, at=at, once=once, gpus=parse_gpus(gpu), model=model)
+    if at is not None:
+        raise click.UsageError("--at is a moment of a recording: it goes with --replay FILE")
     return run(demo=demo, demo_models=demo_models, once=once, interval=interval, gpus=parse_gpus(gpu),
                model=model, readonly=readonly)
 

@@ -1,4 +1,5 @@
-"""Event log: appearances, stale models, limit acknowledgements, trims and kvtop's own requests."""
+"""Event log: appearances, stale models, limit acknowledgements, trims and kvtop's own requests (in a replay: the
+events recorded up to the moment shown)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,8 @@ class EventLog(RichLog, can_focus=False):
         self.lines_text.append(line.plain)
         del self.lines_text[:-1000]
         self.write(line, expand=True)
+
+    def reset(self) -> None:
+        """Empty, to be written again (a replay that went back shows the log as it was then)."""
+        self.clear()
+        self.lines_text.clear()

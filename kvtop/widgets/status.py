@@ -20,10 +20,11 @@ class StatusLine(Widget):
         super().__init__(id=id)
         self._text = Text(" kvtop ", style="bold reverse")
 
-    def show(self, frame: Frame | None, *, interval: float, paused: bool, readonly: bool,
-             sort_key: str, filter_text: str, waiting_for: str | None = None) -> None:
+    def show(self, frame: Frame | None, *, interval: float | None, paused: bool, readonly: bool,
+             sort_key: str, filter_text: str, waiting_for: str | None = None, badge: str = "kvtop") -> None:
+        """``interval`` None: no refresh interval to tell (a replay's time bar tells its clock)."""
         text = Text(no_wrap=True, overflow="ellipsis")
-        text.append(" kvtop ", style="bold reverse")
+        text.append(f" {badge} ", style="bold reverse")
         if frame is not None:
             text.append(f" {frame.host} ", style="bold")
             text.append(time.strftime("%H:%M:%S", time.localtime(frame.taken_at)))
@@ -32,7 +33,8 @@ class StatusLine(Widget):
             else:
                 live = sum(1 for m in frame.models if m.status == "live")
                 text.append(f" · {len(frame.models)} models, {live} live")
-        text.append(f" · every {interval:g} s")
+        if interval is not None:
+            text.append(f" · every {interval:g} s")
         text.append(f" · sort {sort_key}")
         if filter_text:
             text.append(f" · filter {filter_text!r}", style="bold cyan")

@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "export": "kvtop.cli.export:export_cmd",
     "route": "kvtop.cli.route:route_cmd",
     "record": "kvtop.cli.record:record_cmd",
+    "report": "kvtop.cli.report:report_cmd",
 }
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}

@@ -34,10 +34,12 @@ def draw(reports: Sequence[ModelReport], out: Path, title: str) -> None:
     # imported by name: the extra may be absent where the types are checked
     importlib.import_module("matplotlib").use("Agg")
     plt: Any = importlib.import_module("matplotlib.pyplot")
+    dates: Any = importlib.import_module("matplotlib.dates")
+    line2d: Any = importlib.import_module("matplotlib.lines").Line2D
 
     fig, ax = plt.subplots(figsize=(11, 5), dpi=100)
     try:
-        marked: set[str] = set()
+        marked: dict[str, None] = {}
         for report in reports:
             times = [datetime.fromtimestamp(at) for at, _ in report.series]
             (line,) = ax.step(times, [b / MiB for _, b in report.series], where="post", label=report.name)
@@ -45,15 +47,20 @@ def draw(reports: Sequence[ModelReport], out: Path, title: str) -> None:
                 marks = [m for m in report.marks if m.kind == kind]
                 if marks:
                     ax.scatter([datetime.fromtimestamp(m.at) for m in marks], [m.mapped_bytes / MiB for m in marks],
-                               marker=MARKERS[kind], color=line.get_color(), edgecolors="black", zorder=3,
-                               label=None if kind in marked else kind)
-                    marked.add(kind)
+                               marker=MARKERS[kind], color=line.get_color(), edgecolors="black", zorder=3)
+                    marked[kind] = None
         ax.set_title(title)
         ax.set_ylabel("mapped (MiB)")
         ax.set_xlabel("local time")
         ax.grid(True, alpha=0.3)
-        if reports:
-            ax.legend(loc="upper left", fontsize="small")
+        locator = dates.AutoDateLocator()
+        ax.xaxis.set_major_locator(locator)
+        ax.xaxis.set_major_formatter(dates.ConciseDateFormatter(locator))
+        handles, _ = ax.get_legend_handles_labels()  # the models' lines, then one grey key per kind of mark
+        handles += [line2d([], [], marker=MARKERS[k], linestyle="", color="grey", markeredgecolor="black", label=k)
+                    for k in marked]
+        if handles:
+            ax.legend(handles=handles, loc="upper left", fontsize="small")
         fig.autofmt_xdate()
         fig.savefig(out, format="png")
     finally:

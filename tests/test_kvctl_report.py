@@ -406,6 +406,23 @@ def test_a_damaged_recording_is_reported_as_far_as_it_reads(script: Script, tmp_
     assert f"sample {last - 1}" in result.stderr
 
 
+@pytest.mark.parametrize("kept", [0.3, 0.95])
+def test_a_file_cut_short_is_read_as_far_as_it_goes_or_refused_in_one_line(script: Script, tmp_path: Path,
+                                                                             kept: float) -> None:
+    full = copy_of(script, tmp_path).read_bytes()
+    path = tmp_path / "cut.sqlite"
+    path.write_bytes(full[:int(len(full) * kept)])  # a recorder killed mid-write, a full disk
+    result = kvctl("report", str(path), "--json")
+    assert result.exit_code == 1 and result.stderr
+    if result.stdout:  # what reads is reported; each part skipped named on stderr
+        doc = json.loads(result.stdout)
+        assert doc["models"] and doc["skipped"] == [line.removeprefix("kvctl: warning: ")
+                                                    for line in result.stderr.splitlines()]
+    else:
+        assert len(result.stderr.splitlines()) == 1 and str(path) in result.stderr
+    assert path.read_bytes() == full[:int(len(full) * kept)]
+
+
 def test_a_missing_file_is_one_line(tmp_path: Path) -> None:
     result = kvctl("report", str(tmp_path / "none"))
     assert result.exit_code == 1 and "no such file" in result.stderr and len(result.stderr.splitlines()) == 1

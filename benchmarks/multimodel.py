@@ -2,6 +2,7 @@
 
     python -m benchmarks multimodel [--engine vllm|transformers] [--device cpu|cuda] [--shape SHAPE] [--single]
                                     [--pairs N] [--seed N] [--share BLOCKS|SIZE] [--quick] [--duration SEC]
+                                    [--scale small|operator] [--device-memory SIZE] [--screenshot PATH]
                                     [--out DIR] [--no-write]
 
 Both configurations replay the same trace with the same method (``benchmarks/fair/``, written once; each engine a
@@ -16,6 +17,13 @@ elastic with a budget equal to one static share, against plain static: the cost 
 - ``--engine transformers`` (``benchmarks/fair/tcb.py``): transformers' continuous batching, one process per
   model, the peak rate calibrated on a static share in the run;
 - ``--engine vllm`` (``benchmarks/fair/vllm.py``, the default): real vLLM servers on the tiny Llama (CPU).
+
+``--scale operator`` (transformers): the largest Llama shape whose engines of both configurations fit the device at
+once, each static share what is left after weights and activations (``benchmarks/fair/scale.py``; the plan is
+printed before starting; ``--device-memory`` declares the device's size instead of reading it), long-context
+prompts (``benchmarks/fair/longctx.py``); on the saturated shape a third configuration, one plain engine given the
+whole budget. ``--screenshot PATH``: kvtop's screen (SVG, 160x50) saved during the counted elastic runs, once a
+reclaim has happened.
 
 Results go to ``benchmarks/results/multimodel-<engine>-...{json,md,png}`` (or ``--out``), rewritten after every
 run. Exit status: 0 every request answered, 1 a failure or a request unanswered, 2 bad usage, 130 Ctrl-C.
@@ -83,6 +91,12 @@ def parser() -> argparse.ArgumentParser:
                    "third of the time)")
     p.add_argument("--duration", type=float, metavar="SEC", help="the trace's length in seconds (--quick halves it "
                    "with transformers)")
+    p.add_argument("--scale", choices=("small", "operator"), default="small",
+                   help="transformers: today's small shares, or operator scale (real model sizes, long prompts)")
+    p.add_argument("--device-memory", metavar="SIZE",
+                   help="--scale operator: plan for a device of this size (such as 80GiB) instead of the one here")
+    p.add_argument("--screenshot", type=Path, metavar="PATH",
+                   help="transformers: save kvtop's screen (SVG, 160x50) during the counted elastic runs")
     p.add_argument("--out", type=Path, metavar="DIR", help="write the report here instead of benchmarks/results/")
     p.add_argument("--no-write", action="store_true", help="print the report only")
     p.add_argument("--plot", type=Path, metavar="JSON", help="draw the picture of a written report again")
@@ -98,6 +112,7 @@ def stem(args: argparse.Namespace) -> Path | None:
     if args.no_write:
         return None
     name = f"multimodel-{args.engine}" + (f"-{args.device}" if args.engine == "transformers" else "")
+    name += ("-operator" if args.engine == "transformers" and args.scale == "operator" else "")
     name += f"-{args.shape}" + ("-single" if args.single else "") + ("-quick" if args.quick else "")
     return (args.out or RESULTS) / name
 
@@ -123,14 +138,38 @@ def main(argv: list[str] | None = None) -> int:
             print(f"multimodel: {problem}", file=sys.stderr)
             return 2
         setup = tcb.MODELS[args.device]
+        device_bytes = None
+        if args.device_memory is not None:
+            from kvcached_core.sizes import SizeError, parse_size
+
+            try:
+                device_bytes = parse_size(args.device_memory)
+            except SizeError:
+                device_bytes = None
+            if not device_bytes:
+                p.error(f"--device-memory {args.device_memory}: a size such as 80GiB")
+            if args.scale != "operator":
+                p.error("--device-memory goes with --scale operator")
+        if args.scale == "operator" and args.share is not None:
+            p.error("--share goes with --scale small: operator scale plans its shares")
         try:
             blocks = share_blocks(args.share, setup.block_bytes)
         except ValueError:
             p.error(f"--share {args.share}: a block count or a size such as 48MiB, at least one block "
                     f"({setup.block_bytes >> 10} KiB)")
-        duration = args.duration or setup.duration_s
-        driver = tcb.TcbDriver(device=args.device, models=1 if args.single else 3, shape=args.shape, seed=args.seed,
-                               share_blocks=blocks, duration_s=duration / 2 if args.quick else duration)
+        duration = args.duration or (None if args.scale == "operator" else setup.duration_s)
+        if duration is not None and args.quick:
+            duration /= 2
+        try:
+            driver = tcb.TcbDriver(device=args.device, models=1 if args.single else 3, shape=args.shape,
+                                   seed=args.seed, share_blocks=blocks, duration_s=duration, scale=args.scale,
+                                   device_bytes=device_bytes, screenshot=args.screenshot)
+        except ValueError as exc:
+            print(f"multimodel: {exc}", file=sys.stderr)
+            return 2
+        except RuntimeError as exc:
+            print(f"multimodel: {exc}", file=sys.stderr)
+            return 1
         return run(driver, pairs=args.pairs, seed=args.seed, shape=args.shape, single=args.single,
                    command=command, stem=stem(args))
     return vllm_main(p, args, command)

@@ -8,10 +8,12 @@ configuration (:class:`Side`), collects every answer and reads the engine's coun
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -78,6 +80,7 @@ def replay(side: Side, trace: list[dict], run: str, timeout_s: float) -> dict:
     stop = threading.Event()
     t0 = time.perf_counter() + START_DELAY_S
     watcher = None
+    began = time.perf_counter()
     if side.shm is not None:
         watcher = threading.Thread(target=sample_segments, args=(side.shm, t0, stop, samples), daemon=True)
         watcher.start()
@@ -95,7 +98,7 @@ def replay(side: Side, trace: list[dict], run: str, timeout_s: float) -> dict:
     if watcher is not None:
         watcher.join()
     return {**figures(answers, t0, len(trace)), **counted(before, side.counters()), **segment_figures(samples),
-            "kv_samples": samples}
+            "elapsed_s": round(time.perf_counter() - began, 1), "kv_samples": samples}
 
 
 def percentile99(values: list[float]) -> float:
@@ -115,7 +118,22 @@ def figures(answers: list[Answer], t0: float, requests: int) -> dict:
             "ttft_mean_s": round(statistics.fmean(ttft), 4) if ttft else float("nan"),
             "tokens": tokens, "tokens_per_s": round(tokens / (max(ends) - t0), 2) if ends else 0.0,
             "ttft_by_arrival": sorted([round(a.arrival - t0, 3), a.model,
-                                       None if a.first is None else round(a.first - a.arrival, 4)] for a in answers)}
+                                       None if a.first is None else round(a.first - a.arrival, 4)] for a in answers),
+            "by_model": by_model(done, t0)}
+
+
+def by_model(done: list[Answer], t0: float) -> dict[str, dict]:
+    """Each model's own figures (``m0``...): answered, TTFT p99, tokens and tokens/s (from the trace's start to
+    its last answer)."""
+    out: dict[str, dict] = {}
+    for m in sorted({a.model for a in done}):
+        mine = [a for a in done if a.model == m]
+        ends = [a.end for a in mine if a.end is not None]
+        tokens = sum(a.tokens for a in mine)
+        out[f"m{m}"] = {"answered": len(mine),
+                        "ttft_p99_s": round(percentile99([a.first - a.arrival for a in mine if a.first is not None]), 4),
+                        "tokens": tokens, "tokens_per_s": round(tokens / (max(ends) - t0), 2) if ends else 0.0}
+    return out
 
 
 def counted(before: dict, after: dict) -> dict:
@@ -132,6 +150,10 @@ def counted(before: dict, after: dict) -> dict:
     gates_a, gates_b = after.get("refused"), before.get("refused") or {}
     out["refused"] = None if gates_a is None else {g: n - gates_b.get(g, 0) for g, n in gates_a.items()}
     out["pooled_bytes"] = after.get("pooled_bytes")
+    ids = after.get("offloaded")
+    out["preempted"] = None if ids is None else sorted(
+        int(rid.rsplit("-", 1)[1]) for rid in set(ids) - set(before.get("offloaded") or ())
+        if rid.rsplit("-", 1)[-1].isdigit())
     return out
 
 
@@ -173,14 +195,37 @@ def segment_figures(samples: list[dict]) -> dict:
                                            default=0)}
 
 
+Around = Callable[[Slot], AbstractContextManager]  # entered before a run's replay starts, left after it ends
+
+
 def compare(sides: dict[str, Side], trace: list[dict], pairs: int, timeout_s: float,
-            done: Callable[[dict], None]) -> list[dict]:
+            done: Callable[[dict], None], around: Around | None = None) -> list[dict]:
     """Every run of :func:`schedule` in order; ``done`` is called with each run as it ends (the report is rewritten
-    then, so a comparison stopped part-way leaves the runs it finished). Returns every run, warm-ups included."""
+    then, so a comparison stopped part-way leaves the runs it finished). ``around(slot)`` (a driver's) is entered
+    before each run's replay and left after it: outside the replay's clock (engines started in turn, a screenshot
+    taken while it runs). Returns every run, warm-ups included."""
+    return _runs(sides, trace, schedule(pairs), timeout_s, done, around, first=1)
+
+
+def alone_schedule(pairs: int) -> list[Slot]:
+    """The limit of sharing: one discarded warm-up of the ``alone`` configuration, then ``pairs`` runs of it."""
+    return [Slot("alone", "warm-up", 0)] + [Slot("alone", "alone", p) for p in range(1, pairs + 1)]
+
+
+def compare_alone(side: Side, trace: list[dict], pairs: int, timeout_s: float, done: Callable[[dict], None],
+                  first: int) -> list[dict]:
+    """The ``alone`` configuration's runs (:func:`alone_schedule`; not counted in the static/elastic ratios),
+    numbered from ``first``."""
+    return _runs({"alone": side}, trace, alone_schedule(pairs), timeout_s, done, None, first=first)
+
+
+def _runs(sides: dict[str, Side], trace: list[dict], slots: list[Slot], timeout_s: float,
+          done: Callable[[dict], None], around: Around | None, first: int) -> list[dict]:
     runs: list[dict] = []
-    for i, slot in enumerate(schedule(pairs)):
-        result = replay(sides[slot.configuration], trace, f"{slot.configuration}{i}", timeout_s)
-        runs.append({"run": i + 1, "configuration": slot.configuration, "kind": slot.kind, "pair": slot.pair,
+    for i, slot in enumerate(slots, start=first):
+        with around(slot) if around is not None else contextlib.nullcontext():
+            result = replay(sides[slot.configuration], trace, f"{slot.configuration}{i - 1}", timeout_s)
+        runs.append({"run": i, "configuration": slot.configuration, "kind": slot.kind, "pair": slot.pair,
                      "counted": slot.kind == "pair", **result})
         done(runs[-1])
     return runs

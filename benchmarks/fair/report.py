@@ -4,6 +4,7 @@ it (warm-ups included, marked as not counted), written as JSON and markdown, and
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -17,6 +18,64 @@ def ratios(runs: list[dict]) -> dict:
     median and range; warm-ups are left out."""
     counted = sorted((r for r in runs if r["counted"]), key=lambda r: (r["pair"], r["configuration"] != "static"))
     return pair_ratios(counted)
+
+
+def preemptions(runs: list[dict]) -> dict:
+    """Per counted pair, the requests (trace indices) each configuration preempted, and the check that elastic
+    preempted none that static did not preempt too: ``ok`` (None when the engine does not say which), ``line``."""
+    pairs: dict[int, dict[str, list[int] | None]] = {}
+    for r in runs:
+        if r["counted"]:
+            pairs.setdefault(r["pair"], {})[r["configuration"]] = r.get("preempted")
+    extra = {p: sorted(set(c.get("elastic") or ()) - set(c.get("static") or ())) for p, c in sorted(pairs.items())}
+    known = all(c.get("static") is not None and c.get("elastic") is not None for c in pairs.values())
+    rounds = {c: [r.get("offload_rounds") for r in runs if r["counted"] and r["configuration"] == c]
+              for c in ("static", "elastic")}
+    said = "; ".join(f"{c} {', '.join(_n(x) for x in v)}" for c, v in rounds.items())
+    counts = "; ".join(f"pair {p}: static {len(c.get('static') or ())}, elastic {len(c.get('elastic') or ())}"
+                       for p, c in sorted(pairs.items()))
+    if not pairs or not known:
+        ok, verdict = None, f"{NA} (the engine does not say which requests it preempted)"
+    elif any(extra.values()):
+        ok = False
+        verdict = "NO: " + "; ".join(f"pair {p}: elastic preempted requests {', '.join(map(str, v))} that static "
+                                     "did not" for p, v in extra.items() if v)
+    else:
+        ok, verdict = True, "yes, in every pair"
+    return {"preemption_check": ok, "preemption_extra": {str(p): v for p, v in extra.items()},
+            "preemption_lines": [f"Preemptions (offload rounds) per counted run: {said}. Requests preempted: "
+                                 f"{counts or NA}.", "",
+                                 f"**Check: nothing preempted by elastic that static did not preempt too: "
+                                 f"{verdict}.**", ""]}
+
+
+def limit_of_sharing(runs: list[dict], busy: str = "m0") -> dict:
+    """The busy model of elastic's pair runs against one plain engine given the whole budget (``alone``), run by
+    run in order: tokens/s elastic/alone and p99 TTFT alone/elastic (1.0: sharing costs nothing), median and
+    range; empty when no alone run was made."""
+    elastic = [r for r in runs if r["counted"] and r["configuration"] == "elastic"]
+    alone = [r for r in runs if r["configuration"] == "alone" and r["kind"] != "warm-up"]
+    if not alone:
+        return {}
+    tok, p99 = [], []
+    for e, a in zip(sorted(elastic, key=lambda r: r["pair"]), alone, strict=False):
+        eb, ab = e.get("by_model", {}).get(busy), a.get("by_model", {}).get(busy)
+        if eb and ab and ab["tokens_per_s"]:
+            tok.append(eb["tokens_per_s"] / ab["tokens_per_s"])
+        if eb and ab and eb["ttft_p99_s"]:
+            p99.append(ab["ttft_p99_s"] / eb["ttft_p99_s"])
+
+    def stats(xs: list[float]) -> str:
+        return f"median {statistics.median(xs):.3f}x (range {min(xs):.3f}-{max(xs):.3f}x)" if xs else NA
+
+    figures = "; ".join(f"run {r['run']} {r['configuration']}: {r['by_model'].get(busy, {}).get('tokens_per_s', NA)} "
+                        f"tokens/s, p99 {r['by_model'].get(busy, {}).get('ttft_p99_s', NA)} s"
+                        for r in [*elastic, *alone] if "by_model" in r)
+    return {"alone_tokens_ratio_median": round(statistics.median(tok), 3) if tok else None,
+            "alone_ttft_p99_ratio_median": round(statistics.median(p99), 3) if p99 else None,
+            "alone_lines": [f"**The limit of sharing ({busy}, the busy model): tokens/s elastic/alone {stats(tok)}; "
+                            f"p99 TTFT alone/elastic {stats(p99)}** (alone: one plain engine whose static cache is the "
+                            f"whole budget, its runs after the pairs; run by run: {figures}).", ""]}
 
 
 def _mib(value: float | None) -> str:
@@ -33,7 +92,9 @@ def _n(value: object) -> str:
 
 def run_line(run: dict) -> str:
     """One run's row: what it served and the counters that explain it."""
-    kind = "warm-up (not counted)" if run["kind"] == "warm-up" else f"pair {run['pair']}"
+    kind = "warm-up (not counted)" if run["kind"] == "warm-up" else \
+        f"alone {run['pair']} (not counted)" if run["kind"] == "alone" else f"pair {run['pair']}"
+    preempted = run.get("preempted")
     given = NA if run.get("gave_count") is None else f"{_mib(run['gave_bytes'])} ({run['gave_count']})"
     taken = NA if run.get("took_count") is None else f"{_mib(run['took_bytes'])} ({run['took_count']})"
     return (f"| {run['run']} | {kind} | {run['configuration']} | {run['answered']}/{run['requests']} | "
@@ -41,13 +102,14 @@ def run_line(run: dict) -> str:
             f"{_n(run.get('requests_per_step'))} | {_n(run.get('waiting_steps'))} | {_n(run.get('refused'))} | "
             f"{_mib(run.get('unused_bytes_peak'))} / {_mib(run.get('unused_bytes_mean'))} | "
             f"{_mib(run.get('pooled_bytes'))} | {_n(run.get('offload_rounds'))} | {_n(run.get('preemptions'))} | "
-            f"{given} | {taken} |")
+            f"{given} | {taken} | {NA if preempted is None else len(preempted)} | {_n(run.get('elapsed_s'))} |")
 
 
 RUNS_HEAD = ["| run | kind | configuration | answered | TTFT p99 s | TTFT mean s | tokens/s | requests per step "
              "| steps with requests waiting | admissions refused by the budget, by gate | MiB claimed but unused, "
              "peak / mean | MiB pooled handles | offload rounds | preemptions | MiB given (times) "
-             "| MiB taken (times) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| MiB taken (times) | requests preempted | s elapsed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def markdown(report: dict) -> str:
@@ -63,6 +125,8 @@ def markdown(report: dict) -> str:
              f"{report['ttft_p99_ratio_min']}-{report['ttft_p99_ratio_max']}x); throughput elastic/static: median "
              f"{report['throughput_ratio_median']}x (range {report['throughput_ratio_min']}-"
              f"{report['throughput_ratio_max']}x)**", "",
+             *report.get("alone_lines", []), *report.get("preemption_lines", []),
+             *report.get("screenshot_lines", []),
              f"Counters: {report.get('counters_note', '')} {NA}: the engine does not publish it.", "",
              *RUNS_HEAD, *(run_line(r) for r in report["runs"])]
     if report.get("picture"):

@@ -1,6 +1,7 @@
 """A comparison from start to end, whatever the engine: the driver starts both configurations' engines and makes
-the trace; :func:`.method.compare` runs the schedule; the report is rewritten after every run, printed at the end,
-and drawn. Engines are stopped on Ctrl-C (exit 130) and on failure (exit 1)."""
+the trace; :func:`.method.compare` runs the schedule; on the saturated shape a driver that can (``alone``) then
+runs the limit of sharing, one plain engine given the whole budget; the report is rewritten after every run,
+printed at the end, and drawn. Engines are stopped on Ctrl-C (exit 130) and on failure (exit 1)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import datetime
 import sys
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from . import report as rep
-from .method import Side, compare
+from .method import Side, compare, compare_alone
 
 
 class Driver(Protocol):
@@ -49,10 +50,13 @@ def run(driver: Driver, *, pairs: int, seed: int, shape: str, single: bool, comm
 
     def done(one: dict) -> None:
         report["runs"].append(one)
-        report.update(rep.ratios(report["runs"]), seconds=round(time.monotonic() - started, 1))
+        report.update(rep.ratios(report["runs"]), **rep.preemptions(report["runs"]),
+                      **rep.limit_of_sharing(report["runs"]), seconds=round(time.monotonic() - started, 1))
+        report.update(getattr(driver, "notes", dict)())
         print(f"run {one['run']} ({one['kind']}) {one['configuration']}: p99 TTFT {one['ttft_p99_s']:.2f} s, "
               f"{one['tokens_per_s']:.1f} tokens/s, {one['answered']}/{one['requests']} answered, "
-              f"{one['requests_per_step']} requests per step", flush=True)
+              f"{one['requests_per_step']} requests per step, {_len(one.get('preempted'))} preempted; "
+              f"{one['elapsed_s']:.1f} s, {report['seconds']:.0f} s since the command started", flush=True)
         if stem is not None:
             rep.save(report, stem)
 
@@ -61,7 +65,11 @@ def run(driver: Driver, *, pairs: int, seed: int, shape: str, single: bool, comm
         trace = driver.trace()
         about = driver.describe()
         report.update({k: v for k, v in about.items() if k != "timeout_s"}, trace_requests=len(trace))
-        compare(sides, trace, pairs, about["timeout_s"], done)
+        compare(sides, trace, pairs, about["timeout_s"], done, getattr(driver, "around", None))
+        alone = getattr(driver, "alone", None)
+        if shape == "saturated" and not single and alone is not None:
+            busy = [row for row in trace if row["model"] == "m0"]
+            compare_alone(alone(), busy, pairs, about["timeout_s"], done, first=len(report["runs"]) + 1)
     except KeyboardInterrupt:
         print("interrupted: every engine was stopped", file=sys.stderr)
         return 130
@@ -77,3 +85,7 @@ def run(driver: Driver, *, pairs: int, seed: int, shape: str, single: bool, comm
             rep.save(report, stem)
     print(rep.markdown(report))
     return 0 if all(r["answered"] == r["requests"] for r in report["runs"]) else 1
+
+
+def _len(ids: Any) -> str:
+    return "n/a" if ids is None else str(len(ids))

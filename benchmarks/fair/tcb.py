@@ -29,7 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .longctx import MIX, OUTPUT_TOKENS, Bucket, bounds, draw, scaled
 from .method import Answer
+from .scale import CPU_SHAPES, GPU_SHAPES, GiB, MiB, Plan, Shape, choose
+from .trace import SHAPES
 
 ROOT = Path(__file__).resolve().parents[2]
 PEAK_RULE = 2.0  # the peak rate: twice the requests per second one static share serves
@@ -58,6 +61,9 @@ class Setup:
     max_requests: int
     threads: int
     why: str
+    max_positions: int = 4096
+    tie_embeddings: bool = False
+    prompt_mix: tuple = ()  # a declared mix of prompt lengths (.longctx); empty: uniform in prompt_tokens
 
     @property
     def kv_token_bytes(self) -> int:
@@ -67,10 +73,17 @@ class Setup:
     def block_bytes(self) -> int:
         return self.kv_token_bytes * PAGE_TOKENS
 
+    def prompt_range(self) -> tuple[int, int]:
+        """The shortest and the longest prompt the trace draws."""
+        return bounds(self.prompt_mix) if self.prompt_mix else self.prompt_tokens
+
+    def draw_prompt(self, rng: random.Random) -> int:
+        return draw(rng, self.prompt_mix) if self.prompt_mix else rng.randint(*self.prompt_tokens)
+
     @property
     def fits_at_once(self) -> int:
         """Requests of the longest shape one static share holds at once."""
-        longest = self.prompt_tokens[1] + self.output_tokens[1]
+        longest = self.prompt_range()[1] + self.output_tokens[1]
         return max(1, self.share_blocks // -(-longest // PAGE_TOKENS))
 
 
@@ -138,23 +151,29 @@ def serve(spec: dict, inbox: Any, outbox: Any) -> None:
     from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
 
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["setup"].items()}
+    fields["prompt_mix"] = tuple(tuple(b) for b in fields["prompt_mix"])
     setup = Setup(**fields)
     torch.set_num_threads(setup.threads)
     config = LlamaConfig(hidden_size=setup.hidden, intermediate_size=setup.intermediate,
                          num_hidden_layers=setup.layers, num_attention_heads=setup.heads,
                          num_key_value_heads=setup.kv_heads, head_dim=setup.head_dim, vocab_size=setup.vocab,
-                         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                         max_position_embeddings=setup.max_positions, tie_word_embeddings=setup.tie_embeddings,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
     config._attn_implementation = "sdpa"
     torch.manual_seed(spec["seed"])
+    torch.set_default_dtype(getattr(torch, setup.dtype))  # built in its dtype: no float32 copy of the weights
     with torch.device(setup.device):
-        model = LlamaForCausalLM(config).to(getattr(torch, setup.dtype)).eval()
+        model = LlamaForCausalLM(config).eval()
     tally = {"steps": 0, "step_requests": 0, "waiting_steps": 0, "offload_rounds": 0}
+    offloaded: set[str] = set()  # the requests transformers offloaded (preempted) at least once
     count_steps(tally)
     offload = OffloadingManager.offload_requests
 
     def counted(self: Any) -> bool:  # rounds in which transformers offloaded (here: restarted) requests
+        active = set(getattr(self.scheduler, "active_requests", None) or ())
         done = offload(self)
         tally["offload_rounds"] += bool(done)
+        offloaded.update(active - set(getattr(self.scheduler, "active_requests", None) or ()))
         return done
 
     OffloadingManager.offload_requests = counted  # type: ignore[method-assign]
@@ -191,7 +210,8 @@ def serve(spec: dict, inbox: Any, outbox: Any) -> None:
             if msg is None:
                 break
             if msg == "stats":
-                outbox.put(("stats", spec["name"], None, {**tally, **plugin_stats(handle)}, None, 0, None))
+                outbox.put(("stats", spec["name"], None, {**tally, **plugin_stats(handle), "offloaded": sorted(offloaded)},
+                            None, 0, None))
                 continue
             rid, ids, new = msg
             manager.add_request(ids, request_id=rid, max_new_tokens=new, record_timestamps=True, eos_token_id=-1)
@@ -216,8 +236,10 @@ def plugin_stats(handle: Any) -> dict:
 class Engines:
     """One configuration's engines (child processes) and the queue their answers come back on (a :class:`Side`)."""
 
-    def __init__(self, ctx: Any, setup: Setup, models: int, elastic: bool, shm: Path, seed: int) -> None:
-        self.names = [f"{'e' if elastic else 's'}{m}" for m in range(models)]
+    def __init__(self, ctx: Any, setup: Setup, models: int, elastic: bool, shm: Path, seed: int, *,
+                 static_blocks: int | None = None, letter: str | None = None) -> None:
+        """``static_blocks``: each static engine's cache (default one share); ``letter``: the engines' names'."""
+        self.names = [f"{letter or ('e' if elastic else 's')}{m}" for m in range(models)]
         self.elastic = elastic
         self.shm: Path | None = shm if elastic else None
         self.outbox = ctx.Queue()
@@ -228,7 +250,7 @@ class Engines:
             env.update({"KVCACHED_DEVICE_BUDGET" if setup.device == "cuda" else "KVCACHED_HOST_CAPACITY":
                         f"{budget >> 20}MiB", "KVCACHED_MIN_RESERVED_PAGES": "0",
                         "KVCACHED_MAX_RESERVED_PAGES": "1", "KVCACHED_IDLE_RETURN_S": "1"})
-        blocks = budget // setup.block_bytes - 2 if elastic else setup.share_blocks
+        blocks = budget // setup.block_bytes - 2 if elastic else static_blocks or setup.share_blocks
         self.vocab = setup.vocab
         self.procs = [ctx.Process(target=serve, daemon=True, args=(
             {"name": name, "elastic": elastic, "seed": seed + m, "num_blocks": blocks, "env": env,
@@ -303,6 +325,7 @@ class Engines:
         total["refused"] = {g: sum(x.get(g, 0) for x in gates) for g in names} if gates else None
         pooled = [s["pooled_bytes"] for s in self.stats if s["pooled_bytes"] is not None]
         total["pooled_bytes"] = sum(pooled) if pooled else None
+        total["offloaded"] = sorted({rid for s in self.stats for rid in s["offloaded"]})
         return total
 
     def stop(self) -> None:
@@ -323,7 +346,7 @@ def calibrate(static: Engines, setup: Setup, seed: int) -> dict:
 
     count = CALIBRATION_FACTOR * setup.fits_at_once
     rng = random.Random(seed - 1)
-    rows = [{"t": 0.0, "model": "m0", "prompt_tokens": rng.randint(*setup.prompt_tokens),
+    rows = [{"t": 0.0, "model": "m0", "prompt_tokens": setup.draw_prompt(rng),
              "max_tokens": rng.randint(*setup.output_tokens), "seed": rng.randrange(1 << 30)} for _ in range(count)]
     started = time.perf_counter()
     result = replay(static, rows, "calibration", timeout_s=300)
@@ -367,33 +390,166 @@ def context() -> Any:
     return mp.get_context("spawn")
 
 
+@dataclass(frozen=True)
+class Operator:
+    """``--scale operator`` on one kind of device: what :mod:`.scale` plans with and the trace it serves."""
+
+    dtype: str
+    shapes: tuple[Shape, ...]
+    activation_bytes: int  # per engine: CUDA context, the working set at max_batch_tokens (logits, masks, MLP)
+    margin_bytes: int
+    min_share: int
+    prompt_mix: tuple[Bucket, ...]
+    output_tokens: tuple[int, int]
+    durations: dict[str, float]  # the trace's length per shape (a command within 10 minutes, see BENCHMARKS.md)
+    max_batch_tokens: int
+    max_requests: int
+    threads: int
+    device_bytes: int | None  # declared (None: the device's free memory, read before starting)
+
+
+OPERATOR = {
+    "cuda": Operator(dtype="bfloat16", shapes=GPU_SHAPES, activation_bytes=5 * GiB // 2, margin_bytes=GiB,
+                     min_share=4 * GiB, prompt_mix=MIX, output_tokens=OUTPUT_TOKENS,
+                     durations={"ramps": 30.0, "bursty": 25.0, "saturated": 12.0, "steady": 25.0},
+                     max_batch_tokens=2048, max_requests=64, threads=2, device_bytes=None),
+    "cpu": Operator(dtype="float32", shapes=CPU_SHAPES, activation_bytes=8 * MiB, margin_bytes=4 * MiB,
+                    min_share=4 * MiB, prompt_mix=scaled(MIX, 100, 800), output_tokens=(8, 24),
+                    durations=dict.fromkeys(SHAPES, 4.0), max_batch_tokens=512, max_requests=32, threads=1,
+                    device_bytes=128 * MiB),
+}
+
+
+def device_free_bytes() -> int:
+    """The GPU's free memory now, read in a child process (a CUDA context here would stay for the whole run)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info()[0])"],
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"reading the device's memory failed: {out.stderr.strip()[-300:]}")
+    return int(out.stdout.split()[-1])
+
+
+def operator_plan(device: str, device_bytes: int | None = None, models: int = 3) -> Plan:
+    """The operator-scale plan for ``device``: on ``device_bytes`` when declared, else the declared default
+    (CPU) or the GPU's free memory. ValueError when no size fits."""
+    op = OPERATOR[device]
+    size = device_bytes or op.device_bytes or device_free_bytes()
+    return choose(size, op.shapes, dtype=op.dtype, activation_bytes=op.activation_bytes,
+                  margin_bytes=op.margin_bytes, min_share=op.min_share, models=models, page_tokens=PAGE_TOKENS)
+
+
+def operator_setup(device: str, plan: Plan, duration_s: float) -> Setup:
+    op, shape = OPERATOR[device], plan.shape
+    longest = bounds(op.prompt_mix)[1] + op.output_tokens[1]
+    setup = Setup(
+        device=device, dtype=op.dtype, layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
+        kv_heads=shape.kv_heads, head_dim=shape.head_dim, intermediate=shape.intermediate, vocab=shape.vocab,
+        share_blocks=plan.share_blocks, prompt_tokens=bounds(op.prompt_mix), output_tokens=op.output_tokens,
+        duration_s=duration_s, max_batch_tokens=op.max_batch_tokens, max_requests=op.max_requests,
+        threads=op.threads, max_positions=longest + PAGE_TOKENS, tie_embeddings=shape.tie_embeddings,
+        prompt_mix=op.prompt_mix,
+        why=f"{shape.name}-shaped ({shape.layers} layers, {shape.kv_heads} KV heads of {shape.head_dim}, "
+            f"{op.dtype}: {shape.kv_token_bytes(op.dtype) >> 10} KiB of KV per token, "
+            f"{plan.block_bytes / MiB:g} MiB per block of {PAGE_TOKENS} tokens), random weights. Prompts from the "
+            f"long-context mix {', '.join(f'{w:.0%} {lo}-{hi}' for w, lo, hi in op.prompt_mix)} tokens "
+            f"(benchmarks/fair/longctx.py), outputs {op.output_tokens[0]}-{op.output_tokens[1]}: a share of "
+            f"{plan.share_blocks} blocks holds {plan.share_blocks // -(-longest // PAGE_TOKENS)} of the longest "
+            "requests at once, so KV memory bounds concurrency.")
+    assert setup.block_bytes == plan.block_bytes, (setup.block_bytes, plan.block_bytes)
+    return setup
+
+
 class TcbDriver:
-    """Both configurations of ``models`` transformers engines (a :class:`.run.Driver`)."""
+    """Both configurations of ``models`` transformers engines (a :class:`.run.Driver`).
+
+    ``scale="operator"``: the setup :func:`operator_plan` makes for the device (printed before starting), the
+    long-context trace, names that say the configuration (``static-m0``, ``elastic-m0``...); the configurations in
+    turn when the plan says so; on the saturated shape one plain engine given the whole budget (:meth:`alone`);
+    ``screenshot``: kvtop's screen saved during the counted elastic runs (:mod:`.screenshot`)."""
 
     title = "transformers continuous batching, static against elastic"
 
     def __init__(self, *, device: str, models: int, shape: str, seed: int, share_blocks: int | None = None,
-                 duration_s: float | None = None) -> None:
-        setup = MODELS[device]
+                 duration_s: float | None = None, scale: str = "small", device_bytes: int | None = None,
+                 screenshot: Path | None = None) -> None:
+        self.plan: Plan | None = None
+        if scale == "operator":
+            self.plan = operator_plan(device, device_bytes, models)
+            setup = operator_setup(device, self.plan, duration_s or OPERATOR[device].durations[shape])
+        else:
+            setup = MODELS[device]
+            if duration_s is not None:
+                setup = Setup(**{**setup.__dict__, "duration_s": duration_s})
         if share_blocks is not None:
             setup = Setup(**{**setup.__dict__, "share_blocks": share_blocks})
-        if duration_s is not None:
-            setup = Setup(**{**setup.__dict__, "duration_s": duration_s})
         self.setup, self.device, self.models, self.shape, self.seed = setup, device, models, shape, seed
+        self.scale, self.screenshot = scale, screenshot
+        self.together = self.plan is None or self.plan.together
         self.groups: dict[str, Engines] = {}
         self.calibration: dict = {}
         self.peak_rate = 0.0
+        self.picture: dict = {}
+        self.started_engines: list[str] = []  # when each group's engines were started (in turn: more than once)
         import tempfile
 
         self.shm = Path(tempfile.mkdtemp(prefix="kvc-tcb-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
 
+    def _letter(self, config: str) -> str | None:
+        return f"{config}-m" if self.scale == "operator" else None
+
+    def _engines(self, config: str) -> Engines:
+        group = Engines(context(), self.setup, self.models, config == "elastic", self.shm, self.seed,
+                        letter=self._letter(config))
+        self.started_engines.append(config)
+        return group
+
     def start(self) -> dict[str, Any]:
-        ctx = context()
-        for config in ("static", "elastic"):
-            self.groups[config] = Engines(ctx, self.setup, self.models, config == "elastic", self.shm, self.seed)
+        if self.plan is not None:
+            for line in self.plan.lines():
+                print(line, flush=True)
+        for config in ("static", "elastic") if self.together else ("static",):
+            self.groups[config] = self._engines(config)
         for group in self.groups.values():
             group.wait_ready(600)
-        return dict(self.groups)
+        return self.groups  # the same dict: in turn, :meth:`around` swaps its engines
+
+    @contextlib.contextmanager
+    def around(self, slot: Any) -> Any:
+        """Before a run: in turn, this configuration's engines up (the other's stopped), outside the run's clock;
+        during the counted elastic runs, kvtop's screen saved until one run saw a reclaim."""
+        if slot.configuration in ("static", "elastic") and slot.configuration not in self.groups:
+            for config in list(self.groups):
+                self.groups.pop(config).stop()
+            self.groups[slot.configuration] = self._engines(slot.configuration)
+            self.groups[slot.configuration].wait_ready(600)
+        want = self.screenshot is not None and slot.configuration == "elastic" and slot.kind == "pair" \
+            and not self.picture.get("reclaim")
+        if not want:
+            yield
+            return
+        from .screenshot import Screenshot
+
+        assert self.screenshot is not None
+        with Screenshot(self.shm, self.screenshot) as shot:
+            yield
+        self.picture = {**shot.result, "run_configuration": "elastic", "pair": slot.pair}
+        print(f"kvtop's screen: {self.screenshot} ({self.picture})", flush=True)
+
+    def alone(self) -> Engines:
+        """The limit of sharing: static's engines stopped (in turn: elastic's too), then one plain engine whose
+        static cache is the whole budget, up before its runs."""
+        for config in list(self.groups):
+            if config == "static" or not self.together:
+                self.groups.pop(config).stop()
+        blocks = self.models * share_bytes(self.setup) // self.setup.block_bytes - 2
+        group = Engines(context(), self.setup, 1, False, self.shm, self.seed, static_blocks=blocks,
+                        letter=self._letter("alone") or "a")
+        self.groups["alone"] = group
+        self.started_engines.append("alone")
+        group.wait_ready(600)
+        return group
 
     def trace(self) -> list[dict]:
         from .trace import make_trace
@@ -402,17 +558,39 @@ class TcbDriver:
         self.peak_rate = round(PEAK_RULE * self.calibration["requests_per_s"], 3)
         return make_trace(shape=self.shape, models=self.models, duration_s=self.setup.duration_s,
                           peak_rate=self.peak_rate, seed=self.seed, prompt_tokens=self.setup.prompt_tokens,
-                          output_tokens=self.setup.output_tokens)
+                          output_tokens=self.setup.output_tokens, prompt_mix=self.setup.prompt_mix or None)
+
+    def notes(self) -> dict:
+        """Report fields that change as the command runs: kvtop's picture, the engines started."""
+        out: dict = {"engine_starts": list(self.started_engines)}
+        if self.screenshot is not None:
+            p = self.picture
+            said = "not taken" if not p else f"not saved ({p['error']})" if "error" in p else \
+                (f"taken in pair {p['pair']}'s elastic run, {p['model']} selected, " +
+                 ("after a reclaim in that run" if p["reclaim"] else "no reclaim seen in the counted elastic runs: "
+                  "the screen as the last one ended"))
+            out.update(screenshot=dict(p, path=str(self.screenshot)),
+                       screenshot_lines=[f"kvtop's screen ({self.screenshot.name}, 160x50): {said}.", ""])
+        return out
 
     def describe(self) -> dict:
         s, cal = self.setup, self.calibration
         budget = self.models * share_bytes(s)
+        plan_lines: list[str] = []
+        if self.plan is not None:
+            plan_lines = [*("- " + line.removeprefix("plan: ") for line in self.plan.lines()), ""]
+            if not self.together:
+                plan_lines += ["Both configurations' engines cannot live on this device at once: they ran in "
+                               "turn, each configuration's engines started (outside the timed runs) before its "
+                               "runs and stopped after them.", ""]
         return {"engine": "transformers", "machine": machine(self.device), "models": self.models,
                 "share_bytes": share_bytes(s), "budget_bytes": budget, "setup": s.__dict__,
+                "scale": self.scale, "plan": None if self.plan is None else self.plan.to_dict(),
+                "together": self.together,
                 "calibration": cal, "peak_rate": self.peak_rate, "peak_rule": PEAK_RULE, "duration_s": s.duration_s,
-                "timeout_s": s.duration_s * 4 + 60,
+                "timeout_s": s.duration_s * 4 + 60 + (300 if self.scale == "operator" else 0),
                 "setup_lines": [
-                    f"Models: {s.why}", "",
+                    f"Models: {s.why}", "", *plan_lines,
                     f"Budget {budget >> 20} MiB: static {self.models} x {s.share_blocks} blocks (+2 padding each), "
                     f"elastic one shared budget. Calibration: one static share served {cal['requests_per_s']} "
                     f"requests/s ({cal['requests']} at once); peak rate {self.peak_rate} requests/s per model (rule: "
@@ -420,7 +598,8 @@ class TcbDriver:
                 "counters_note": "requests per step and steps with requests waiting are counted in transformers' "
                                  "scheduler (every step that carried a request); claimed but unused is the "
                                  "elastic segments' reserved pages (sampled every 0.5 s, all models); refused "
-                                 "admissions and pooled handles come from the plugin's stats."}
+                                 "admissions and pooled handles come from the plugin's stats; requests preempted "
+                                 "are those transformers' offloading took out of its running requests."}
 
     def stop(self) -> None:
         for group in self.groups.values():

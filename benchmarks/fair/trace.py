@@ -1,8 +1,11 @@
-"""The trace: per model, Poisson arrivals whose rate follows a shape; lengths drawn uniformly; seeded."""
+"""The trace: per model, Poisson arrivals whose rate follows a shape; prompt lengths drawn uniformly or from a declared
+mix (:mod:`.longctx`), output lengths uniformly; seeded."""
 
 from __future__ import annotations
 
 import random
+
+from .longctx import Bucket, draw
 
 SHAPES = ("ramps", "bursty", "saturated", "steady")
 BASE_FRACTION = 0.05  # arrivals between peaks (ramps, bursty), as a fraction of the peak rate
@@ -31,9 +34,11 @@ def rate_at(shape: str, m: int, models: int, t: float, duration: float, peak: fl
 
 
 def make_trace(*, shape: str, models: int, duration_s: float, peak_rate: float, seed: int,
-               prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], **extra: object) -> list[dict]:
+               prompt_tokens: tuple[int, int], output_tokens: tuple[int, int],
+               prompt_mix: tuple[Bucket, ...] | None = None, **extra: object) -> list[dict]:
     """Poisson arrivals per model at :func:`rate_at`'s rate (thinning), sorted by time. Each row: ``t``, ``model``
-    (``m0``...), ``prompt_tokens``, ``max_tokens``, ``seed`` (the request's own tokens) and ``extra``."""
+    (``m0``...), ``prompt_tokens`` (from ``prompt_mix`` when given, else uniform in ``prompt_tokens``),
+    ``max_tokens``, ``seed`` (the request's own tokens) and ``extra``."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}: choose from {', '.join(SHAPES)}")
     rng = random.Random(seed)
@@ -47,7 +52,8 @@ def make_trace(*, shape: str, models: int, duration_s: float, peak_rate: float, 
                 break
             if rng.random() * top > rate_at(shape, m, models, t, duration_s, peak_rate):
                 continue  # thinning: a non-homogeneous Poisson process
-            rows.append({"t": round(t, 3), "model": f"m{m}", "prompt_tokens": rng.randint(*prompt_tokens),
+            prompt = draw(rng, prompt_mix) if prompt_mix else rng.randint(*prompt_tokens)
+            rows.append({"t": round(t, 3), "model": f"m{m}", "prompt_tokens": prompt,
                          "max_tokens": rng.randint(*output_tokens), "seed": rng.randrange(1 << 30), **extra})
     rows.sort(key=lambda r: r["t"])
     return rows

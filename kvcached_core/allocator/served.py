@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from .parts import Allocator
@@ -34,6 +35,8 @@ class Served(Allocator, Protocol):
     pressure: PressureControl
     staged: StagedCompaction
     _compact_handler: CompactHandler | None
+    _room_handler: Callable[[], None] | None
+    _room_wanted: bool
     _refill_requested: bool
     _refill_polling: bool
     _refill_wanted: threading.Condition

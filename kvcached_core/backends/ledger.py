@@ -5,8 +5,14 @@ word); a process that wants more records the larger claim first, then sums the c
 other live segments of the same backend and device, and backs off if they exceed the budget.
 The same scan counts the others' warm pools a reclaim could take (:meth:`CapacityLedger.takeable_bytes`),
 which admission counts as room.
+
 The host backend's budget is ``KVCACHED_HOST_CAPACITY``; the CUDA backend's is
 ``KVCACHED_DEVICE_BUDGET`` when set (without it the driver's own out-of-memory is the budget).
+
+Memory given back to the budget (a warm pool overflowing, idle return, a trim, a reclaim answered, a model
+closing) raises ``released`` and calls ``on_release``; :meth:`CapacityLedger.waiters` then finds, in one scan, the
+wake tokens of the segments on the budget that publish ``wanted_bytes > 0`` (a growth or an admission the budget
+refused), which the allocator pokes (:mod:`kvcached_core.allocator.serving`).
 
 A flock on one owner-only lock file per budget, taken without waiting, keeps claimers from
 backing off each other needlessly; a held lock (a stopped holder) or one that is not ours is
@@ -76,6 +82,11 @@ class CapacityLedger:
         self._own: tuple[int, int] | None = None  # our segment's (st_dev, st_ino): counted as self.claimed
         self._others_cached, self._others_at = 0, float("-inf")  # see free_bytes
         self._takeable_cached = 0  # see takeable_bytes: counted in the same scan
+        # Memory went back to the budget since the last waiters() (a plain flag: set by release and settle).
+        self.released = False
+        # Called (no lock of the ledger held) at each release, with whether a wake was already due: the allocator
+        # has the waiters poked (allocator/serving.py).
+        self.on_release: Callable[[bool], None] | None = None
 
     def bind(self, set_claimed: Callable[[int], None] | None, own_segment: tuple[int, int] | None = None) -> None:
         self._set_claimed = set_claimed
@@ -92,9 +103,10 @@ class CapacityLedger:
         """Bytes the other live allocators on this budget claim (see :meth:`_scan`)."""
         return self._scan()[0]
 
-    def _scan(self) -> tuple[int, int]:
+    def _scan(self, waiters: list[int] | None = None) -> tuple[int, int]:
         """Bytes the other live allocators on this budget claim, and of those the bytes of their warm pools a
-        reclaim can take (:func:`_takeable`). Only claims that can be verified count.
+        reclaim can take (:func:`_takeable`). Only claims that can be verified count. ``waiters``, when given,
+        receives the wake tokens of the ones that wait for room (:func:`_waits`).
 
         A claim counts when its segment is an owner-only regular file, its writer is alive by the
         one liveness verdict (a process of the file's owner, or a fresh heartbeat across pid
@@ -128,6 +140,8 @@ class CapacityLedger:
             if claimed <= self.capacity and writer_alive(head, raw, st.st_uid):
                 total += claimed
                 takeable += min(claimed, _takeable(raw))
+                if waiters is not None and head["wake_token"] and _waits(raw):
+                    waiters.append(head["wake_token"])
         return total, takeable
 
     def claim(self, nbytes: int) -> bool:
@@ -202,8 +216,11 @@ class CapacityLedger:
 
     def release(self, nbytes: int) -> None:
         with self._mutex:
+            before = self.claimed
             self.claimed = max(0, self.claimed - nbytes)
             self._announce(self.claimed)
+        if self.claimed < before:
+            self._released()
 
     def settle(self, held: int | Callable[[], int]) -> None:
         """What is held now, after a change that needs no claim (memory given back, a claim not used).
@@ -211,8 +228,27 @@ class CapacityLedger:
         A callable is asked under the ledger's lock: a figure read before it could be older than what
         another thread settled meanwhile, and would overwrite it."""
         with self._mutex:
+            before = self.claimed
             self.claimed = max(0, held() if callable(held) else held)
             self._announce(self.claimed)
+        if self.claimed < before:
+            self._released()
+
+    def _released(self) -> None:
+        """Memory went back to the budget: tell the hook whether a wake was already due (``released`` was up)."""
+        due, self.released = self.released, True
+        hook = self.on_release
+        if hook is not None:
+            hook(due)
+
+    def waiters(self) -> list[int]:
+        """After memory went back to the budget: the wake tokens of the other models on it that wait for room
+        (``wanted_bytes > 0``), for the allocator to poke. One directory scan (which also refreshes what
+        :meth:`free_bytes` counts), no lock taken; clears ``released``."""
+        self.released = False
+        found: list[int] = []
+        (self._others_cached, self._takeable_cached), self._others_at = self._scan(found), time.monotonic()
+        return found
 
     def free_bytes(self, max_age_s: float = 0.0) -> int:
         """What the budget leaves; the others' claims counted at most ``max_age_s`` ago (a directory scan each time
@@ -226,6 +262,15 @@ class CapacityLedger:
         """Of the others' claims, the bytes of their warm pools (reserved pages, above their ``min``) that a reclaim
         gives first and at once: counted by the scan of the last :meth:`free_bytes`."""
         return self._takeable_cached
+
+
+def _waits(raw: bytes) -> bool:
+    """Whether one segment (its header up to the page map) publishes bytes a refused growth or admission waits for
+    (PRESSURE's ``wanted_bytes``: one aligned word, read alone)."""
+    return L.U64.unpack_from(raw, _WANTED_OFF)[0] > 0
+
+
+_WANTED_OFF = L.PRESSURE_OFF + 8 + 8 * L.PRESSURE_FIELDS.index("wanted_bytes")  # after the block's sequence
 
 
 def _takeable(raw: bytes) -> int:

@@ -10,6 +10,7 @@ changed, which zlib folds away).
 from __future__ import annotations
 
 import json
+import re
 import sys
 import zlib
 from array import array
@@ -136,6 +137,49 @@ def xor(a: bytes, b: bytes) -> bytes:
     if len(a) != len(b):
         raise Damaged("a page-map delta of another length than the map")
     return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).to_bytes(len(a), "little")
+
+
+_NONZERO = re.compile(rb"[^\x00]")
+
+
+def _planes(words: array) -> bytes:
+    raw = map_bytes(words)
+    return b"".join(raw[i::4] for i in range(4))
+
+
+def _unplanes(data: bytes, n: int) -> list[int]:
+    planes = [data[i * n:(i + 1) * n] for i in range(4)]
+    return [int.from_bytes(bytes((planes[0][k], planes[1][k], planes[2][k], planes[3][k])), "little")
+            for k in range(n)]
+
+
+def sparse_delta(before: bytes, after: bytes) -> bytes:
+    """The words that changed: their index gaps, then their new words, each as u32 split into four byte planes
+    (zlib folds the planes' repeats: high bytes of gaps, the mapped bit, small counts); compressed."""
+    gaps, words = array("I"), array("I")
+    last = -1
+    for index in sorted({m.start() >> 2 for m in _NONZERO.finditer(xor(before, after))}):
+        gaps.append(index - last)
+        words.append(int.from_bytes(after[4 * index:4 * index + 4], "little"))
+        last = index
+    return zlib.compress(len(gaps).to_bytes(4, "little") + _planes(gaps) + _planes(words), 9)
+
+
+def apply_sparse(before: bytes, data: bytes) -> bytes:
+    """``before`` with a :func:`sparse_delta`'s words written in; raises Damaged where it cannot be one."""
+    raw = decompress_map(data)
+    n = int.from_bytes(raw[:4], "little")
+    if len(raw) < 4 or len(raw) != 4 + 8 * n:
+        raise Damaged("a sparse delta of the wrong length")
+    gaps, words = _unplanes(raw[4:4 + 4 * n], n), _unplanes(raw[4 + 4 * n:], n)
+    out = bytearray(before)
+    index = -1
+    for gap, word in zip(gaps, words, strict=True):
+        index += gap
+        if gap < 1 or index >= len(out) // 4:
+            raise Damaged("a sparse delta past the map's end")
+        out[4 * index:4 * index + 4] = word.to_bytes(4, "little")
+    return bytes(out)
 
 
 def compress_map(data: bytes) -> bytes:

@@ -21,6 +21,7 @@ from kvtop.record.codec import PAGES_KEY, Damaged, Flat
 from kvtop.record.schema import (
     APPLICATION_ID,
     KIND_KEY,
+    KIND_SPARSE,
     SCHEMA_VERSION,
     crc,
     day_files,
@@ -268,8 +269,11 @@ class _Day:
                     (mid, row[0], seq)):
                 if not isinstance(blob, bytes) or crc(blob) != stored:
                     raise Damaged(f"page row {_seq} of {name}: CRC mismatch")
-                raw = codec.decompress_map(blob)
-                data = raw if kind == KIND_KEY else codec.xor(data, raw)
+                if kind == KIND_SPARSE:
+                    data = codec.apply_sparse(data, blob)
+                else:
+                    raw = codec.decompress_map(blob)
+                    data = raw if kind == KIND_KEY else codec.xor(data, raw)
             if len(data) != 4 * expected[0] or crc(data) != expected[1]:
                 raise Damaged(f"{name}'s page map does not rebuild to what was recorded")
             return codec.map_of(data)

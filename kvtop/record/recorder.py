@@ -28,6 +28,7 @@ from kvtop.record.schema import (
     KEY_EVERY,
     KIND_DELTA,
     KIND_KEY,
+    KIND_SPARSE,
     crc,
     create,
     day_path,
@@ -118,8 +119,8 @@ class Recorder:
             self._open_for(t)
             self._write(frame, t)
         except (sqlite3.Error, OSError) as exc:
-            raise RecordWriteError(f"{self._path or self.directory}: cannot write: {' '.join(str(exc).split())}"
-                                   ) from None
+            where = self._path or day_path(self.directory, t)
+            raise RecordWriteError(f"{where}: cannot write: {' '.join(str(exc).split())}") from None
         self._last_t = t
         return t
 
@@ -159,7 +160,9 @@ class Recorder:
                 if key or before is None or len(before) != len(data):
                     page_rows.append((m.name, KIND_KEY, codec.compress_map(data)))
                 elif before != data:
-                    page_rows.append((m.name, KIND_DELTA, codec.compress_map(codec.xor(before, data))))
+                    dense, sparse = codec.compress_map(codec.xor(before, data)), codec.sparse_delta(before, data)
+                    page_rows.append((m.name, KIND_DELTA, dense) if len(dense) < len(sparse)
+                                     else (m.name, KIND_SPARSE, sparse))
                 maps[m.name] = data
             else:
                 flat[PAGES_KEY] = None

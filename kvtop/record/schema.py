@@ -23,7 +23,7 @@ FILE_PREFIX, FILE_SUFFIX = "kvrecord-", ".sqlite"
 DAY_FILE = re.compile(r"^kvrecord-(\d{4}-\d{2}-\d{2})\.sqlite$")
 
 # pages.kind
-KIND_KEY, KIND_DELTA = 0, 1
+KIND_KEY, KIND_DELTA, KIND_SPARSE = 0, 1, 2
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -45,8 +45,8 @@ CREATE TABLE IF NOT EXISTS models (
 CREATE TABLE IF NOT EXISTS pages (
     model INTEGER NOT NULL,        -- models.id
     seq   INTEGER NOT NULL,        -- samples.seq
-    kind  INTEGER NOT NULL,        -- 0: key (the map), 1: delta (XOR with the model's map before)
-    data  BLOB NOT NULL,           -- zlib(the page map's u32 little-endian words, or their XOR)
+    kind  INTEGER NOT NULL,        -- 0: key (the map), 1: XOR with the map before, 2: the changed words
+    data  BLOB NOT NULL,           -- zlib(...), see docs/record.md
     crc   INTEGER NOT NULL,        -- zlib.crc32(data)
     PRIMARY KEY (model, seq)
 ) WITHOUT ROWID;
@@ -118,5 +118,7 @@ def create(path: Path, meta: dict[str, str]) -> sqlite3.Connection:
 
 def open_readonly(path: Path) -> sqlite3.Connection:
     """A read-only connection: reading never checkpoints, truncates or removes anything beside the file."""
-    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None,
-                           check_same_thread=False)
+    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None,
+                         check_same_thread=False)
+    db.text_factory = lambda raw: raw.decode("utf-8", "replace")  # forged text never raises mid-query
+    return db

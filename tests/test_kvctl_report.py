@@ -445,6 +445,8 @@ def test_plot_draws_a_png(script: Script, tmp_path: Path) -> None:
     result = kvctl("report", str(script.recording), "--plot", str(out))
     assert result.exit_code == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    nowhere = kvctl("report", str(script.recording), "--plot", str(tmp_path / "no" / "such.png"))
+    assert nowhere.exit_code == 1 and nowhere.stderr.strip().endswith("cannot write the plot: No such file or directory")
 
 
 def test_percentiles_are_nearest_rank() -> None:

@@ -123,7 +123,10 @@ def report_cmd(file: Path, start: str | None, end: str | None, model: str | None
     if plot is not None:
         from kvtop.record.report_plot import draw
 
-        draw(reports, plot, f"{file.name}: {_when(t0)} to {_when(t1)}")
+        try:
+            draw(reports, plot, f"{file.name}: {_when(t0)} to {_when(t1)}")
+        except OSError as exc:
+            raise Failure(f"{plot}: cannot write the plot: {exc.strerror or exc}") from None
     for problem in problems:
         warn(problem)
     if problems:

@@ -153,5 +153,7 @@ def choose(device_bytes: int, shapes: tuple[Shape, ...], *, dtype: str, activati
                      models=models, together=together, page_tokens=page_tokens)
             if fits(p, min_share):
                 return p
-    raise ValueError(f"no model size fits {device_bytes / GiB:.2f} GiB with shares of {min_share / GiB:.2f} GiB "
-                     f"or more (smallest: {shapes[-1].name})")
+    from kvcached_core.sizes import format_bytes
+
+    raise ValueError(f"no model size fits {format_bytes(device_bytes)} with shares of {format_bytes(min_share)} or "
+                     f"more (smallest: {shapes[-1].name})")

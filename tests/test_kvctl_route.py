@@ -273,6 +273,41 @@ def test_kvctl_route_on_a_busy_port_fails_in_one_line(shm_dir):
     assert len(err.strip().splitlines()) == 1 and out == ""
 
 
+def test_the_router_drops_a_client_that_trickles_its_request_head(router):
+    """The router serves with kvtop.aioserve's limits: a connection that never finishes its request head is closed
+    at the head deadline, however steadily it trickles bytes; other clients are served meanwhile and after."""
+    from kvtop.aioserve import HEAD_TIMEOUT_S
+
+    host, port = router.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as slow:
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        dropped = False
+        deadline = time.monotonic() + 3 * HEAD_TIMEOUT_S
+        while not dropped and time.monotonic() < deadline:  # a header byte at a time, never the blank line
+            try:
+                slow.sendall(b"X")
+                slow.settimeout(0.1)
+                dropped = slow.recv(1 << 16) == b""
+            except TimeoutError:
+                continue
+            except ConnectionError:
+                dropped = True
+        assert dropped, "the router kept a connection that never sent a whole request head"
+    with urllib.request.urlopen(f"{router}/health", timeout=30) as resp:
+        assert resp.status == 200
+
+
+def test_the_router_answers_name_no_library_or_python_version(router, spawn_allocator):
+    spawn_allocator("named")
+    for path in ("/health", "/v1/models", "/nowhere"):
+        try:
+            with urllib.request.urlopen(f"{router}{path}", timeout=30) as resp:
+                server = resp.headers["Server"]
+        except urllib.error.HTTPError as exc:
+            server = exc.headers["Server"]
+        assert server == "kvtop", (path, server)
+
+
 def test_only_segments_of_this_user_kept_private_are_routed(router, spawn_allocator, shm_dir):
     """A segment file others could have written (not 0600, or another owner's) may name any address: no request
     goes there, since requests carry prompts."""

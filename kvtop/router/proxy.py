@@ -22,6 +22,7 @@ from aiohttp import web
 from kvcached_core import ControlError
 from kvcached_core.control import AckTimeout
 from kvcached_core.settings import settings
+from kvtop import aioserve
 
 from . import published
 from .admission import Admission
@@ -365,8 +366,10 @@ STARTUP_ASK_S = 2.0  # how long the first report waits for the engines' served i
 
 def serve(host: str, port: int, shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout_s: float = 60.0,
           max_in_flight: int = 0, api_key: str = "", ready: Callable[[str, Directory], None] | None = None) -> None:
-    """Listen on ``host:port`` until SIGINT or SIGTERM; ``ready`` gets the URL once listening (port 0: the one
-    the system chose) and the models found then. OSError when the address cannot be bound."""
+    """Listen on ``host:port`` until SIGINT or SIGTERM, with :func:`kvtop.aioserve.serve`'s limits (a bounded
+    request head and wait for it: the wait stops while a request is answered, so a long streamed answer or a slow
+    engine is never cut); ``ready`` gets the URL once listening (port 0: the one the system chose) and the models
+    found then. OSError when the address cannot be bound."""
     asyncio.run(_serve(host, port, shm_dir, rescan_s, wake_timeout_s, max_in_flight, api_key, ready))
 
 
@@ -374,12 +377,9 @@ async def _serve(host: str, port: int, shm_dir: Path | None, rescan_s: float, wa
                  max_in_flight: int, api_key: str, ready: Callable[[str, Directory], None] | None) -> None:
     app = make_app(shm_dir, rescan_s=rescan_s, wake_timeout_s=wake_timeout_s, max_in_flight=max_in_flight,
                    api_key=api_key)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
+    served = await aioserve.serve(app, host, port)  # the limits every server of kvtop keeps (aioserve)
     try:
-        site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
-        await site.start()
-        bound = runner.addresses[0]
+        bound = served.address
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         app[SETTINGS]["listen"] = f"http://{shown}:{bound[1]}"
         app[LISTENING].set()
@@ -392,4 +392,4 @@ async def _serve(host: str, port: int, shm_dir: Path | None, rescan_s: float, wa
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
     finally:
-        await runner.cleanup()
+        await served.close()

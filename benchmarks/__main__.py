@@ -56,6 +56,34 @@ RUNNING = [
     "--pairs 2 --duration 3 --no-write   # CPU smoke",
     ".venv-vllm/bin/python -m benchmarks multimodel --quick   # real vLLM servers on CPU, the same method",
     "```", "",
+    "At operator scale (`--scale operator`: three models of the largest Llama shape whose engines of both "
+    "configurations fit the GPU at once, each static share what is left after weights and activations, at "
+    "least 4 GiB; prompts of 1k-8k tokens; the plan printed before the engines start), one command per shape,"
+    " each within one 10-minute GPU command (each writes "
+    "`benchmarks/results/multimodel-transformers-cuda-operator-<shape>.{json,md,png}`):",
+    "",
+    "```bash",
+    "python -m benchmarks multimodel --engine transformers --device cuda --scale operator --shape ramps "
+    "--pairs 4 --screenshot benchmarks/results/kvtop-operator-ramps.svg",
+    "python -m benchmarks multimodel --engine transformers --device cuda --scale operator --shape bursty "
+    "--pairs 4",
+    "python -m benchmarks multimodel --engine transformers --device cuda --scale operator --shape saturated "
+    "--pairs 4   # + one engine alone with the whole budget",
+    "python -m benchmarks multimodel --engine transformers --device cuda --scale operator --shape steady "
+    "--pairs 4",
+    "python -m benchmarks multimodel --engine transformers --device cpu --scale operator --shape saturated "
+    "--pairs 1 --duration 1.5 --device-memory 128MiB --no-write   # CPU smoke",
+    "```",
+    "",
+    "The traces' lengths (ramps 30 s, bursty 25 s, saturated 12 s, steady 25 s; `--duration` changes them) "
+    "are chosen for about 8 minutes a command on an H100 with 3B-shaped models, an estimate, not a "
+    "measurement: about 1 minute to start six engines and calibrate, then 10 runs (15 and a second engine "
+    "start on saturated), each the trace plus about 12 s for its last requests to finish (a share of 4.6 GiB "
+    "holds about 11 requests of 3.5k tokens; at an estimated 60 ms a decode step, 64-256 new tokens take 4-15"
+    " s), and on saturated static's runs twice the trace (its share is loaded at twice what it serves). Every"
+    " run prints its elapsed time and the report is rewritten after each, so a command stopped at 10 minutes "
+    "keeps the runs it finished; on an H200 (8B-shaped models) start with shorter `--duration`s.",
+    "",
 ]
 RESULTS = Path(__file__).resolve().parent / "results"
 

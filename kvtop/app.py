@@ -784,6 +784,9 @@ def cli(demo: bool, demo_models: int, once: bool, interval: float, gpu: str | No
 
     Keys: q quit · ? help · ↑/↓ j/k select · ←/→ pgup/pgdn page map · enter details · t trim · T trim all · l limit · p policy · s sort ·
     f filter · space pause · +/- interval · z/Z zoom · ctrl+p command palette.
+
+    --replay FILE: the same dashboard over a recording of kvctl record (space play/pause, +/- speed, ./, step,
+    g go to a moment, n/N next/previous event).
     """
     if replay is not None:
         if demo:

@@ -66,6 +66,7 @@ class ReplayApp(KvtopApp):
         self.sub_title = name
         self.title = f"kvtop replay · {name}" if name else "kvtop replay"
         self._shown_playing: bool | None = None
+        self._problems_said = 0
 
     def compose_bars(self) -> ComposeResult:
         yield TimeBar(id="timebar")
@@ -74,6 +75,14 @@ class ReplayApp(KvtopApp):
         self.timebar = self.query_one(TimeBar)
         super().on_mount()
         self._draw_time()
+        self._say_problems()
+
+    def _say_problems(self) -> None:
+        """Damaged rows (read as absent), a file cut short: each said once, as the reads come upon them."""
+        problems = self.recording.problems
+        for problem in problems[self._problems_said:]:
+            self.notify(problem, title="the recording", severity="warning", timeout=10, markup=False)
+        self._problems_said = len(problems)
 
     # -- reading ---------------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="poller", exit_on_error=False)
@@ -109,6 +118,7 @@ class ReplayApp(KvtopApp):
         self.frames_seen += 1
         self.frame = frame
         self._draw_time()
+        self._say_problems()
 
     # -- drawing ---------------------------------------------------------------------------------
     @property

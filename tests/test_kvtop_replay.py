@@ -9,6 +9,7 @@ import asyncio
 import io
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -453,6 +454,27 @@ def test_parse_moment_forms() -> None:
                       ("2026-01-03T00:00", "outside"), ("", "type a moment")):
         with pytest.raises(ValueError, match=says):
             parse_moment(bad, start=start, end=end, now=start)
+
+
+def test_a_damaged_sample_shows_the_moment_before_it_and_says_why(fake_recording: Path) -> None:
+    """A sample whose CRC does not match reads as absent: asked for it, the replay shows the sample before (the
+    last one that can be rebuilt) and says what was skipped."""
+    (day,) = fake_recording.glob("kvrecord-*.sqlite")
+    db = sqlite3.connect(day)
+    db.execute("UPDATE samples SET crc = crc + 1 WHERE seq = 3")
+    db.commit()
+    db.close()
+    app = replay_app(fake_recording)
+
+    async def script(pilot: Pilot) -> None:
+        await until(pilot, lambda: at_moment(app, 0), "the first sample")
+        app.clock.seek(FAKE_T0 + 3)
+        app._clock_moved()
+        await until(pilot, lambda: said(app, "sample 3") and at_moment(app, 2), "the damaged sample said")
+        assert "sample 3/6" in app.timebar.text(150).plain  # the bar: the sample before it, as the screen
+        assert logged(app, "went stale") is False  # the log as it was at the moment shown
+
+    drive(app, script)
 
 
 # -- the screen snapshot ----------------------------------------------------------------------------------

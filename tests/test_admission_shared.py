@@ -160,3 +160,52 @@ def test_other_models_warm_pools_are_room_the_engine_admits_by(model: Any, spawn
     finally:
         manager_cb.stop(block=True, timeout=30)
         handle.close()
+
+
+def test_a_running_request_waits_for_a_warm_pool_the_budget_can_give_instead_of_being_offloaded(
+        model: Any, spawn_allocator: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An 8 MiB budget (4 pages): the engine's padding sectors on one page, another process's idle model with the
+    other three pages in its warm pool. Two requests of one sector each fill the engine's page; both cross into a
+    second sector while they decode, which only the other model's pool can give. Their growth misses (the reclaim is
+    asked then) and waits for it: nothing is offloaded (a preemption a static cache of this memory would not need),
+    and both finish."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    mib = 1 << 20
+    monkeypatch.setenv("KVCACHED_HOST_CAPACITY", "8MiB")
+    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "1")
+    prompts = random_prompts(2, seed=5, min_len=240, max_len=250)  # one sector each; the 256th token needs another
+    handle = cb.install(model, name="grow-asker")
+    gen = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    config = ContinuousBatchingConfig(page_size=PAGE_TOKENS, num_blocks=16, max_batch_tokens=1024,
+                                      max_requests_per_batch=4, scheduler_type="fifo")
+    manager_cb = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
+    manager_cb.start()
+    try:
+        wait_for(lambda: handle.manager is not None and kc.snapshot("grow-asker").mapped_bytes == 2 * mib,
+                 what="the engine's padding page")
+        donor = spawn_allocator("grow-donor", num_blocks=64, block_bytes=BLOCK_BYTES, num_layers=1, num_kv_buffers=1,
+                                page_size=2 * mib, env={"KVCACHED_MAX_RESERVED_PAGES": "10"})
+        send(donor, "held = m.alloc(12)")
+        send(donor, "m.free(held)")
+        assert kc.snapshot("grow-donor").pages_reserved == 3  # the budget is full
+        ids = manager_cb.add_requests(prompts, max_new_tokens=24)
+        results: dict[str, list[int]] = {}
+        deadline = time.monotonic() + 60
+        while len(results) < len(ids):
+            assert time.monotonic() < deadline, f"requests did not finish: {handle.stats}"
+            got = manager_cb.get_result(timeout=1)
+            if got is not None and got.is_finished():
+                assert got.error is None, got.error
+                results[got.request_id] = list(got.generated_tokens)
+        assert all(len(tokens) == 24 for tokens in results.values())
+        given = kc.snapshot("grow-donor").pressure
+        assert given is not None and given.given_reserved > 0  # the growth was served by its warm pool
+        traffic = handle._traffic
+        assert traffic is not None and traffic[1].offloads == 0
+    finally:
+        manager_cb.stop(block=True, timeout=30)
+        handle.close()

@@ -86,7 +86,10 @@ class Admission:
         (:mod:`.pressure`); once mapped, the room handler wakes the engine (:meth:`set_room_handler`).
         """
         with self._lock:
-            free = self.available_size(device=False) + len(self.cache)
+            # Pages the refill thread is mapping now are this model's (claimed already): counted, as they land soon;
+            # without them a running request's growth at that moment found no room and was offloaded.
+            inflight = self.pages.inflight * self.blocks_per_page
+            free = self.available_size(device=False) + len(self.cache) + inflight
             if self.limit_status == L.LIMIT_DEFERRED and self.limit_pages is not None:
                 active = self.pages.blocks_used - len(self.cache)
                 free = min(free, max(0, self.limit_pages * self.blocks_per_page - active))
@@ -96,7 +99,7 @@ class Admission:
                 ledger = getattr(self.backend, "ledger", None)  # the scan budget_free_bytes just counted
                 if ledger is not None:
                     budget += ledger.takeable_bytes()
-                room = max(0, self.pages.free_in_mapped() + len(self.cache) - reserve
+                room = max(0, self.pages.free_in_mapped() + len(self.cache) + inflight - reserve
                            + min(budget // self.bundle_bytes, self._headroom()) * self.blocks_per_page)
                 if room < free:
                     free, self._budget_short = room, True

@@ -40,7 +40,11 @@ from ..settings import settings
 LOCK_NAME = ".kvc-host-capacity.lock"  # the host budget's lock file; a device budget's: lock_name("cuda", device)
 LOCK_WAIT_S = 2.0  # the most _lock waits by default; claims take it without waiting
 RAM_MARGIN = 256 * 1024 * 1024  # the host budget also leaves this much of the machine's RAM free
-BUDGET_MAX_AGE_S = 0.01  # Backend.budget_free_bytes: how old the others' claims may be (a scan each time counted)
+# Backend.budget_free_bytes: how old the others' claims may be. Every scan refreshes them (a claim's, a wake's), so
+# the age only bounds how late a model that neither grows nor waits for room sees what the others gave back: one
+# that waits is poked and scans at once (allocator/serving.py). 10 ms was a scan about every engine step.
+BUDGET_MAX_AGE_S = 0.1
+ALIVE_KEEP_S = 1.0  # a writer found alive is taken as alive this long without asking /proc again (per scan)
 
 
 def lock_name(backend: str, device: int | None) -> str:
@@ -82,6 +86,8 @@ class CapacityLedger:
         self._own: tuple[int, int] | None = None  # our segment's (st_dev, st_ino): counted as self.claimed
         self._others_cached, self._others_at = 0, float("-inf")  # see free_bytes
         self._takeable_cached = 0  # see takeable_bytes: counted in the same scan
+        self._alive: dict[tuple[int, int, int, int], float] = {}  # a writer found alive: until when it is believed
+        self.scans = 0  # directory scans made (every one refreshes the figures free_bytes counts)
         # Memory went back to the budget since the last waiters() (a plain flag: set by release and settle).
         self.released = False
         # Called (no lock of the ledger held) at each release, with whether a wake was already due: the allocator
@@ -100,8 +106,15 @@ class CapacityLedger:
         return self.device is None or head["device"] == self.device
 
     def _others(self) -> int:
-        """Bytes the other live allocators on this budget claim (see :meth:`_scan`)."""
-        return self._scan()[0]
+        """Bytes the other live allocators on this budget claim (see :meth:`_scan`), now; :meth:`free_bytes` counts the
+        figure too."""
+        return self._refresh()
+
+    def _refresh(self, waiters: list[int] | None = None) -> int:
+        """One scan, kept for :meth:`free_bytes` and :meth:`takeable_bytes`; the others' claims."""
+        (others, self._takeable_cached), self._others_at = self._scan(waiters), time.monotonic()
+        self._others_cached = others
+        return others
 
     def _scan(self, waiters: list[int] | None = None) -> tuple[int, int]:
         """Bytes the other live allocators on this budget claim, and of those the bytes of their warm pools a
@@ -113,10 +126,12 @@ class CapacityLedger:
         namespaces), and it claims no more than the whole capacity (no allocator can).
         """
         total = takeable = 0
+        self.scans += 1
         try:
             names = os.listdir(self.directory)
         except OSError:
             return 0, 0
+        now = time.monotonic()
         for name in names:
             if not name.startswith(SEGMENT_PREFIX):
                 continue
@@ -137,12 +152,26 @@ class CapacityLedger:
             if not self._counts(head, st):
                 continue
             claimed = L.U64.unpack_from(raw, L.CLAIMED_OFF)[0]
-            if claimed <= self.capacity and writer_alive(head, raw, st.st_uid):
+            if claimed <= self.capacity and self._writer_alive(head, raw, st.st_uid, now):
                 total += claimed
                 takeable += min(claimed, _takeable(raw))
                 if waiters is not None and head["wake_token"] and _waits(raw):
                     waiters.append(head["wake_token"])
         return total, takeable
+
+    def _writer_alive(self, head: dict, raw: bytes, uid: int, now: float) -> bool:
+        """The liveness verdict, a live one kept :data:`ALIVE_KEEP_S` (reading /proc for each segment at every scan
+        was most of a scan's cost); a writer gone since counts its claim that much longer, never less."""
+        key = (head["pid"], head["start_time"], head.get("pid_ns", 0), uid)
+        if self._alive.get(key, 0.0) > now:
+            return True
+        if not writer_alive(head, raw, uid):
+            self._alive.pop(key, None)
+            return False
+        if len(self._alive) > 256:
+            self._alive = {k: t for k, t in self._alive.items() if t > now}
+        self._alive[key] = now + ALIVE_KEEP_S
+        return True
 
     def claim(self, nbytes: int) -> bool:
         """Claim ``nbytes`` more; False when the shared budget (or, on the host, the machine's RAM) says no."""
@@ -247,15 +276,15 @@ class CapacityLedger:
         :meth:`free_bytes` counts), no lock taken; clears ``released``."""
         self.released = False
         found: list[int] = []
-        (self._others_cached, self._takeable_cached), self._others_at = self._scan(found), time.monotonic()
+        self._refresh(found)
         return found
 
     def free_bytes(self, max_age_s: float = 0.0) -> int:
         """What the budget leaves; the others' claims counted at most ``max_age_s`` ago (a directory scan each time
-        they are counted: an engine that asks every scheduler step takes a figure a few milliseconds old)."""
-        now = time.monotonic()
-        if max_age_s <= 0 or now - self._others_at > max_age_s:
-            (self._others_cached, self._takeable_cached), self._others_at = self._scan(), now
+        they are counted: an engine that asks every scheduling pass takes a figure up to :data:`BUDGET_MAX_AGE_S`
+        old, or the one its last claim or wake counted)."""
+        if max_age_s <= 0 or time.monotonic() - self._others_at > max_age_s:
+            self._refresh()
         return max(0, self.capacity - self._others_cached - self.claimed)
 
     def takeable_bytes(self) -> int:

@@ -33,6 +33,9 @@ from .stats import AdmissionStats
 log = logging.getLogger("kvcached_transformers.cb")
 
 
+PUBLISH_EVERY_S = 0.05  # steps that change no figure publish this often (the idle clocks' activity)
+
+
 class _Wait(Exception):  # a signal between two wrappers, never seen outside
     """Nothing can be scheduled and nothing offloaded: wait for memory instead of failing every request."""
 
@@ -63,6 +66,7 @@ class LoopControl:
         self.asleep = False
         self.traffic = traffic
         self._published: tuple[int, ...] = ()
+        self._publish_due = 0.0  # when a step whose figures did not change publishes again
         self._nothing_scheduled = False
         self._waiting_logged = False
 
@@ -129,19 +133,24 @@ class LoopControl:
     def schedule_batch(self, *args: Any, **kwargs: Any) -> Any:
         """One scheduling pass: kvcached's room asked once for it, and its admissions counted (``Traffic.admission``)."""
         cache, scheduler = self.cache, self.scheduler
-        cache.begin_pass(scheduler.active_requests)
+        active, waiting = scheduler.active_requests, scheduler.waiting_requests
+        admitting = bool(waiting) or any(s.status.name != "DECODING" for s in active.values())
+        cache.begin_pass(active, admitting)
         try:
             result = self._schedule(*args, **kwargs)
         finally:
             cache.end_pass()
+        deferred = cache.deferred
+        if deferred:  # their growth waits for room coming: not starved, so transformers does not offload them
+            scheduler.starved_requests = [(s, n) for s, n in scheduler.starved_requests if s.request_id not in deferred]
         self._nothing_scheduled = result[0] is None
         refused = cache.refused
-        if scheduler.waiting_requests and cache.free_share < getattr(scheduler, "safety_margin", 0.0):
+        if waiting and cache.free_share < getattr(scheduler, "safety_margin", 0.0):
             refused.add("margin")
         manager = self.manager
         # A request held back for room: kvcached wakes the loop when room comes (its refill mapped pages, a reclaim
         # was answered), instead of the loop finding it at its next 0.1 s poll.
-        manager.room_refused(bool(refused) and bool(scheduler.waiting_requests))
+        manager.room_refused(bool(deferred) or (bool(refused) and bool(waiting)))
         reserved = len(manager.pages.reserved) * manager.bundle_bytes
         pooled = getattr(manager.backend, "pooled_bytes", None)
         self.traffic.admission.count_pass(len(result[0] or ()), refused, reserved, pooled() if pooled else 0)
@@ -213,8 +222,9 @@ class LoopControl:
         running, waiting = self._counts()
         t = self.traffic
         figures = (running, waiting, t.finished, t.offloads)
-        if not stepped and figures == self._published:
-            return
+        if figures == self._published and (not stepped or time.monotonic() < self._publish_due):
+            return  # a step of the same figures publishes once per PUBLISH_EVERY_S: activity, not news
+        self._publish_due = time.monotonic() + PUBLISH_EVERY_S
         if running + waiting > sum(self._published[:2]):
             t.last_request_ns = time.time_ns()
         self._published = figures

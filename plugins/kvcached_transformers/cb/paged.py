@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 
 TRASH_WAIT_S = 30.0  # how long a new cache (or a wake) waits for the memory of its two padding sectors
+GROWTH_WAIT_S = 0.5  # how long a running request's growth waits for room coming before transformers may offload it
 
 
 class NoRoom(RuntimeError):
@@ -59,7 +60,8 @@ class KvcachedCachePool(CachePool):
         self.held: set[int] = set()  # sectors taken from kvcached and handed to an allocator
         self.after_free: Callable[[], None] | None = None  # the cache's: newly cached blocks go to kvcached
         self._free_seq, self._free_count = -1, 0
-        self.pass_free: int | None = None  # within a scheduling pass: the sectors kvcached can still give
+        self.in_pass = False  # a scheduling pass is under way: its room is asked at most once (see pass_free)
+        self.pass_free: int | None = None  # within a pass, once asked: the sectors kvcached can still give
         super().__init__(num_sectors, num_allocators)
 
     def reset(self) -> None:
@@ -71,7 +73,9 @@ class KvcachedCachePool(CachePool):
 
     @property
     def num_free_sectors(self) -> int:
-        if self.pass_free is not None:
+        if self.in_pass:  # asked once per pass, at its first question (a pass that asks nothing costs nothing)
+            if self.pass_free is None:
+                self.pass_free = self.manager.schedulable_blocks()
             return self.pass_free
         manager = self.manager
         seq = manager.state_seq  # the answer only moves when the allocator publishes
@@ -91,7 +95,7 @@ class KvcachedCachePool(CachePool):
 
     def taken(self, n: int) -> None:
         """``n`` sectors just came from kvcached: the pass's count goes down."""
-        if self.pass_free is not None:
+        if self.in_pass and self.pass_free is not None:
             self.pass_free = max(0, self.pass_free - n)
 
     def give(self, index: int, sectors: list[int]) -> None:
@@ -122,7 +126,7 @@ class KvcachedCachePool(CachePool):
             torch.cuda.synchronize()
         self.held.difference_update(sectors)
         self.manager.free(sectors)
-        if self.pass_free is not None:
+        if self.in_pass and self.pass_free is not None:
             self.pass_free += len(sectors)
 
 
@@ -161,6 +165,9 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
         self._reserve: int | None = None  # growth_reserve, once per pass
         self.refused: set[str] = set()  # the gates that held a waiting request back in this pass (stats.GATES)
         self.free_share = 1.0  # compute_free_capacity's last relative answer
+        self._admitting = True  # see begin_pass
+        self.deferred: set[str] = set()  # running requests whose growth waits for room coming, in this pass
+        self._deferred_since: dict[str, float] = {}  # when each one's growth began to wait, passes in a row
         if self.mirrors:
             self._mirror(allocators[0].ledger)
             self.kv_pool.after_free = self.flush_cached
@@ -227,16 +234,37 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
         return ids
 
     # -- one scheduling pass -------------------------------------------------------------------------
-    def begin_pass(self, running: dict[str, Any]) -> None:
-        """A scheduling pass starts: kvcached's room is asked once (not at every waiting request) and counted down
-        as the pass takes sectors; ``running`` is the scheduler's active requests (see :meth:`growth_reserve`)."""
-        self.kv_pool.pass_free = self.kv_manager.schedulable_blocks()
-        self._running, self._reserve = running, None
+    def begin_pass(self, running: dict[str, Any], admitting: bool) -> None:
+        """A scheduling pass starts: kvcached's room is asked at most once, when the pass first needs it (not at every
+        waiting request; a pass of decodes that take no sector asks nothing), and counted down as the pass takes
+        sectors; ``running`` is the scheduler's active requests (see :meth:`growth_reserve`); ``admitting``: a request
+        waits or prefills, so transformers' safety margin decides something (see :meth:`compute_free_capacity`)."""
+        pool = self.kv_pool
+        pool.in_pass, pool.pass_free = True, None
+        self._running, self._reserve, self._admitting = running, None, admitting
         self.refused = set()
+        self.deferred = set()
 
     def end_pass(self) -> None:
-        self.kv_pool.pass_free = None
-        self._running, self._reserve = {}, None
+        pool = self.kv_pool
+        pool.in_pass, pool.pass_free = False, None
+        self._running, self._reserve, self._admitting = {}, None, True
+        now = time.monotonic()  # a request whose growth was not deferred in this pass starts afresh
+        self._deferred_since = {rid: self._deferred_since.get(rid, now) for rid in self.deferred}
+
+    def defer_growth(self, request_id: str, *, counted: bool) -> bool:
+        """A running request's growth missed though room is coming: the room counted for the pass had it (free
+        budget, or other models' warm pools, which the miss just asked for), or this model's refill is mapping pages.
+        Whether it waits for it, kept out of transformers' starved requests (which it would offload: a preemption)
+        and woken by the room handler. It waits at most :data:`GROWTH_WAIT_S` in a row; then it starves, as in a
+        static cache; with no room coming it starves at once."""
+        if not (counted or self.kv_manager.pages.inflight):
+            return False
+        since = self._deferred_since.get(request_id)
+        if since is not None and time.monotonic() - since > GROWTH_WAIT_S:
+            return False
+        self.deferred.add(request_id)
+        return True
 
     def growth_reserve(self) -> int:
         """Sectors kept back for running requests when a new one is admitted: one for each allocator's blocks that
@@ -305,17 +333,22 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
         pool = self.pool
         assert isinstance(pool, KvcachedCachePool)
         if total:
+            running = state.status.name != "PENDING"
             free = pool.num_free_sectors
-            if free < total:
+            if free < total and not running:
                 self.refused.add("budget")
-            elif state.status.name == "PENDING" and free - self.growth_reserve() < total:
+            elif not running and free - self.growth_reserve() < total:
                 # A new request is admitted beside the growth the running ones still need: it must not starve them.
                 self.refused.add("reserve")
                 free -= self.growth_reserve()
-            ids = self._take(total) if free >= total else None
+            # A running request's growth always tries: the count may be behind the budget, and a miss asks the other
+            # models for the room (a reclaim), which the request then waits for instead of being offloaded.
+            ids = self._take(total) if free >= total or running else None
             if ids is None:
-                if free >= total:  # the room counted was not there: the refused alloc asks the other models for it
-                    self.refused.add("budget")
+                # (the room counted was not there: the refused alloc asks the other models for it)
+                self.refused.add("budget")
+                if running:
+                    self.defer_growth(state.request_id, counted=free >= total)
                 return False
             pool.taken(total)
             at = 0
@@ -330,6 +363,8 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
     def compute_free_capacity(self, relative: bool = True) -> int | float:
         """Free bytes; ``relative``: their share of what the model holds plus what it may take (transformers' FIFO
         safety margin is taken over this, as a static cache's over its whole size), not of its address space."""
+        if relative and self.kv_pool.in_pass and not self._admitting:
+            return 1.0  # nothing waits or prefills: the margin decides nothing, and the room is not asked for it
         free_sectors = self.pool.num_free_sectors
         free = free_sectors * self.bytes_per_sector
         for allocator in self.cache_allocators.values():

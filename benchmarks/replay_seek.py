@@ -5,7 +5,8 @@ A synthetic recording is written by the real Recorder: 16 models of 4096-page ma
 file (the full run takes minutes to write; ``--quick``: 20 minutes of it). Then, at random moments:
 
 - ``read``: what the replay's poller does for a moment asked (``ReplaySource``: the frame with the selected
-  model's page map, the event log's lines, the history rebuilt from the 33 samples before it), timed alone;
+  model's page map and the event log's lines, posted first; then the history of the 33 samples before it,
+  which the sparklines and rates need, posted next), timed alone;
 - ``on screen``: the headless dashboard (``ReplayApp`` under Textual's pilot) asked for the moment as ``g`` asks
   (the clock moved, the poller woken) until that frame is drawn, timed from the ask to the frame drawn.
 
@@ -63,25 +64,29 @@ def write_recording(directory: Path, samples: int, seed: int = 1) -> None:
     recorder.close()
 
 
-def time_reads(path: Path, seeks: int, rng: random.Random) -> list[float]:
-    """Milliseconds the replay's poller takes for each moment asked (frame, log lines, history)."""
+def time_reads(path: Path, seeks: int, rng: random.Random) -> tuple[list[float], list[float]]:
+    """Milliseconds the replay's poller takes for each moment asked: to the frame and its log lines (what it
+    posts first), and to the history of the samples before it too (what it posts next)."""
     from kvtop.replay import ReplayClock, ReplaySource
 
     recording = Recording.open(path)
     clock = ReplayClock(recording.times())
     source = ReplaySource(recording, clock)
-    out = []
+    out: list[float] = []
+    history: list[float] = []
     try:
         for _ in range(seeks):
             clock.seek(rng.uniform(clock.start, clock.end))
             started = time.perf_counter()
             frame = source.read(SELECTED)
             source.log(frame.taken_at)
-            source.history(frame.taken_at)
             out.append(1000 * (time.perf_counter() - started))
+            source.continues(frame.taken_at)
+            source.history(frame.taken_at)  # the sparklines' samples, read after the frame was posted
+            history.append(1000 * (time.perf_counter() - started))
     finally:
         source.close()
-    return out
+    return out, history
 
 
 def time_on_screen(path: Path, seeks: int, rng: random.Random) -> list[float]:
@@ -124,7 +129,10 @@ def measure(path: Path, seeks: int, hours: float) -> list[dict]:
         span = (recording.end - recording.start) / 3600
         samples = len(recording.times())
     what = f"{span:.1f} h recording, {samples} samples of {MODELS} models x {PAGES} pages"
-    return [summary(f"replay seek: the poller's read ({hours:g} h recording)", time_reads(path, seeks, rng), what),
+    reads, with_history = time_reads(path, seeks, rng)
+    return [summary(f"replay seek: the poller's read ({hours:g} h recording)", reads, what),
+            summary(f"replay seek: the read and the sparklines' history ({hours:g} h recording)", with_history,
+                    what + "; the 33 samples before the moment, posted after the frame"),
             summary(f"replay seek: ask to frame on screen ({hours:g} h recording)",
                     time_on_screen(path, seeks, rng), what + ", headless 160x50")]
 

@@ -274,15 +274,17 @@ class ReplaySource:
                 return found[-1] if found else None
             window *= 8
 
-    def history(self, upto: float) -> History | None:
-        """A history as the live dashboard would hold it at ``upto`` (the sparklines' last :data:`DEPTH`
-        samples, the rates between the last two), or None when the sample before is the one last given:
-        the dashboard's own history then needs only this frame."""
+    def continues(self, upto: float) -> bool:
+        """True when the sample at ``upto`` is the one last given or the one after it: the dashboard's history then
+        needs only this frame; else it needs :meth:`history` (a seek, or a fast replay skipping samples)."""
         index = self.clock.sample_index(upto)
-        last = self._history_at
-        self._history_at = upto
-        if last is not None and (last == upto or (index > 0 and self.clock.times[index - 1] == last)):
-            return None
+        last, self._history_at = self._history_at, upto
+        return last is not None and (last == upto or (index > 0 and self.clock.times[index - 1] == last))
+
+    def history(self, upto: float) -> History:
+        """A history as the live dashboard would hold it at ``upto``: fed the :data:`DEPTH` samples before it
+        (the sparklines) and its own (the rates between the last two)."""
+        index = self.clock.sample_index(upto)
         history = History()
         with self.lock:
             for t in self.clock.times[max(0, index - DEPTH):index + 1]:

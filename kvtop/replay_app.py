@@ -10,6 +10,7 @@ through the read-only path, saying it is a replay.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import ClassVar
@@ -30,6 +31,7 @@ from kvtop.source import Frame
 from kvtop.widgets.jump import JumpScreen
 from kvtop.widgets.timebar import ReplayState, TimeBar, span_text
 
+DRAWN_WAIT_S = 0.5  # at most this long the poller waits for a frame to be drawn before it reads its history
 # What a replay refuses; their keys stay (pressing one says why), the footer leaves them out.
 CHANGES = ("trim", "trim_all", "compact", "sleep_wake", "limit", "policy")
 
@@ -39,14 +41,16 @@ def replay_bindings() -> list[Binding]:
 
 
 class ReplayFrameReady(Message):
-    """The replay's poller read the frame at the clock's moment, the events the log lacks and, after a seek,
-    a history rebuilt from the samples before it (None: feed this frame to the history the app holds)."""
+    """The replay's poller read the frame at the clock's moment and the events the log lacks. ``history``: None
+    to feed this frame to the history the app holds; after a seek, first one of this frame alone (``complete``
+    False: sparklines and rates wait), then the same frame again with the history of the samples before it."""
 
-    def __init__(self, frame: Frame, log: LogUpdate, history: History | None) -> None:
+    def __init__(self, frame: Frame, log: LogUpdate, history: History | None, complete: bool = True) -> None:
         super().__init__()
         self.frame = frame
         self.log = log
         self.history = history
+        self.complete = complete
 
 
 class ReplayApp(KvtopApp):
@@ -67,6 +71,8 @@ class ReplayApp(KvtopApp):
         self.title = f"kvtop replay · {name}" if name else "kvtop replay"
         self._shown_playing: bool | None = None
         self._problems_said = 0
+        self.history_complete = False  # the history behind the frame shown is all there (not only that frame)
+        self._drawn = threading.Event()  # set once a frame posted without its history is on screen
 
     def compose_bars(self) -> ComposeResult:
         yield TimeBar(id="timebar")
@@ -95,10 +101,19 @@ class ReplayApp(KvtopApp):
             try:
                 frame = self.replay.read(self._want)
                 if frame is not last:
-                    log = self.replay.log(frame.taken_at)
-                    history = self.replay.history(frame.taken_at)
-                    self.post_message(ReplayFrameReady(frame, log, history))
                     last = frame
+                    log = self.replay.log(frame.taken_at)
+                    if self.replay.continues(frame.taken_at):
+                        self.post_message(ReplayFrameReady(frame, log, None))
+                    else:  # on screen at once; the sparklines and rates follow from the samples before it,
+                        # read once the screen is drawn (reading them at once would slow the drawing down)
+                        alone = History()
+                        alone.update(frame.models)
+                        self._drawn.clear()
+                        self.post_message(ReplayFrameReady(frame, log, alone, complete=False))
+                        self._drawn.wait(DRAWN_WAIT_S)
+                        self.post_message(ReplayFrameReady(frame, LogUpdate((), False),
+                                                           self.replay.history(frame.taken_at)))
             except Exception as exc:  # noqa: BLE001 - shown in the log, the poller keeps going
                 self.post_message(PollFailed(f"{type(exc).__name__}: {exc}"))
             if self._wake.wait(self.clock.wait_s()):
@@ -116,9 +131,12 @@ class ReplayApp(KvtopApp):
             self.event_log.add(event)
         self._prev = frame
         self.frames_seen += 1
+        self.history_complete = message.complete
         self.frame = frame
         self._draw_time()
         self._say_problems()
+        if not message.complete:
+            self.call_after_refresh(self._drawn.set)
 
     # -- drawing ---------------------------------------------------------------------------------
     @property

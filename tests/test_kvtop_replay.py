@@ -115,7 +115,8 @@ def ready(app: KvtopApp, at: float, selected: str) -> bool:
     frame = app.frame
     return (frame is not None and frame.taken_at == at and frame.detail is not None
             and frame.detail.name == selected and app.selected == selected and app.pagemap.detail is not None
-            and app.pagemap.detail.name == selected and bool(app.table.render_line(0).text.strip()))
+            and app.pagemap.detail.name == selected and bool(app.table.render_line(0).text.strip())
+            and getattr(app, "history_complete", True))
 
 
 # -- recording a real demo fleet -------------------------------------------------------------------------

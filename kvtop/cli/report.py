@@ -81,7 +81,7 @@ def report_cmd(file: Path, start: str | None, end: str | None, model: str | None
       kvctl report rec --from -2h --model llama --json | jq '.models[0].taken'
       kvctl report rec --plot night.png
     """
-    from kvtop.record.report import model_report, moment, pick_model
+    from kvtop.record.report import model_reports, moment, pick_model
 
     if plot is not None:
         from kvtop.record.report_plot import matplotlib_problem
@@ -109,8 +109,7 @@ def report_cmd(file: Path, start: str | None, end: str | None, model: str | None
                 names = [pick_model(model, names)]
             except ModelNotFound as exc:
                 raise Failure(str(exc)) from None
-        reports = [r for r in (model_report(n, recording.samples_of(n, t0, t1), keep_series=plot is not None)
-                               for n in names) if r is not None]
+        reports = model_reports(names, recording.samples(t0, t1, set(names)), keep_series=plot is not None)
         problems = list(recording.problems)
     finally:
         recording.close()

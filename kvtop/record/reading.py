@@ -18,16 +18,7 @@ from typing import Any
 from kvcached_core import GpuInfo, ModelSnapshot, Problem
 from kvtop.record import codec
 from kvtop.record.codec import PAGES_KEY, Damaged, Flat
-from kvtop.record.schema import (
-    APPLICATION_ID,
-    KIND_KEY,
-    KIND_SPARSE,
-    SCHEMA_VERSION,
-    crc,
-    day_files,
-    event_crc_input,
-    open_readonly,
-)
+from kvtop.record.schema import APPLICATION_ID, SCHEMA_VERSION, crc, day_files, event_crc_input, open_readonly
 from kvtop.source import Frame
 
 # Event kinds: kvtop's event log's, as recorded (kvtop.events.Event.kind, with a limit's outcome named).
@@ -66,13 +57,20 @@ class RecordedEvent:
 
 @dataclass
 class _State:
-    """Everything a sample rebuilt from its key sample holds: the flat records and the frame's fields."""
+    """Everything a sample rebuilt from its key sample holds: the flat records, the frame's fields and the
+    page map of the one model followed (None: none followed, or its map cannot be rebuilt)."""
 
     seq: int
     t: float
     order: list[str]
     models: dict[str, Flat]
     frame: dict[str, Any]
+    followed: str | None = None
+    map: bytes | None = None
+
+    @property
+    def base(self) -> int:
+        return codec.time_base(self.t)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -95,7 +93,17 @@ class _Day:
         except BaseException:
             self.db.close()
             raise
-        self._cache: _State | None = None
+        self._cache: dict[str | None, _State] = {}  # the last state rebuilt, per model followed
+
+    def _remember(self, state: _State) -> None:
+        self._cache.pop(state.followed, None)
+        self._cache[state.followed] = state
+        while len(self._cache) > 4:
+            del self._cache[next(iter(self._cache))]  # the one used longest ago
+
+    def forget(self) -> None:
+        """Drop the states kept to step on from (one of them read as damaged)."""
+        self._cache.clear()
 
     def _check(self) -> None:
         path = self.path
@@ -116,7 +124,11 @@ class _Day:
         if version > SCHEMA_VERSION:
             raise RecordingError(f"{path}: written by a newer kvctl record (schema {version}; this kvtop reads "
                                  f"up to {SCHEMA_VERSION}): read it with that version")
+        if version < SCHEMA_VERSION:
+            raise RecordingError(f"{path}: written by an older kvctl record (schema {version}; this kvtop reads "
+                                 f"{SCHEMA_VERSION}): read it with that version")
         self.meta = meta
+        self.zdict = str(meta.get("zdict", "")).encode("utf-8", "surrogateescape")
 
     def _index(self) -> None:
         self.seqs = array("q")
@@ -151,7 +163,7 @@ class _Day:
 
     # -- counters --------------------------------------------------------------------------------
 
-    def _rows(self, first: int, last: int) -> Iterator[tuple[int, float, int, Any]]:
+    def _rows(self, first: int, last: int) -> Iterator[tuple[int, float, int, Any, bytes]]:
         """Samples ``first..last`` decoded, in order; stops before a damaged or missing one (noted)."""
         expected = first
         try:
@@ -166,65 +178,95 @@ class _Day:
                     self._note(f"{self.path}: sample {seq} is damaged (CRC mismatch): skipped")
                     return
                 try:
-                    value = codec.unpack(payload)
+                    value, pages = codec.unpack_sample(payload, self.zdict)
                 except Damaged as exc:
                     self._note(f"{self.path}: sample {seq} is damaged ({exc}): skipped")
                     return
-                yield seq, float(t), int(key), value
+                yield seq, float(t), int(key), value, pages
                 expected += 1
         except sqlite3.DatabaseError as exc:
             self._note(f"{self.path}: unreadable after sample {expected - 1} ({_one_line(exc)})")
 
-    @staticmethod
-    def _step(state: _State | None, seq: int, t: float, key: int, value: Any) -> _State:
+    def _step(self, state: _State | None, row: tuple[int, float, int, Any, bytes], follow: str | None) -> _State:
+        seq, t, key, value, pages = row
         if not isinstance(value, dict):
             raise Damaged("a sample that is no object")
         if key:
-            state = _State(seq, t, [], {}, {})
+            state = _State(seq, t, [], {}, {}, follow, None)
         elif state is None:
             raise Damaged("a delta sample without its key sample")
         else:
-            state = _State(seq, t, state.order, dict(state.models), state.frame)
+            state = _State(seq, t, state.order, dict(state.models), state.frame, state.followed, state.map)
         order = value.get("o", state.order)
         if not isinstance(order, list) or not all(isinstance(n, str) for n in order):
             raise Damaged("a model order that is no list of names")
         changes = value.get("m", {})
         if not isinstance(changes, dict):
             raise Damaged("model changes that are no object")
+        adds = codec.column_changes(order, value["c"]) if "c" in value else {}
         models = {}
         for name in order:
-            models[name] = codec.apply(state.models.get(name, {}), changes.get(name, {}))
+            flat = codec.apply(state.models.get(name, {}), changes.get(name, {}))
+            models[name] = codec.apply(flat, adds[name]) if name in adds else flat
         state.order, state.models = order, models
         if "f" in value:
             state.frame = codec.apply(state.frame, value["f"])
+        if follow is not None:
+            self._follow_map(state, value.get("p", []), pages)
         return state
 
-    def state_at(self, seq: int) -> _State | None:
-        """The sample ``seq`` rebuilt, or the last sample before it that can be; None when none can."""
+    def _follow_map(self, state: _State, index: Any, pages: bytes) -> None:
+        """Apply the sample's page entry of the followed model to its map (None from a damaged entry on)."""
+        if not isinstance(index, list):
+            raise Damaged("a page index that is no list")
+        offset = 0
+        for entry in index:
+            if not (isinstance(entry, list) and len(entry) == 3 and type(entry[2]) is int and entry[2] >= 0):
+                raise Damaged("a page entry that is no [name, kind, bytes]")
+            name, kind, size = entry
+            if name == state.followed:
+                data = pages[offset:offset + size]
+                if len(data) != size:
+                    raise Damaged("a page entry past the payload's end")
+                try:
+                    state.map = codec.apply_map(state.map, kind, data)
+                except Damaged as exc:
+                    if state.map is not None or kind == codec.MAP_WHOLE:
+                        self._note(f"{self.path}: the page map of {name} at sample {state.seq} cannot be rebuilt "
+                                   f"({exc})")
+                    state.map = None
+                return
+            offset += size
+
+    def state_at(self, seq: int, follow: str | None = None) -> _State | None:
+        """The sample ``seq`` rebuilt (with ``follow``'s page map), or the last sample before it that can be;
+        None when none can."""
         while seq >= 0:
             k = bisect.bisect_right(self.keys, seq) - 1
             if k < 0:
                 return None
             key_seq = self.keys[k]
-            cached = self._cache
-            state = cached if cached is not None and key_seq <= cached.seq <= seq else None
+            usable = [c for c in self._cache.values()
+                      if key_seq <= c.seq <= seq and (follow is None or c.followed == follow)]
+            state = max(usable, key=lambda c: c.seq) if usable else None  # one following a model serves all
             start = state.seq + 1 if state is not None else key_seq
             if state is not None and state.seq == seq:
                 return state
-            for row_seq, t, key, value in self._rows(start, seq):
+            for row in self._rows(start, seq):
                 try:
-                    state = self._step(state, row_seq, t, key, value)
+                    state = self._step(state, row, follow if state is None else state.followed)
                 except Damaged as exc:
-                    self._note(f"{self.path}: sample {row_seq} is damaged ({exc}): skipped")
+                    self._note(f"{self.path}: sample {row[0]} is damaged ({exc}): skipped")
                     break
             if state is not None:
-                self._cache = state
+                self._remember(state)
                 return state
             seq = key_seq - 1  # the key sample itself is unreadable: the moment before it
         return None
 
     def states(self, first: int, last: int) -> Iterator[_State]:
-        """Every sample ``first..last`` that can be rebuilt, in order (past a damaged row: from the next key)."""
+        """Every sample ``first..last`` that can be rebuilt, in order (past a damaged row: from the next key);
+        no page map followed."""
         state = self.state_at(first)
         if state is not None and state.seq == first:
             yield state
@@ -232,13 +274,13 @@ class _Day:
         else:
             state, seq = None, self._next_key(first, last)
         while seq <= last:
-            for row_seq, t, key, value in self._rows(seq, last):
+            for row in self._rows(seq, last):
                 try:
-                    state = self._step(state, row_seq, t, key, value)
+                    state = self._step(state, row, None)
                 except Damaged as exc:
-                    self._note(f"{self.path}: sample {row_seq} is damaged ({exc}): skipped")
+                    self._note(f"{self.path}: sample {row[0]} is damaged ({exc}): skipped")
                     break
-                seq = row_seq + 1
+                seq = row[0] + 1
                 yield state
             if seq > last:
                 return
@@ -249,54 +291,42 @@ class _Day:
         k = bisect.bisect_right(self.keys, after)
         return self.keys[k] if k < len(self.keys) and self.keys[k] <= last else last + 1
 
-    # -- page maps -------------------------------------------------------------------------------
-
-    def pages_at(self, name: str, seq: int, expected: Any) -> array | None:
-        """The model's page map at sample ``seq``, checked against the sample's ``[words, crc]``."""
-        if not (isinstance(expected, list) and len(expected) == 2):
-            return None
-        mid = self.model_ids.get(name)
-        if mid is None:
-            return None
-        try:
-            row = self.db.execute("SELECT max(seq) FROM pages WHERE model = ? AND kind = ? AND seq <= ?",
-                                  (mid, KIND_KEY, seq)).fetchone()
-            if row is None or row[0] is None:
-                raise Damaged("no key row")
-            data = b""
-            for _seq, kind, blob, stored in self.db.execute(
-                    "SELECT seq, kind, data, crc FROM pages WHERE model = ? AND seq BETWEEN ? AND ? ORDER BY seq",
-                    (mid, row[0], seq)):
-                if not isinstance(blob, bytes) or crc(blob) != stored:
-                    raise Damaged(f"page row {_seq} of {name}: CRC mismatch")
-                if kind == KIND_SPARSE:
-                    data = codec.apply_sparse(data, blob)
-                else:
-                    raw = codec.decompress_map(blob)
-                    data = raw if kind == KIND_KEY else codec.xor(data, raw)
-            if len(data) != 4 * expected[0] or crc(data) != expected[1]:
-                raise Damaged(f"{name}'s page map does not rebuild to what was recorded")
-            return codec.map_of(data)
-        except (Damaged, sqlite3.DatabaseError) as exc:
-            self._note(f"{self.path}: the page map of {name} at sample {seq} cannot be rebuilt ({_one_line(exc)})")
-            return None
-
 
 def _gpu(d: dict) -> GpuInfo:
     procs = {int(pid): used for pid, used in (d.get("processes") or {}).items()}
     return GpuInfo(d["index"], d["name"], d["uuid"], d["total_bytes"], d["used_bytes"], d["free_bytes"], procs)
 
 
+def _followed_pages(day: _Day, state: _State) -> array | None:
+    """The followed model's page map at ``state``, checked against the sample's count of words."""
+    name = state.followed
+    if name is None or name not in state.models:
+        return None
+    expected = state.models[name].get(PAGES_KEY)
+    if type(expected) is not int:
+        return None
+    data = state.map
+    if data is None:
+        day._note(f"{day.path}: the page map of {name} at sample {state.seq} cannot be rebuilt (no map before it)")
+        return None
+    if len(data) != 4 * expected:
+        day._note(f"{day.path}: the page map of {name} at sample {state.seq} cannot be rebuilt (it does not "
+                  "rebuild to what was recorded)")
+        return None
+    return codec.map_of(data)
+
+
 def frame_of(state: _State, selected: str | None, detail_pages: array | None) -> Frame:
     """The kvtop frame a rebuilt sample shows; raises Damaged where its records are not snapshots."""
     models = []
     detail = None
+    base = state.base
     for name in state.order:
         flat = state.models[name]
-        snap = codec.snapshot_of(flat)
+        snap = codec.snapshot_of(flat, base)
         models.append(snap)
         if name == selected:
-            detail = codec.snapshot_of(flat, detail_pages) if detail_pages is not None else snap
+            detail = codec.snapshot_of(flat, base, detail_pages) if detail_pages is not None else snap
     f = state.frame
     try:
         problems = tuple(Problem(**p) for p in f.get("problems", ()))
@@ -393,17 +423,14 @@ class Recording:
         day, seq = self._locate(t)
         d = self._days.index(day)
         while True:
-            state = day.state_at(seq)
+            state = day.state_at(seq, selected)
             if state is not None:
                 try:
-                    pages = None
-                    if selected is not None and selected in state.models:
-                        pages = day.pages_at(selected, state.seq, state.models[selected].get(PAGES_KEY))
-                    return frame_of(state, selected, pages)
+                    return frame_of(state, selected, _followed_pages(day, state))
                 except Damaged as exc:
                     day._note(f"{day.path}: sample {state.seq} is damaged ({exc}): skipped")
                     seq = state.seq - 1
-                    day._cache = None
+                    day.forget()
                     if seq >= 0:
                         continue
             if d == 0:
@@ -465,22 +492,36 @@ class Recording:
             names.update(day.model_ids)
         return sorted(names)
 
-    def samples_of(self, model: str, t0: float = float("-inf"), t1: float = float("inf")
-                   ) -> Iterator[tuple[float, ModelSnapshot]]:
-        """The model's counters (no page map) at every sample from ``t0`` to ``t1`` where it was listed."""
+    def _states(self, t0: float, t1: float) -> Iterator[tuple[_Day, _State]]:
         for day in self._days:
             i0 = bisect.bisect_left(day.times, t0)
             i1 = bisect.bisect_right(day.times, t1) - 1
-            if i0 > i1:
-                continue
-            for state in day.states(day.seqs[i0], day.seqs[i1]):
-                flat = state.models.get(model)
-                if flat is None:
+            if i0 <= i1:
+                for state in day.states(day.seqs[i0], day.seqs[i1]):
+                    yield day, state
+
+    def samples(self, t0: float = float("-inf"), t1: float = float("inf"),
+                models: Collection[str] | None = None) -> Iterator[tuple[float, dict[str, ModelSnapshot]]]:
+        """Every sample from ``t0`` to ``t1``: its time and the counters (no page map) of every model listed in
+        it (of ``models``, when given), each sample decoded once."""
+        for day, state in self._states(t0, t1):
+            base = state.base
+            out: dict[str, ModelSnapshot] = {}
+            for name in state.order:
+                if models is not None and name not in models:
                     continue
                 try:
-                    yield state.t, codec.snapshot_of(flat)
+                    out[name] = codec.snapshot_of(state.models[name], base)
                 except Damaged as exc:
-                    day._note(f"{day.path}: {model} at sample {state.seq} is damaged ({exc}): skipped")
+                    day._note(f"{day.path}: {name} at sample {state.seq} is damaged ({exc}): skipped")
+            yield state.t, out
+
+    def samples_of(self, model: str, t0: float = float("-inf"), t1: float = float("inf")
+                   ) -> Iterator[tuple[float, ModelSnapshot]]:
+        """The model's counters (no page map) at every sample from ``t0`` to ``t1`` where it was listed."""
+        for t, models in self.samples(t0, t1, (model,)):
+            if model in models:
+                yield t, models[model]
 
     def close(self) -> None:
         for day in self._days:

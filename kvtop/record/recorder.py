@@ -1,8 +1,9 @@
 """The recorder: reads every model on the host (counters and page maps) and writes one sample per call.
 
 :meth:`Recorder.read` takes a frame (every model with its page map, the GPUs, the router's figures);
-:meth:`Recorder.write` stores it as one transaction: the sample row, the page maps that changed, and
-the events kvtop's log shows between it and the sample before (``kvtop.events.diff``, the same code).
+:meth:`Recorder.write` stores it as one transaction: the sample row (every model's changed counters and
+page maps in one payload) and the events kvtop's log shows between it and the sample before
+(``kvtop.events.diff``, the same code).
 A write that fails (a full disk, an I/O error) raises :class:`RecordWriteError`; what was committed
 before stays readable.
 """
@@ -24,16 +25,7 @@ from kvtop import events as E
 from kvtop.record import codec, reading
 from kvtop.record.codec import PAGES_KEY, Flat
 from kvtop.record.retention import drop_oldest
-from kvtop.record.schema import (
-    KEY_EVERY,
-    KIND_DELTA,
-    KIND_KEY,
-    KIND_SPARSE,
-    crc,
-    create,
-    day_path,
-    event_crc_input,
-)
+from kvtop.record.schema import KEY_EVERY, crc, create, day_path, event_crc_input
 from kvtop.source import Frame
 
 _KINDS = {"watching": reading.START, "appeared": reading.APPEARED, "stale": reading.STALE,
@@ -88,6 +80,7 @@ class Recorder:
         self._frame: dict[str, Any] = {}
         self._maps: dict[str, bytes] = {}
         self._model_ids: dict[str, int] = {}
+        self._zdict = codec.ZDICT.encode()
         self._prev_models: tuple[ModelSnapshot, ...] | None = None
         self._prev_problems: tuple[kc.Problem, ...] = ()
         try:
@@ -131,8 +124,10 @@ class Recorder:
         self.close()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._db = create(path, {"created": repr(t), "host": self.host, "interval_s": repr(self.interval),
-                                 "key_every": str(self.key_every), "kvtop_version": kc.__version__})
+                                 "key_every": str(self.key_every), "kvtop_version": kc.__version__,
+                                 "zdict": codec.ZDICT})
         self._path = path
+        self._zdict = str(self._db.execute("SELECT value FROM meta WHERE key = 'zdict'").fetchone()[0]).encode()
         row = self._db.execute("SELECT max(seq) FROM samples").fetchone()
         self._seq = 0 if row[0] is None else row[0] + 1
         self._model_ids = {name: mid for mid, name in self._db.execute("SELECT id, name FROM models")}
@@ -148,26 +143,36 @@ class Recorder:
         assert db is not None
         seq = self._seq
         key = seq % self.key_every == 0 or not self._flats and not self._order
+        base = codec.time_base(t)
         flats: dict[str, Flat] = {}
-        page_rows: list[tuple[str, int, bytes]] = []
         maps: dict[str, bytes] = {}
+        page_index: list[list] = []  # [name, kind, bytes] of each map in the payload, in its order
+        page_data: list[bytes] = []
         for m in frame.models:
-            flat = codec.flatten(m.to_record())
+            flat = codec.relative(codec.flatten(m.to_record()), base)
             if m.pages is not None:
                 data = codec.map_bytes(m.pages)
-                flat[PAGES_KEY] = [len(m.pages), crc(data)]
+                flat[PAGES_KEY] = len(m.pages)
                 before = self._maps.get(m.name)
-                if key or before is None or len(before) != len(data):
-                    page_rows.append((m.name, KIND_KEY, codec.compress_map(data)))
-                elif before != data:
-                    dense, sparse = codec.compress_map(codec.xor(before, data)), codec.sparse_delta(before, data)
-                    page_rows.append((m.name, KIND_DELTA, dense) if len(dense) < len(sparse)
-                                     else (m.name, KIND_SPARSE, sparse))
+                changed = None
+                if not key and before is not None and len(before) == len(data):
+                    changed = codec.changed_words(before, data)
+                    if len(changed) > len(m.pages) // 4:  # most of it: written whole (smaller, faster to read)
+                        changed = None
+                if changed is None:
+                    kind, blob = codec.MAP_WHOLE, codec.whole_map(data)
+                elif changed:
+                    kind, blob = codec.MAP_CHANGES, codec.map_changes(before or b"", data, changed)
+                else:
+                    blob = b""
+                if blob:
+                    page_index.append([m.name, kind, len(blob)])
+                    page_data.append(blob)
                 maps[m.name] = data
             else:
                 flat[PAGES_KEY] = None
-                if m.name in self._maps:
-                    maps[m.name] = self._maps[m.name]  # unread this instant: later deltas go on from the last map
+                if m.name in self._maps and not key:  # a key sample's maps are all written whole
+                    maps[m.name] = self._maps[m.name]  # unread this instant: later changes go on from the last map
             flats[m.name] = flat
         order = [m.name for m in frame.models]
         record = frame_record(frame)
@@ -178,26 +183,24 @@ class Recorder:
         else:
             if order != self._order:
                 payload["o"] = order
-            changed = {}
+            changed_models = {}
             for name, flat in flats.items():
                 change = codec.changes(self._flats.get(name, {}), flat)
                 if change:
-                    changed[name] = change
-            if changed:
-                payload["m"] = changed
+                    changed_models[name] = change
+            payload.update(codec.columns(order, changed_models))
             frame_change = codec.changes(self._frame, record)
             if frame_change:
                 payload["f"] = frame_change
-        blob = codec.pack(payload)
+        if page_index:
+            payload["p"] = page_index
+        blob = codec.pack_sample(payload, b"".join(page_data), key, self._zdict)
         events = E.diff(self._prev_models, frame.models, t, self._prev_problems, frame.problems)
         by_name = {m.name: m for m in frame.models}
         db.execute("BEGIN IMMEDIATE")
         try:
             db.execute("INSERT INTO samples (seq, t, key, payload, crc) VALUES (?, ?, ?, ?, ?)",
                        (seq, t, int(key), blob, crc(blob)))
-            for name, kind, data in page_rows:
-                db.execute("INSERT INTO pages (model, seq, kind, data, crc) VALUES (?, ?, ?, ?, ?)",
-                           (self._model_id(name), seq, kind, data, crc(data)))
             for m in frame.models:
                 self._model_id(m.name)
             for e in events:

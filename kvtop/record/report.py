@@ -1,6 +1,7 @@
 """The figures of ``kvctl report``: what each model of a recording did over a window of time.
 
-Every figure comes from the samples' counters (:meth:`Recording.samples_of`), one model at a time:
+Every figure comes from the samples' counters (:meth:`Recording.samples`, every model of a sample at
+once, each sample decoded once):
 
 - a sample's state (its limit deferred, its sleep state) is taken to hold from that sample to the next
   sample of the same model in the window, so each duration is within one sample interval of the truth at
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -153,57 +154,86 @@ def _marks(prev: ModelSnapshot, cur: ModelSnapshot, at: float, reclaimed: bool) 
         yield mark("wake")
 
 
-def model_report(name: str, samples: Iterable[tuple[float, ModelSnapshot]], *,
-                 keep_series: bool = False) -> ModelReport | None:
-    """The figures of one model from its samples in time order; None when there is none."""
-    count = peak = mapped_sum = 0
-    first_at = last_at = 0.0
-    deferred_s = asleep_s = 0.0
-    given, taken = _Counter(), _Counter()
-    wastes: list[float] = []
-    waiting: list[int] = []
-    marks: list[Mark] = []
-    series: list[tuple[float, int]] = []
-    prev: ModelSnapshot | None = None
-    for at, snap in samples:
+class _Figures:
+    """One model's figures, a sample at a time (samples in time order)."""
+
+    def __init__(self, name: str, keep_series: bool) -> None:
+        self.name, self.keep_series = name, keep_series
+        self.count = self.peak = self.mapped_sum = 0
+        self.first_at = self.last_at = 0.0
+        self.deferred_s = self.asleep_s = 0.0
+        self.given, self.taken = _Counter(), _Counter()
+        self.wastes: list[float] = []
+        self.waiting: list[int] = []
+        self.marks: list[Mark] = []
+        self.series: list[tuple[float, int]] = []
+        self.prev: ModelSnapshot | None = None
+
+    def add(self, at: float, snap: ModelSnapshot) -> None:
+        prev = self.prev
         if prev is None:
-            first_at = at
+            self.first_at = at
         else:
-            held_for = max(0.0, at - last_at)
+            held_for = max(0.0, at - self.last_at)
             if prev.limit_status == "deferred":
-                deferred_s += held_for
+                self.deferred_s += held_for
             if _asleep(prev):
-                asleep_s += held_for
+                self.asleep_s += held_for
             reclaimed = False
             if prev.pressure is not None and snap.pressure is not None:
                 restarted = (prev.pid, prev.start_time) != (snap.pid, snap.start_time)
                 p0, p1 = prev.pressure, snap.pressure
-                reclaimed = taken.step((p0.took_count, p1.took_count), (p0.took_total, p1.took_total),
-                                       p1.latency_s, restarted)
-                gave = given.step((p0.gave_count, p1.gave_count), (p0.gave_total, p1.gave_total),
-                                  p1.given_took_s, restarted)
+                reclaimed = self.taken.step((p0.took_count, p1.took_count), (p0.took_total, p1.took_total),
+                                            p1.latency_s, restarted)
+                gave = self.given.step((p0.gave_count, p1.gave_count), (p0.gave_total, p1.gave_total),
+                                       p1.given_took_s, restarted)
                 reclaimed = reclaimed or gave
-            marks.extend(_marks(prev, snap, at, reclaimed))
-        count += 1
-        last_at = at
-        peak = max(peak, snap.mapped_bytes)
-        mapped_sum += snap.mapped_bytes
+            self.marks.extend(_marks(prev, snap, at, reclaimed))
+        self.count += 1
+        self.last_at = at
+        self.peak = max(self.peak, snap.mapped_bytes)
+        self.mapped_sum += snap.mapped_bytes
         ratio = snap.waste_ratio
         if ratio is not None:
-            wastes.append(ratio)
+            self.wastes.append(ratio)
         if snap.traffic is not None:
-            waiting.append(snap.traffic.waiting)
-        if keep_series:
-            series.append((at, snap.mapped_bytes))
-        prev = snap
-    if not count:
-        return None
-    return ModelReport(
-        name, count, first_at, last_at, peak, round(mapped_sum / count), deferred_s, asleep_s,
-        given.result(), taken.result(),
-        sum(wastes) / len(wastes) if wastes else None, max(wastes) if wastes else None,
-        sum(waiting) / len(waiting) if waiting else None, max(waiting) if waiting else None,
-        tuple(marks), tuple(series))
+            self.waiting.append(snap.traffic.waiting)
+        if self.keep_series:
+            self.series.append((at, snap.mapped_bytes))
+        self.prev = snap
+
+    def result(self) -> ModelReport | None:
+        if not self.count:
+            return None
+        wastes, waiting = self.wastes, self.waiting
+        return ModelReport(
+            self.name, self.count, self.first_at, self.last_at, self.peak, round(self.mapped_sum / self.count),
+            self.deferred_s, self.asleep_s, self.given.result(), self.taken.result(),
+            sum(wastes) / len(wastes) if wastes else None, max(wastes) if wastes else None,
+            sum(waiting) / len(waiting) if waiting else None, max(waiting) if waiting else None,
+            tuple(self.marks), tuple(self.series))
+
+
+def model_report(name: str, samples: Iterable[tuple[float, ModelSnapshot]], *,
+                 keep_series: bool = False) -> ModelReport | None:
+    """The figures of one model from its samples in time order; None when there is none."""
+    figures = _Figures(name, keep_series)
+    for at, snap in samples:
+        figures.add(at, snap)
+    return figures.result()
+
+
+def model_reports(names: Sequence[str], samples: Iterable[tuple[float, Mapping[str, ModelSnapshot]]], *,
+                  keep_series: bool = False) -> list[ModelReport]:
+    """The figures of each of ``names`` (in that order; none for a model without a sample) from the samples of
+    every model at once (``Recording.samples``), read once."""
+    figures = {name: _Figures(name, keep_series) for name in names}
+    for at, models in samples:
+        for name, snap in models.items():
+            one = figures.get(name)
+            if one is not None:
+                one.add(at, snap)
+    return [r for r in (f.result() for f in figures.values()) if r is not None]
 
 
 def pick_model(name: str, names: Sequence[str]) -> str:

@@ -1,10 +1,9 @@
 """The recording's file: SQLite (WAL), one file per UTC day, every row's payload checked by a CRC32.
 
 docs/record.md documents the tables, the encodings and example queries. A sample is one row of
-``samples`` (every model's counters: a key sample holds them all, the others only what changed) and
-one row of ``pages`` per model whose page map changed (a key row holds the map, the others the XOR
-with the map before), each payload zlib-compressed. Every ``KEY_EVERY`` samples (and at a day file's
-first) a key sample and key rows for every map, so any moment rebuilds from at most ``KEY_EVERY`` rows.
+``samples``: every model's counters and page map, a key sample whole, the others only what changed since
+the sample before, in one compressed payload (``kvtop.record.codec``). Every ``KEY_EVERY`` samples (and at
+a day file's first) a key sample, so any moment rebuilds from at most ``KEY_EVERY`` rows.
 """
 
 from __future__ import annotations
@@ -16,14 +15,11 @@ import time
 import zlib
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: one row per sample with every model's page map in it (1: a pages table)
 APPLICATION_ID = 0x6B767263  # "kvrc" in the SQLite header: a recording is known before any table is read
-KEY_EVERY = 60  # samples between key samples (counters and page maps written whole)
+KEY_EVERY = 300  # samples between key samples (counters and page maps written whole): benchmarks/record_cost.py
 FILE_PREFIX, FILE_SUFFIX = "kvrecord-", ".sqlite"
 DAY_FILE = re.compile(r"^kvrecord-(\d{4}-\d{2}-\d{2})\.sqlite$")
-
-# pages.kind
-KIND_KEY, KIND_DELTA, KIND_SPARSE = 0, 1, 2
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -34,7 +30,7 @@ CREATE TABLE IF NOT EXISTS samples (
     seq     INTEGER PRIMARY KEY,   -- 0, 1, 2 ... within this file
     t       REAL NOT NULL,         -- wall-clock seconds (Unix time) the sample was read
     key     INTEGER NOT NULL,      -- 1: every model written whole, 0: only what changed since seq - 1
-    payload BLOB NOT NULL,         -- zlib(JSON), see docs/record.md
+    payload BLOB NOT NULL,         -- compressed JSON and page maps, see docs/record.md
     crc     INTEGER NOT NULL       -- zlib.crc32(payload)
 );
 CREATE INDEX IF NOT EXISTS samples_t ON samples (t);
@@ -42,14 +38,6 @@ CREATE TABLE IF NOT EXISTS models (
     id   INTEGER PRIMARY KEY,
     name TEXT NOT NULL UNIQUE
 );
-CREATE TABLE IF NOT EXISTS pages (
-    model INTEGER NOT NULL,        -- models.id
-    seq   INTEGER NOT NULL,        -- samples.seq
-    kind  INTEGER NOT NULL,        -- 0: key (the map), 1: XOR with the map before, 2: the changed words
-    data  BLOB NOT NULL,           -- zlib(...), see docs/record.md
-    crc   INTEGER NOT NULL,        -- zlib.crc32(data)
-    PRIMARY KEY (model, seq)
-) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS events (
     id    INTEGER PRIMARY KEY,
     seq   INTEGER NOT NULL,        -- samples.seq of the sample that showed it
@@ -108,6 +96,10 @@ def create(path: Path, meta: dict[str, str]) -> sqlite3.Connection:
                 db.execute(statement)
         for key, value in {"schema_version": str(SCHEMA_VERSION), **meta}.items():
             db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (key, value))
+        version = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
+        if version != str(SCHEMA_VERSION):
+            raise sqlite3.DatabaseError(f"{path} is a recording of schema {version} (this kvctl record writes "
+                                        f"{SCHEMA_VERSION}): move it aside to record today")
         db.execute("COMMIT")
     except BaseException:
         db.execute("ROLLBACK")

@@ -97,6 +97,10 @@ def test_replayed_moments_equal_the_live_ones(fleet: DemoFleet, tmp_path: Path) 
         samples = list(rec.samples_of(names[0], rec.start, rec.end))
         assert [s for _, s in samples] == [f.model(names[0]) for _, f in kept]
         assert all(s.pages is None for _, s in samples)
+        every = list(rec.samples(rec.start, rec.end))  # every model of a sample at once, as report reads
+        assert [t for t, _ in every] == [t for t, _ in kept]
+        assert [list(models.values()) for _, models in every] == [list(f.models) for _, f in kept]
+        assert [t for t, _ in rec.samples(kept[2][0], kept[4][0], {names[1]})] == [t for t, _ in kept[2:5]]
 
 
 def _samples(path: Path) -> int:
@@ -200,6 +204,15 @@ def test_not_a_recording_newer_schema_and_forged_rows(fleet: DemoFleet, tmp_path
         assert rec.events(rec.start, rec.end) == []
         assert len(rec.problems) == 2 and all("damaged" in p for p in rec.problems)
     assert forged.exists() and newer.exists() and text.exists()
+
+    torn = tmp_path / "torn.sqlite"  # a time that is no number, as a file overwritten or cut short shows
+    shutil.copy(path, torn)
+    with sqlite3.connect(torn) as db:
+        db.execute("UPDATE samples SET t = 'x' WHERE seq = 10")
+    with Recording.open(torn) as rec:
+        assert len(rec.times()) == 11
+        [line] = rec.problems
+        assert "sample 10 is damaged" in line and "cut short" in line and "out of order" not in line
 
 
 def test_a_full_disk_is_one_line_and_leaves_a_readable_file(fleet: DemoFleet, tmp_path: Path, procs) -> None:

@@ -137,8 +137,13 @@ class _Day:
         last_t = float("-inf")
         try:
             for seq, t, key in self.db.execute("SELECT seq, t, key FROM samples ORDER BY seq"):
-                if not isinstance(t, float) or t < last_t:
-                    self.problems.append(f"{self.path}: sample {seq} has a time out of order: skipped")
+                if not isinstance(t, float):
+                    self.problems.append(f"{self.path}: sample {seq} is damaged (its time reads as {t!r}: the "
+                                         "file was cut short or overwritten there): skipped")
+                    continue
+                if t < last_t:
+                    self.problems.append(f"{self.path}: sample {seq} is damaged (its time is before the sample "
+                                         "before it): skipped")
                     continue
                 self.seqs.append(seq)
                 self.times.append(t)

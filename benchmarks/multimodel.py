@@ -41,18 +41,6 @@ from pathlib import Path
 
 from .fair import report as rep
 from .fair.trace import SHAPES
-from .fair.vllm import (  # noqa: F401  (the vLLM driver's names, as tests_vllm/ import them from here)
-    BLOCK_TOKENS,
-    SYSTEM_PROMPT_TOKENS,
-    TINY,
-    TRACE,
-    engine_cmd,
-    inspect_model_class,
-    load_trace,
-    make_trace,
-    prompt_ids,
-    tiny_model,
-)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PREFIX = {"on": (True,), "off": (False,), "both": (True, False)}

@@ -1,4 +1,6 @@
-"""Ctrl-C in ``python -m benchmarks multimodel`` while its engines start: every engine process is gone."""
+"""Ctrl-C in ``python -m benchmarks multimodel`` while its engines start: every engine process is gone and the
+command exits 130, as with the transformers driver (tests/test_bench_multimodel_tcb.py): one rule, in
+``benchmarks/fair/run.py``, for every engine."""
 
 from __future__ import annotations
 
@@ -12,16 +14,22 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks import multimodel
+from benchmarks.fair import vllm as driver
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def default_signals() -> None:
+    """``preexec_fn``: SIGINT at its default (a test run in the background inherits it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_while_the_engines_start_leaves_no_engine_process(tmp_path: Path) -> None:
     trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"models": 2, "requests": multimodel.make_trace(seed=1, models=2, duration_s=6.0)}))
+    trace.write_text(json.dumps({"models": 2, "requests": driver.make_trace(seed=1, models=2, duration_s=6.0)}))
     bench = subprocess.Popen([sys.executable, "-m", "benchmarks", "multimodel", "--trace", str(trace), "--no-write"],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=default_signals)
     try:
         # Wait until the engines have processes of their own below their servers (EngineCore started).
         deadline = time.monotonic() + 240
@@ -42,8 +50,9 @@ def test_ctrl_c_while_the_engines_start_leaves_no_engine_process(tmp_path: Path)
     finally:
         if bench.poll() is None:
             bench.kill()
-    assert bench.returncode == 1
+    assert bench.returncode == 130, err[-2000:]
     assert "interrupted: every engine was stopped" in err, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
     left = []
     for pid, created in seen.items():
         try:

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -339,6 +340,8 @@ def stop_all(engines: list[Engine]) -> None:
 # -- one configuration, as the method runs it -----------------------------------------------------------
 PREEMPT = re.compile(r'^vllm:num_preemptions_total\{[^}]*\}\s+(\S+)', re.M)
 STEPS = re.compile(r'^vllm:iteration_tokens_total_count\{[^}]*\}\s+(\S+)', re.M)  # one observation a step
+PREFIX_HITS = re.compile(r'^vllm:prefix_cache_hits_total\{[^}]*\}\s+(\S+)', re.M)  # prompt tokens
+PREFIX_QUERIES = re.compile(r'^vllm:prefix_cache_queries_total\{[^}]*\}\s+(\S+)', re.M)
 
 
 def metric(text: str, pattern: re.Pattern[str]) -> float:
@@ -357,10 +360,8 @@ class Servers:
     def submit(self, rid: str, row: dict, arrival: float) -> None:
         model = int(row["model"][1:])
         answer = self.answers[rid] = Answer(model, arrival, None, None, 0)
-        # each run's own tokens after the system prompt (the run's name in the seed): no run finds the one before
-        # it in the prefix cache; the system prompts stay shared, as the trace means them to
-        row = dict(row, seed=f"{row['seed']}-{rid.rsplit('-', 1)[0]}")
-        th = threading.Thread(target=send, args=(self.engines[model], row, answer), daemon=True)
+        th = threading.Thread(target=send, args=(self.engines[model], salted(row, rid.rsplit("-", 1)[0]), answer),
+                              daemon=True)
         th.start()
         self.threads[rid] = th
 
@@ -370,6 +371,11 @@ class Servers:
             self.threads.pop(rid).join(max(0.0, deadline - time.monotonic()))
         return [self.answers.pop(rid) for rid in rids]
 
+    def prefix_tokens(self) -> tuple[float, float]:
+        """Prompt tokens found in vLLM's prefix cache and tokens looked up there so far, all servers together."""
+        texts = [e.get("/metrics") for e in self.engines]
+        return sum(metric(t, PREFIX_HITS) for t in texts), sum(metric(t, PREFIX_QUERIES) for t in texts)
+
     def counters(self) -> dict:
         """Preemptions and steps (observations of vLLM's tokens-per-step histogram), all servers together; vLLM
         publishes no count of the requests a step carried, nor admissions refused by gate."""
@@ -377,6 +383,12 @@ class Servers:
         return {"preemptions": sum(metric(t, PREEMPT) for t in texts), "steps": sum(metric(t, STEPS) for t in texts),
                 "step_requests": None, "waiting_steps": None, "offload_rounds": None, "refused": None,
                 "pooled_bytes": None}
+
+
+def salted(row: dict, run: str) -> dict:
+    """The request as run ``run`` sends it: its own tokens after the system prompt seeded by the run's name too, so
+    no run finds the one before it in the prefix cache; the system prompts stay shared, as the trace means them to."""
+    return dict(row, seed=f"{row['seed']}-{run}")
 
 
 def send(eng: Engine, row: dict, out: Answer) -> None:
@@ -419,8 +431,6 @@ def versions() -> dict[str, str]:
     return got
 
 
-
-
 PEAK_RATE = 1.6  # requests/s a model's peak in the generated shapes, the recorded trace's
 PROMPT_TOKENS, OUTPUT_TOKENS = (1200, 1800), (24, 64)
 
@@ -439,6 +449,8 @@ class VllmDriver:
         self.rows, self.models = self.load()
         self.engines: dict[str, list[Engine]] = {}
         self.ready: dict[str, float] = {}
+        self.sides: dict[str, Servers] = {}
+        self.prefix: list[dict] = []  # per run in order: prompt tokens found in the prefix cache, and looked up
 
     def load(self) -> tuple[list[dict], int]:
         """``--trace``'s file; else the recorded trace for ramps of several models; else a generated shape."""
@@ -470,8 +482,23 @@ class VllmDriver:
             self.engines[config] = launch(model_dir, names, self.workdir / config, config == "elastic",
                                           self.capacity(), self.prefix_caching, self.blocks)
         self.ready = wait_ready([e for group in self.engines.values() for e in group])
-        return {c: Servers(group, self.workdir / c / "shm" if c == "elastic" else None)
-                for c, group in self.engines.items()}
+        self.sides = {c: Servers(group, self.workdir / c / "shm" if c == "elastic" else None)
+                      for c, group in self.engines.items()}
+        return dict(self.sides)
+
+    @contextlib.contextmanager
+    def around(self, slot: Any) -> Iterator[None]:
+        """Around each run: the prompt tokens its servers found in vLLM's prefix cache, and those looked up."""
+        side = self.sides[slot.configuration]
+        hits, queried = side.prefix_tokens()
+        yield
+        hits_after, queried_after = side.prefix_tokens()
+        self.prefix.append({"run": len(self.prefix) + 1, "configuration": slot.configuration,
+                            "hit_tokens": int(hits_after - hits), "queried_tokens": int(queried_after - queried)})
+
+    def notes(self) -> dict:
+        """Report fields that grow as the command runs: each run's prefix-cache hits (``prefix_cache``)."""
+        return {"prefix_cache": list(self.prefix)}
 
     def capacity(self) -> int:
         """The elastic budget: the static shares added up."""

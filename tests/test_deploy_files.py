@@ -177,5 +177,26 @@ def check(expressions: list[tuple[str, str]], names: set[str], labels: dict[str,
 
 def test_every_deploy_file_is_checked():
     assert sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "deploy").rglob("*") if p.is_file()) == [
-        "deploy/grafana/kvcached.json", "deploy/prometheus/kvcached-alerts.yml"]
+        "deploy/grafana/kvcached.json", "deploy/prometheus/kvcached-alerts.yml", "deploy/systemd/kvctl-record.service"]
 
+
+def test_the_recorder_unit_runs_kvctl_record_with_options_it_takes(tmp_path) -> None:
+    """deploy/systemd/kvctl-record.service: a user unit whose ExecStart is a kvctl record that parses, writing to
+    the user's state directory; SIGTERM (a clean stop, exit 0) stops it, and it restarts only on a failure."""
+    import configparser
+    import shlex
+
+    from kvtop.cli.record import record_cmd
+
+    unit = configparser.ConfigParser(interpolation=None, strict=False)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read(ROOT / "deploy" / "systemd" / "kvctl-record.service")
+    service = unit["Service"]
+    argv = shlex.split(service["ExecStart"])
+    assert argv[:3] == ["/usr/bin/env", "kvctl", "record"]
+    args = [a.replace("%S", str(tmp_path)) for a in argv[3:]]
+    ctx = record_cmd.make_context("record", args)  # a bad option or value raises here
+    assert ctx.params["out"] == tmp_path / "kvtop" / "record"
+    assert ctx.params["interval"] == 1.0 and ctx.params["max_size"] is not None
+    assert service["KillSignal"] == "SIGTERM" and service["Restart"] == "on-failure"
+    assert unit["Install"]["WantedBy"] == "default.target"  # a user unit: no multi-user.target

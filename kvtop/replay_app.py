@@ -1,6 +1,6 @@
 """``kvtop --replay FILE``: the dashboard, every panel as it was, driven by a recording's clock.
 
-The same app and widgets as the live dashboard (``kvtop.app``), with a time bar under the status line. Its one
+The same app and widgets as the live dashboard (``kvtop.dashboard``), with a time bar under the status line. Its one
 poller reads the recording's frame at the clock's moment (``kvtop.replay.ReplaySource``) with the recorded
 events up to it and the history the sparklines need, and posts them; the handler sets them as the live one does.
 The log shows what was recorded, so going back shows it as it was. Actions that change a model are refused
@@ -22,7 +22,7 @@ from textual.message import Message
 from textual.worker import get_current_worker
 
 from kvtop.actions import REPLAY, bindings
-from kvtop.app import KvtopApp
+from kvtop.dashboard import KvtopApp
 from kvtop.history import History
 from kvtop.messages import PollFailed
 from kvtop.record.reading import RecordedEvent, Recording

@@ -206,7 +206,7 @@ def test_segment_tables_match_the_layout_module():
 
 def test_every_kvtop_binding_is_in_the_key_table():
     from kvtop.actions import KEY_NAMES
-    from kvtop.app import KvtopApp
+    from kvtop.dashboard import KvtopApp
 
     documented = {part for row in table(DOCS / "kvtop.md", "key") for name in names(row[0])
                   for part in re.split(r"\s*/\s*", name)}

@@ -403,7 +403,7 @@ def test_kvctl_show_and_kvtop_details_say_the_endpoint_and_the_router_figures(ro
     from test_kvtop_pilot import drive, seen, until
     from textual.pilot import Pilot
 
-    from kvtop.app import KvtopApp
+    from kvtop.dashboard import KvtopApp
     from kvtop.source import LiveSource
     from kvtop.widgets import DetailsScreen
 

@@ -23,7 +23,7 @@ from kvcached_core.control.policy import request_policy
 from kvcached_core.segment.reader import snapshot as read_model
 from kvcached_core.segment.snapshot import Traffic
 from kvtop.actions import KEY_NAMES
-from kvtop.app import KvtopApp
+from kvtop.dashboard import KvtopApp
 from kvtop.source import Frame, LiveSource
 from kvtop.widgets import ConfirmScreen, DetailsScreen, FilterScreen, HelpScreen, LimitScreen, PolicyScreen
 

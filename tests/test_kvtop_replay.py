@@ -28,7 +28,7 @@ from textual.widgets import Input
 
 import kvcached_core as kc
 from kvtop.actions import KEY_NAMES
-from kvtop.app import KvtopApp
+from kvtop.dashboard import KvtopApp
 from kvtop.demo import DemoFleet
 from kvtop.record.reading import Recording
 from kvtop.record.recorder import Recorder

@@ -15,7 +15,7 @@ from fakes import FakeSource, sample_fleet
 from textual.pilot import Pilot
 from textual.widgets import Input
 
-from kvtop.app import KvtopApp
+from kvtop.dashboard import KvtopApp
 
 SMALL, LARGE = (80, 24), (160, 50)
 

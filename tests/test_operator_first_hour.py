@@ -25,8 +25,8 @@ from textual.pilot import Pilot
 import kvcached_core as kc
 from kvcached_core.backends.ledger import LOCK_NAME
 from kvcached_core.segment.procinfo import is_alive
-from kvtop.app import KvtopApp
 from kvtop.cli import COMMANDS as KVCTL_COMMANDS
+from kvtop.dashboard import KvtopApp
 from kvtop.source import LiveSource
 from kvtop.widgets import LimitScreen
 
@@ -473,7 +473,7 @@ def test_the_footer_says_what_space_does_now_and_fits_80_columns() -> None:
 def test_zooming_past_either_end_says_so() -> None:
     from fakes import sample_fleet
 
-    import kvtop.app as kvtop_app
+    import kvtop.dashboard as kvtop_app
 
     class Told(KvtopApp):
         """Keeps every notice it gives: toasts vanish after 3 s of wall time, a busy test machine is slower."""

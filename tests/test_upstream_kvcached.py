@@ -263,7 +263,7 @@ def test_kvtops_limit_dialog_takes_a_percentage_of_device_0_by_nvml(shm_dir):
     """As kvctl does: 30% of device 0's NVML total, the dialog saying so; without NVML refused, saying why."""
     from test_operator_first_hour import drive, until
 
-    from kvtop.app import KvtopApp
+    from kvtop.dashboard import KvtopApp
     from kvtop.source import LiveSource
     from kvtop.widgets import LimitScreen
 
@@ -302,7 +302,7 @@ def test_kvtops_limit_dialog_refuses_none_and_0_and_says_pending(shm_dir):
     a limit below what is in use is previewed as pending, never applied."""
     from test_operator_first_hour import drive, until
 
-    from kvtop.app import KvtopApp
+    from kvtop.dashboard import KvtopApp
     from kvtop.source import LiveSource
     from kvtop.widgets import LimitScreen
 

@@ -48,7 +48,7 @@ class Screenshot:
 
     async def _main(self) -> None:
         from kvcached_core import scan
-        from kvtop.app import KvtopApp
+        from kvtop.dashboard import KvtopApp
         from kvtop.source import LiveSource
 
         start = reclaims(list(scan(directory=self.directory).models))

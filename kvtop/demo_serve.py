@@ -25,12 +25,12 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from kvtop.demo import DemoEngine
+    from kvcached_core import KVCacheManager
 
 TOKENS_PER_BLOCK = 16
 DEFAULT_MAX_TOKENS = 16
@@ -54,6 +54,14 @@ def words(prompt: str, count: int) -> list[str]:
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
                              status=status)
+
+
+class DemoEngine(Protocol):
+    """What the server needs of its demo model (kvtop.demo.DemoEngine): its allocator, and a request's blocks."""
+
+    manager: KVCacheManager
+
+    def take_request(self, blocks: int) -> list[int] | None: ...
 
 
 class Traffic:

@@ -25,6 +25,7 @@ from kvtop.record import reading
 from kvtop.record.reading import Recording, RecordingError
 from kvtop.record.recorder import Recorder
 from kvtop.record.retention import drop_oldest, recording_size
+from kvtop.record.schema import PAGE_SIZE
 from kvtop.source import Frame
 
 KVCTL = [sys.executable, "-m", "kvtop.cli"]
@@ -217,7 +218,7 @@ def test_not_a_recording_newer_schema_and_forged_rows(fleet: DemoFleet, tmp_path
 
 def test_a_full_disk_is_one_line_and_leaves_a_readable_file(fleet: DemoFleet, tmp_path: Path, procs) -> None:
     out = tmp_path / "rec"
-    limit = 96 * 1024
+    limit = 24 * PAGE_SIZE  # the tables and a few samples: the write that crosses it fails
 
     def small_files() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))

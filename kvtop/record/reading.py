@@ -130,7 +130,25 @@ class _Day:
         self.meta = meta
         self.zdict = str(meta.get("zdict", "")).encode("utf-8", "surrogateescape")
 
+    def _cut_short(self) -> None:
+        """Name a file shorter than its SQLite header says (a cut may take only pages no query reads)."""
+        try:
+            with self.path.open("rb") as f:
+                head = f.read(32)
+                size = f.seek(0, 2)
+        except OSError:
+            return
+        if len(head) < 32:
+            return
+        page = int.from_bytes(head[16:18], "big")
+        pages = int.from_bytes(head[28:32], "big")
+        expected = pages * (65536 if page == 1 else page)
+        if size < expected:
+            self.problems.append(f"{self.path}: the file is cut short ({size} of its {expected} bytes): what is "
+                                 "in it is read")
+
     def _index(self) -> None:
+        self._cut_short()
         self.seqs = array("q")
         self.times = array("d")
         self.keys = array("q")

@@ -868,7 +868,7 @@ def test_columns_no_model_can_fill_are_left_out_until_one_can() -> None:
         seen_headers.append(app.table.headers)
         await until(pilot, lambda: source.done and app.frame.model("llama-3-8b").traffic is not None,
                     "the model that publishes traffic")
-        await pilot.pause(0.1)
+        await until(pilot, lambda: {"tok/s", "wait"} <= set(app.table.headers), "the traffic columns drawn")
         seen_headers.append(app.table.headers)
 
     drive(app, script, size=(200, 30))

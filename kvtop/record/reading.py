@@ -131,7 +131,13 @@ class _Day:
         self.zdict = str(meta.get("zdict", "")).encode("utf-8", "surrogateescape")
 
     def _cut_short(self) -> None:
-        """Name a file shorter than its SQLite header says (a cut may take only pages no query reads)."""
+        """Name a file shorter than its SQLite header says (a cut may take only pages no query reads); not while
+        a WAL beside it holds commits (a checkpoint in progress may write the header before the pages)."""
+        try:
+            if self.path.with_name(self.path.name + "-wal").stat().st_size > 0:
+                return
+        except OSError:
+            pass
         try:
             with self.path.open("rb") as f:
                 head = f.read(32)

@@ -37,9 +37,10 @@ UNSUPPORTED = _unsupported()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(UNSUPPORTED is not None, reason=str(UNSUPPORTED))]
 
 
-def segment_dirs() -> set[Path]:
-    """The benchmark's segment directories that exist now (it makes one per run, under /dev/shm when it can)."""
-    return set(SHM.glob("kvc-tcb-*")) if SHM.is_dir() else set()
+def segment_dirs(pid: int) -> set[Path]:
+    """The segment directories of the benchmark process ``pid`` that exist now (it makes one, named for its pid,
+    under /dev/shm when it can; other runs on the host have their own)."""
+    return set(SHM.glob(f"kvc-tcb-{pid}-*")) if SHM.is_dir() else set()
 
 
 def bench(*args: str) -> subprocess.Popen[str]:
@@ -67,7 +68,6 @@ def still_running(seen: dict[int, float], deadline_s: float = 15.0) -> list[str]
 def test_a_short_trace_runs_warm_ups_then_abba_pairs_every_request_answered_with_counters(tmp_path: Path) -> None:
     """One model against one share (--single, steady): two warm-ups first, not counted, then two ABBA pairs; every
     request answered in every run; the report lists every run with its counters; the ratios come from the pairs."""
-    before = segment_dirs()
     proc = bench("--single", "--shape", "steady", "--pairs", "2", "--duration", "3", "--out", str(tmp_path))
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
@@ -97,11 +97,10 @@ def test_a_short_trace_runs_warm_ups_then_abba_pairs_every_request_answered_with
     table = (tmp_path / "multimodel-transformers-cpu-steady-single-quick.md").read_text()
     assert table.count("| warm-up (not counted) |") == 2 and table.count("| pair ") == 4
     assert "| pair 2 | static |" in out  # the report is printed too
-    assert segment_dirs() <= before  # its segment directory went with it
+    assert not segment_dirs(proc.pid)  # its segment directory went with it
 
 
 def test_ctrl_c_while_it_runs_stops_every_engine_and_removes_its_segments() -> None:
-    before = segment_dirs()
     proc = bench("--pairs", "1", "--no-write")
     seen: dict[int, float] = {}
     try:
@@ -114,7 +113,7 @@ def test_ctrl_c_while_it_runs_stops_every_engine_and_removes_its_segments() -> N
                 with contextlib.suppress(psutil.NoSuchProcess):
                     seen.setdefault(kid.pid, kid.create_time())
                     engines += "spawn_main" in " ".join(kid.cmdline())
-            made = segment_dirs() - before
+            made = segment_dirs(proc.pid)
             if engines == 6 and any(any(d.iterdir()) for d in made if d.is_dir()):
                 break
             time.sleep(0.5)
@@ -129,7 +128,7 @@ def test_ctrl_c_while_it_runs_stops_every_engine_and_removes_its_segments() -> N
     assert "interrupted: every engine was stopped" in err, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
     assert not still_running(seen)
-    assert segment_dirs() <= before, segment_dirs() - before
+    assert not segment_dirs(proc.pid), segment_dirs(proc.pid)
 
 
 def test_bad_duration_is_a_usage_error() -> None:

@@ -494,7 +494,9 @@ class TcbDriver:
         self.started_engines: list[str] = []  # when each group's engines were started (in turn: more than once)
         import tempfile
 
-        self.shm = Path(tempfile.mkdtemp(prefix="kvc-tcb-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
+        # named for this process, so that whoever started it can tell its directory from another run's
+        self.shm = Path(tempfile.mkdtemp(prefix=f"kvc-tcb-{os.getpid()}-",
+                                         dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
 
     def _letter(self, config: str) -> str | None:
         return f"{config}-m" if self.scale == "operator" else None

@@ -23,19 +23,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from conftest import send, wait_for  # noqa: E402
+from test_plugin_transformers_cb import needs_cb  # noqa: E402
 
 import kvcached_core as kc  # noqa: E402
 from kvcached_transformers import cb  # noqa: E402
-from kvcached_transformers.cb.seams import UnsupportedTransformers, check_version  # noqa: E402
 from kvcached_transformers.tiny import random_prompts, tiny_llama  # noqa: E402
 
-try:
-    check_version(transformers.__version__)
-    SUPPORTED_HERE = True
-except UnsupportedTransformers:
-    SUPPORTED_HERE = False
-pytestmark = pytest.mark.skipif(not SUPPORTED_HERE, reason=f"transformers {transformers.__version__} is outside "
-                                f"the continuous batching range")
+pytestmark = needs_cb  # this transformers' continuous batching is supported
 
 PAGE_TOKENS = 256  # one block: 2 layers x K,V x 4 heads x 32 x fp32 x 256 tokens = 512 KiB, 4 per 2 MiB page
 NEW_TOKENS = 8

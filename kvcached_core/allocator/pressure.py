@@ -293,6 +293,13 @@ class PressureControl:
             self._next_ask = time.monotonic() + (0.0 if whole and not self.fixed_pace else REASK_S)
             self._asking.release()
 
+    def next_ask_in(self) -> float | None:
+        """Seconds until a refused growth that still waits may ask again (0 when it may now); None when none waits.
+        A refill thread that sleeps until woken wakes by then: no alloc may come to wake it (a plain read)."""
+        if not self.wanted or (self.fixed_pace and self.holding()):
+            return None
+        return max(0.0, self._next_ask - time.monotonic())
+
     @property
     def late(self) -> bool:
         """A donor's answer is overdue: :meth:`collect_late` counts it when it comes (a plain read, no lock)."""

@@ -32,6 +32,7 @@ RELEASE_CHECK_S = 5.0  # an idle refill thread looks again this often, waiting w
 # pool right after a wake) must not take CPU from the step that serves the request (benchmarks/sleep.py).
 REFILL_NICE = 10
 IDLE = -1.0  # step(): nothing to do until an alloc asks
+MIN_WAIT_S = 0.001  # the shortest unwoken wait: a re-ask due now still lets the engine run between looks
 
 
 def step(m: Served, linger_until: float) -> float | None:
@@ -117,9 +118,12 @@ def map_asked(m: Served, asked: list[int], linger_until: float) -> float:
 
 
 def wait_s(m: Served) -> float:
-    """How long an idle refill thread waits unwoken: until a donor's overdue answer is due another look
+    """How long an idle refill thread waits unwoken: until a refused growth that still waits may ask the other
+    models again (:meth:`Pressure.next_ask_in`), until a donor's overdue answer is due another look
     (:meth:`Pressure.collect_late`), else until its next release check."""
-    return LATE_LOOK_S if m.pressure.late else RELEASE_CHECK_S
+    wait = LATE_LOOK_S if m.pressure.late else RELEASE_CHECK_S
+    ask = m.pressure.next_ask_in()
+    return wait if ask is None else min(wait, max(ask, MIN_WAIT_S))
 
 
 def due(m: Served) -> bool:

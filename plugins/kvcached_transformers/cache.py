@@ -33,7 +33,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcached_core import KVCacheManager
-from kvcached_core.engines import alloc_blocks
+from kvcached_core.engines import ENGINE_LINGER_S, alloc_blocks
 
 from .pools import kv_pool
 from .prefix import PrefixIndex
@@ -186,7 +186,7 @@ class PagedKVCache(Cache):
         manager = KVCacheManager(
             model_name, num_blocks=-(-max_tokens // block_tokens), block_bytes=block_bytes, num_layers=layers,
             page_size=page_size, backend=backend, device=device.index or 0, engine="transformers",
-            block_tokens=block_tokens, name=name,
+            block_tokens=block_tokens, name=name, refill_linger_s=ENGINE_LINGER_S,
         )
         try:
             return cls(manager, kv_heads=heads, head_dim=head_dim, dtype=dtype, device=device, wait=wait,

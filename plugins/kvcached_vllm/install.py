@@ -28,6 +28,8 @@ import os
 import threading
 from typing import Any
 
+from kvcached_core.engines import ENGINE_LINGER_S
+
 from . import endpoint
 from .seams import check_vllm
 
@@ -386,7 +388,7 @@ def _build_manager(vllm_config: Any, kv_cache_config: Any) -> Any:
         num_layers=layout.num_layers, num_kv_buffers=1, page_size=layout.page_size,
         backend="host" if current_platform.is_cpu() else "cuda", engine="vllm", block_tokens=layout.block_tokens,
         tp_world=world, tp_workers=paths,
-        refill_linger_s=0.0,  # a scheduler step is long next to waking the refill thread: do not poll for it
+        refill_linger_s=ENGINE_LINGER_S,
     )
     _MANAGERS.append(manager)
     log.info("kvcached: segment %r (%d blocks of %d tokens, %d per %d MiB page, %d layer ranges; %s)", manager.name,

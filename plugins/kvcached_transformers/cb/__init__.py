@@ -22,6 +22,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from kvcached_core import KVCacheManager
+from kvcached_core.engines import ENGINE_LINGER_S
 
 from .seams import SUPPORTED, UnsupportedTransformers, check, supported_text
 
@@ -73,7 +74,7 @@ class CBInstall:
             page_size=cache.page_size_for(cache.bytes_per_sector), backend=backend,
             device=(device.index or 0) if device.type == "cuda" else 0, engine="transformers",
             block_tokens=cache.tokens_per_sector_full, name=self.name, min_bytes=self.min_bytes,
-            priority=self.priority,
+            priority=self.priority, refill_linger_s=ENGINE_LINGER_S,
         )
         return self.manager
 

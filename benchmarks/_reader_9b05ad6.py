@@ -36,9 +36,9 @@ from kvcached_core.segment.reader import (
     _printable_problem,
     _rank_bytes,
     _unpublished_counters,
-    _words,
     parse_header,
 )
+from kvcached_core.segment.sealed import read_words as _words
 from kvcached_core.segment.snapshot import ModelSnapshot, Problem, RankInfo, Scan, Traffic
 from kvcached_core.settings import settings
 

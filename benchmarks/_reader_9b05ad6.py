@@ -15,8 +15,10 @@ import os
 import stat
 import time
 from array import array
+from dataclasses import replace
 from pathlib import Path
 
+from kvcached_core.bounds import printable
 from kvcached_core.interop.legacy import NotLegacy, is_legacy_name, read_legacy
 from kvcached_core.segment import layout as L
 from kvcached_core.segment.liveness import judge, writer_alive
@@ -31,8 +33,6 @@ from kvcached_core.segment.reader import (
     PublishUnfinished,
     SegmentCorrupt,
     _backoff,
-    _legacy_sized,
-    _printable,
     _printable_problem,
     _rank_bytes,
     _unpublished_counters,
@@ -41,6 +41,22 @@ from kvcached_core.segment.reader import (
 from kvcached_core.segment.sealed import read_words as _words
 from kvcached_core.segment.snapshot import ModelSnapshot, Problem, RankInfo, Scan, Traffic
 from kvcached_core.settings import settings
+
+
+def _legacy_sized(path: str) -> bool:
+    """A regular file of exactly upstream's struct size (the reader's test at 9b05ad6)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == L.LEGACY_SIZE
+
+
+def _printable(m: ModelSnapshot) -> ModelSnapshot:
+    """Upstream rows' names without control characters (the reader's at 9b05ad6)."""
+    shown = (printable(m.name), printable(m.model), printable(m.engine))
+    return m if shown == (m.name, m.model, m.engine) else replace(m, name=shown[0], model=shown[1], engine=shown[2])
+
 
 _SUMS: dict[str, tuple[bytes, int]] = {}  # per segment name: the last page map summed, and its sum
 _SUMS_MAX = 4096

@@ -91,3 +91,17 @@ def test_each_recorded_result_is_copied_as_it_stands():
 
     text = BENCHMARKS.read_text()
     assert text[text.index("\n" + RECORDED + "\n") + 1:].rstrip() == "\n".join(recorded_section()).rstrip()
+
+
+def test_every_benchmark_module_imports() -> None:
+    """A benchmark that no longer imports (a name moved in the package under it) fails here, not on the day it is
+    run: every module of benchmarks/ and benchmarks/fair/, the frozen twins (``_reader_9b05ad6``) included."""
+    import importlib
+    import pkgutil
+
+    import benchmarks
+    import benchmarks.fair
+
+    for package in (benchmarks, benchmarks.fair):
+        for info in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package.__name__}.{info.name}")

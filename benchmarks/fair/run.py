@@ -55,7 +55,7 @@ def run(driver: Driver, *, pairs: int, seed: int, shape: str, single: bool, comm
         report.update(getattr(driver, "notes", dict)())
         print(f"run {one['run']} ({one['kind']}) {one['configuration']}: p99 TTFT {one['ttft_p99_s']:.2f} s, "
               f"{one['tokens_per_s']:.1f} tokens/s, {one['answered']}/{one['requests']} answered, "
-              f"{one['requests_per_step']} requests per step, {_len(one.get('preempted'))} preempted; "
+              f"{_n(one.get('requests_per_step'))} requests per step, {_len(one.get('preempted'))} preempted; "
               f"{one['elapsed_s']:.1f} s, {report['seconds']:.0f} s since the command started", flush=True)
         if stem is not None:
             rep.save(report, stem)
@@ -85,6 +85,11 @@ def run(driver: Driver, *, pairs: int, seed: int, shape: str, single: bool, comm
             rep.save(report, stem)
     print(rep.markdown(report))
     return 0 if all(r["answered"] == r["requests"] for r in report["runs"]) else 1
+
+
+def _n(value: Any) -> str:
+    """A counter as printed: n/a where the engine keeps none."""
+    return rep.NA if value is None else str(value)
 
 
 def _len(ids: Any) -> str:

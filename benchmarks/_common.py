@@ -150,14 +150,16 @@ def legacy_set_limit(path: Path, total: int) -> None:
 
 def pair_ratios(runs: list[dict]) -> dict:
     """The ratios of a repeated comparison, pair by pair (the n-th static run against the n-th elastic one, as they
-    were interleaved): p99 and mean TTFT static/elastic and throughput elastic/static (above 1: elastic better),
-    their median and range. ``runs``: every repeat in order, each with ``configuration`` (static or elastic),
+    were interleaved): p99 and mean TTFT static/elastic, throughput elastic/static and, where the runs give it, the
+    mean decode time per output token static/elastic (above 1: elastic better), their median and range. ``runs``: every repeat in order, each with ``configuration`` (static or elastic),
     ``ttft_p99_s``, ``ttft_mean_s`` and ``tokens_per_s``."""
     static = [r for r in runs if r["configuration"] == "static"]
     elastic = [r for r in runs if r["configuration"] == "elastic"]
     ttft = [s["ttft_p99_s"] / e["ttft_p99_s"] for s, e in zip(static, elastic, strict=False) if e["ttft_p99_s"]]
     mean = [s["ttft_mean_s"] / e["ttft_mean_s"] for s, e in zip(static, elastic, strict=False) if e["ttft_mean_s"]]
     thr = [e["tokens_per_s"] / s["tokens_per_s"] for s, e in zip(static, elastic, strict=False) if s["tokens_per_s"]]
+    tpot = [s["tpot_mean_s"] / e["tpot_mean_s"] for s, e in zip(static, elastic, strict=False)
+            if s.get("tpot_mean_s") and e.get("tpot_mean_s")]
 
     def r(value: float) -> float:
         return round(value, 3)
@@ -168,4 +170,6 @@ def pair_ratios(runs: list[dict]) -> dict:
             "ttft_mean_ratio_median": r(statistics.median(mean)) if mean else float("nan"),
             "throughput_ratio_median": r(statistics.median(thr)) if thr else float("nan"),
             "throughput_ratio_min": r(min(thr)) if thr else float("nan"),
-            "throughput_ratio_max": r(max(thr)) if thr else float("nan")}
+            "throughput_ratio_max": r(max(thr)) if thr else float("nan"),
+            **({"tpot_ratio_median": r(statistics.median(tpot)), "tpot_ratio_min": r(min(tpot)),
+                "tpot_ratio_max": r(max(tpot))} if tpot else {})}

@@ -82,6 +82,7 @@ def test_a_short_trace_runs_warm_ups_then_abba_pairs_every_request_answered_with
     for run in runs:
         assert run["answered"] == run["requests"] == report["trace_requests"], run["run"]
         assert run["tokens"] > 0 and run["tokens_per_s"] > 0
+        assert run["tpot_mean_s"] > 0  # decode time per output token: how fast a request ran once it ran
         ttfts = [ttft for _, _, ttft in run["ttft_by_arrival"]]
         assert len(ttfts) == run["requests"] and all(t is not None and t >= 0 for t in ttfts)
         # the counters: requests per step and steps counted in the engine, offload rounds; reclaims and bytes
@@ -94,8 +95,12 @@ def test_a_short_trace_runs_warm_ups_then_abba_pairs_every_request_answered_with
     pairs = [r for r in runs if r["counted"]]
     throughput = [e["tokens_per_s"] / s["tokens_per_s"] for s, e in ((pairs[0], pairs[1]), (pairs[3], pairs[2]))]
     assert round(min(throughput), 3) == report["throughput_ratio_min"]  # pair by pair, warm-ups left out
+    tpot = [s["tpot_mean_s"] / e["tpot_mean_s"] for s, e in ((pairs[0], pairs[1]), (pairs[3], pairs[2]))]
+    assert round(max(tpot), 3) == report["tpot_ratio_max"]
     table = (tmp_path / "multimodel-transformers-cpu-steady-single-quick.md").read_text()
     assert table.count("| warm-up (not counted) |") == 2 and table.count("| pair ") == 4
+    assert f"Decode time per output token (each request's mean TPOT, averaged over the run) static/elastic: median " \
+           f"{report['tpot_ratio_median']}x" in table
     assert "| pair 2 | static |" in out  # the report is printed too
     assert not segment_dirs(proc.pid)  # its segment directory went with it
 

@@ -108,12 +108,18 @@ def percentile99(values: list[float]) -> float:
 
 def figures(answers: list[Answer], t0: float, requests: int) -> dict:
     """TTFT (first token's time minus the request's arrival in the trace) p99 and mean, tokens/s over the run
-    (from the trace's start to the last answer), and every request's TTFT by arrival."""
+    (from the trace's start to the last answer), the mean decode time per output token (TPOT: how fast each request
+    ran once it ran; on a trace below saturation tokens/s follows the last requests' service, TPOT every token's),
+    and every request's TTFT by arrival."""
     done = [a for a in answers if a.error is None and a.first is not None]
     ttft = [a.first - a.arrival for a in done if a.first is not None]
     ends = [a.end for a in done if a.end is not None]
     tokens = sum(a.tokens for a in done)
+    # decode time per output token, each request's own (first token to last, over the tokens after the first)
+    tpot = [(a.end - a.first) / (a.tokens - 1) for a in done if a.end is not None and a.first is not None
+            and a.tokens > 1]
     return {"requests": requests, "answered": len(done), "errors": sorted({a.error for a in answers if a.error}),
+            "tpot_mean_s": round(statistics.fmean(tpot), 5) if tpot else None,
             "ttft_p99_s": round(percentile99(ttft), 4),
             "ttft_mean_s": round(statistics.fmean(ttft), 4) if ttft else float("nan"),
             "tokens": tokens, "tokens_per_s": round(tokens / (max(ends) - t0), 2) if ends else 0.0,

@@ -90,6 +90,10 @@ def _n(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _ms(seconds: float | None) -> str:
+    return NA if seconds is None else f"{seconds * 1000:.2f}"
+
+
 def run_line(run: dict) -> str:
     """One run's row: what it served and the counters that explain it."""
     kind = "warm-up (not counted)" if run["kind"] == "warm-up" else \
@@ -98,18 +102,19 @@ def run_line(run: dict) -> str:
     given = NA if run.get("gave_count") is None else f"{_mib(run['gave_bytes'])} ({run['gave_count']})"
     taken = NA if run.get("took_count") is None else f"{_mib(run['took_bytes'])} ({run['took_count']})"
     return (f"| {run['run']} | {kind} | {run['configuration']} | {run['answered']}/{run['requests']} | "
-            f"{run['ttft_p99_s']:.3f} | {run['ttft_mean_s']:.3f} | {run['tokens_per_s']:.1f} | "
+            f"{run['ttft_p99_s']:.3f} | {run['ttft_mean_s']:.3f} | {run['tokens_per_s']:.1f} | {_ms(run.get('tpot_mean_s'))} | "
             f"{_n(run.get('requests_per_step'))} | {_n(run.get('waiting_steps'))} | {_n(run.get('refused'))} | "
             f"{_mib(run.get('unused_bytes_peak'))} / {_mib(run.get('unused_bytes_mean'))} | "
             f"{_mib(run.get('pooled_bytes'))} | {_n(run.get('offload_rounds'))} | {_n(run.get('preemptions'))} | "
             f"{given} | {taken} | {NA if preempted is None else len(preempted)} | {_n(run.get('elapsed_s'))} |")
 
 
-RUNS_HEAD = ["| run | kind | configuration | answered | TTFT p99 s | TTFT mean s | tokens/s | requests per step "
+RUNS_HEAD = ["| run | kind | configuration | answered | TTFT p99 s | TTFT mean s | tokens/s | TPOT mean ms "
+             "| requests per step "
              "| steps with requests waiting | admissions refused by the budget, by gate | MiB claimed but unused, "
              "peak / mean | MiB pooled handles | offload rounds | preemptions | MiB given (times) "
              "| MiB taken (times) | requests preempted | s elapsed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def markdown(report: dict) -> str:
@@ -125,6 +130,9 @@ def markdown(report: dict) -> str:
              f"{report['ttft_p99_ratio_min']}-{report['ttft_p99_ratio_max']}x); throughput elastic/static: median "
              f"{report['throughput_ratio_median']}x (range {report['throughput_ratio_min']}-"
              f"{report['throughput_ratio_max']}x)**", "",
+             *([f"Decode time per output token (each request's mean TPOT, averaged over the run) static/elastic: "
+                f"median {report['tpot_ratio_median']}x (range {report['tpot_ratio_min']}-{report['tpot_ratio_max']}x)"
+                f"; above 1, elastic's requests decode faster.", ""] if "tpot_ratio_median" in report else []),
              *report.get("alone_lines", []), *report.get("preemption_lines", []),
              *report.get("screenshot_lines", []),
              f"Counters: {report.get('counters_note', '')} {NA}: the engine does not publish it.", "",

@@ -54,7 +54,7 @@ def run(driver: Driver, *, pairs: int, seed: int, shape: str, single: bool, comm
                       **rep.limit_of_sharing(report["runs"]), seconds=round(time.monotonic() - started, 1))
         report.update(getattr(driver, "notes", dict)())
         print(f"run {one['run']} ({one['kind']}) {one['configuration']}: p99 TTFT {one['ttft_p99_s']:.2f} s, "
-              f"{one['tokens_per_s']:.1f} tokens/s, {one['answered']}/{one['requests']} answered, "
+              f"{one['tokens_per_s']:.1f} tokens/s, TPOT {_n(one.get('tpot_mean_s'))} s, {one['answered']}/{one['requests']} answered, "
               f"{_n(one.get('requests_per_step'))} requests per step, {_len(one.get('preempted'))} preempted; "
               f"{one['elapsed_s']:.1f} s, {report['seconds']:.0f} s since the command started", flush=True)
         if stem is not None:

@@ -7,8 +7,8 @@
 
 Both configurations replay the same trace with the same method (``benchmarks/fair/``, written once; each engine a
 driver): every engine of both configurations up throughout; one discarded warm-up replay per configuration, then
-``--pairs`` ABBA pairs (S E, E S, ...); per pair the ratios p99 TTFT static/elastic and throughput elastic/static,
-their median and range; every run listed with the counters that explain it (requests per step, steps with
+``--pairs`` ABBA pairs (S E, E S, ...); per pair the ratios p99 TTFT static/elastic, throughput elastic/static and
+the mean decode time per output token (TPOT) static/elastic, their median and range; every run listed with the counters that explain it (requests per step, steps with
 requests waiting, admissions refused by the budget and by which gate, bytes claimed but unused, offload rounds or
 preemptions, reclaims given and taken). Shapes (``--shape``): ramps (staggered peaks), bursty, saturated and steady
 (every model at its static share's capacity all along: elastic has nothing to win). ``--single``: one model,

@@ -14,6 +14,7 @@ from ..lazy import lazy_exports
 if TYPE_CHECKING:
     from ..bounds import PRIORITY_MAX, PRIORITY_MIN
     from ..interop.legacy import NoDeviceTotal, limit_refusal
+    from ..segment.removal import inode, remove_verified
     from .applied import NotApplied, wait_applied
     from .clean import Leftover, leftovers
     from .compact import compact_problem, request_compact
@@ -32,12 +33,14 @@ _EXPORTS = {
     "Leftover": "clean", "leftovers": "clean",
     "PRIORITY_MAX": ".bounds", "PRIORITY_MIN": ".bounds",
     "NoDeviceTotal": ".interop.legacy", "limit_refusal": ".interop.legacy",
+    # the verified delete (the inode checked, never a path) for front ends that remove files of their own
+    "inode": ".segment.removal", "remove_verified": ".segment.removal",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, None, globals())
 
 __all__ = [
     "KEEP", "PRIORITY_MAX", "PRIORITY_MIN", "Ack", "AckTimeout", "ControlError", "Leftover", "NoDeviceTotal",
-    "NotApplied", "after_idle_ms", "compact_problem", "leftovers", "limit_percent_base", "limit_refusal",
-    "policy_problem", "request_compact", "request_limit", "request_policy", "request_sleep", "request_trim",
-    "sleep_problem", "wait_applied",
+    "NotApplied", "after_idle_ms", "compact_problem", "inode", "leftovers", "limit_percent_base", "limit_refusal",
+    "policy_problem", "remove_verified", "request_compact", "request_limit", "request_policy", "request_sleep",
+    "request_trim", "sleep_problem", "wait_applied",
 ]

@@ -2,7 +2,7 @@
 
 Every delete here goes through one helper, :func:`_remove`: the name is opened without following a symbolic
 link, the file held is checked (a regular file of this user, on the day file's file system, and for a day file a
-recording), and only that inode is removed, through ``kvcached_core.segment.removal.remove_verified`` (moved
+recording), and only that inode is removed, through ``kvcached_core.control.remove_verified`` (moved
 to a private name, checked again there, then unlinked; a file swapped in meanwhile is put back, never deleted).
 A day file's WAL and shared-memory files go with it; one that is not ours to delete is left and named in one
 line (``report``, stderr by default).
@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kvcached_core.segment.removal import inode, remove_verified
+from kvcached_core.control import inode, remove_verified
 from kvtop.record.schema import APPLICATION_ID, day_files
 
 SQLITE_MAGIC = b"SQLite format 3\x00"

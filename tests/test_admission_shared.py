@@ -24,7 +24,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import send, wait_for  # noqa: E402
+from budget_engine import BLOCK_BYTES, MIB, PAGE_TOKENS, budget_donor, budget_engine  # noqa: E402
+from conftest import send  # noqa: E402
 from test_plugin_transformers_cb import needs_cb  # noqa: E402
 
 import kvcached_core as kc  # noqa: E402
@@ -33,8 +34,6 @@ from kvcached_transformers.tiny import random_prompts, tiny_llama  # noqa: E402
 
 pytestmark = needs_cb  # this transformers' continuous batching is supported
 
-PAGE_TOKENS = 256  # one block: 2 layers x K,V x 4 heads x 32 x fp32 x 256 tokens = 512 KiB, 4 per 2 MiB page
-BLOCK_BYTES = 512 * 1024
 SHARE = 10  # the static share in blocks; with its 2 padding blocks 12 blocks = 6 MiB = 3 pages
 NEW_TOKENS = 48
 
@@ -106,54 +105,39 @@ def test_an_elastic_engine_admits_as_many_requests_per_step_as_a_static_one_of_i
     assert stats.steps == len(elastic) and stats.step_requests == sum(elastic)
 
 
+def finished(manager_cb: Any, ids: list[str], handle: Any) -> dict[str, list[int]]:
+    """Each request's generated tokens, once every one of ``ids`` has finished without an error (60 s at most)."""
+    results: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 60
+    while len(results) < len(ids):
+        assert time.monotonic() < deadline, f"requests did not finish: {handle.stats}"
+        got = manager_cb.get_result(timeout=1)
+        if got is not None and got.is_finished():
+            assert got.error is None, got.error
+            results[got.request_id] = list(got.generated_tokens)
+    return results
+
+
 def test_other_models_warm_pools_are_room_the_engine_admits_by(model: Any, spawn_allocator: Any,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """An 8 MiB budget (4 pages): the engine's padding sectors on one page (two sectors of it free), another
     process's idle model with the other three pages in its warm pool. The engine's room counts them (old code: the two
     free sectors only), and two requests of three sectors each are admitted and served with the pool's pages."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    mib = 1 << 20
-    monkeypatch.setenv("KVCACHED_HOST_CAPACITY", "8MiB")
-    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "1")
     prompts = random_prompts(2, seed=9, min_len=600, max_len=600)  # 3 blocks each, one prefill chunk each
-    handle = cb.install(model, name="pool-asker")
-    gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    config = ContinuousBatchingConfig(page_size=PAGE_TOKENS, num_blocks=16, max_batch_tokens=1024,
-                                      max_requests_per_batch=4, scheduler_type="fifo")
-    manager_cb = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
-    manager_cb.start()
-    try:
-        wait_for(lambda: handle.manager is not None and kc.snapshot("pool-asker").mapped_bytes == 2 * mib,
-                 what="the engine's padding page")
-        donor = spawn_allocator("pool-donor", num_blocks=64, block_bytes=BLOCK_BYTES, num_layers=1, num_kv_buffers=1,
-                                page_size=2 * mib, env={"KVCACHED_MAX_RESERVED_PAGES": "10"})
-        send(donor, "held = m.alloc(12)")
+    with budget_engine(monkeypatch, model, "pool-asker", 8) as (handle, manager_cb):
+        donor = budget_donor(spawn_allocator, "pool-donor")
         send(donor, "m.free(held)")
         donor_snap = kc.snapshot("pool-donor")
-        assert donor_snap.pages_reserved == 3 and donor_snap.mapped_bytes == 6 * mib  # the budget is full
+        assert donor_snap.pages_reserved == 3 and donor_snap.mapped_bytes == 6 * MIB  # the budget is full
         manager = handle.manager
         assert manager is not None
         # Two free sectors of its own, and the other model's three pages of four sectors.
         assert manager.schedulable_blocks() == 2 + 3 * 4
         ids = manager_cb.add_requests(prompts, max_new_tokens=8)
-        results = {}
-        deadline = time.monotonic() + 60
-        while len(results) < len(ids):
-            assert time.monotonic() < deadline, f"requests did not finish: {handle.stats}"
-            got = manager_cb.get_result(timeout=1)
-            if got is not None and got.is_finished():
-                assert got.error is None, got.error
-                results[got.request_id] = list(got.generated_tokens)
+        results = finished(manager_cb, ids, handle)
         assert all(len(tokens) == 8 for tokens in results.values())
         given = kc.snapshot("pool-donor").pressure
-        assert given.given_reserved > 0 and given.gave_total >= 2 * mib  # the pages came from its warm pool
-    finally:
-        manager_cb.stop(block=True, timeout=30)
-        handle.close()
+        assert given.given_reserved > 0 and given.gave_total >= 2 * MIB  # the pages came from its warm pool
 
 
 def test_a_running_request_waits_for_a_warm_pool_the_budget_can_give_instead_of_being_offloaded(
@@ -163,43 +147,15 @@ def test_a_running_request_waits_for_a_warm_pool_the_budget_can_give_instead_of_
     second sector while they decode, which only the other model's pool can give. Their growth misses (the reclaim is
     asked then) and waits for it: nothing is offloaded (a preemption a static cache of this memory would not need),
     and both finish."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    mib = 1 << 20
-    monkeypatch.setenv("KVCACHED_HOST_CAPACITY", "8MiB")
-    monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "1")
     prompts = random_prompts(2, seed=5, min_len=240, max_len=250)  # one sector each; the 256th token needs another
-    handle = cb.install(model, name="grow-asker")
-    gen = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    config = ContinuousBatchingConfig(page_size=PAGE_TOKENS, num_blocks=16, max_batch_tokens=1024,
-                                      max_requests_per_batch=4, scheduler_type="fifo")
-    manager_cb = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
-    manager_cb.start()
-    try:
-        wait_for(lambda: handle.manager is not None and kc.snapshot("grow-asker").mapped_bytes == 2 * mib,
-                 what="the engine's padding page")
-        donor = spawn_allocator("grow-donor", num_blocks=64, block_bytes=BLOCK_BYTES, num_layers=1, num_kv_buffers=1,
-                                page_size=2 * mib, env={"KVCACHED_MAX_RESERVED_PAGES": "10"})
-        send(donor, "held = m.alloc(12)")
+    with budget_engine(monkeypatch, model, "grow-asker", 24) as (handle, manager_cb):
+        donor = budget_donor(spawn_allocator, "grow-donor")
         send(donor, "m.free(held)")
         assert kc.snapshot("grow-donor").pages_reserved == 3  # the budget is full
         ids = manager_cb.add_requests(prompts, max_new_tokens=24)
-        results: dict[str, list[int]] = {}
-        deadline = time.monotonic() + 60
-        while len(results) < len(ids):
-            assert time.monotonic() < deadline, f"requests did not finish: {handle.stats}"
-            got = manager_cb.get_result(timeout=1)
-            if got is not None and got.is_finished():
-                assert got.error is None, got.error
-                results[got.request_id] = list(got.generated_tokens)
+        results = finished(manager_cb, ids, handle)
         assert all(len(tokens) == 24 for tokens in results.values())
         given = kc.snapshot("grow-donor").pressure
         assert given is not None and given.given_reserved > 0  # the growth was served by its warm pool
         traffic = handle._traffic
         assert traffic is not None and traffic[1].offloads == 0
-    finally:
-        manager_cb.stop(block=True, timeout=30)
-        handle.close()

@@ -399,8 +399,8 @@ def test_forged_router_figures_are_not_trusted(shm_dir, spawn_allocator):
 
 
 def test_kvctl_show_and_kvtop_details_say_the_endpoint_and_the_router_figures(router, spawn_allocator):
+    from kvtop_pilot import drive, seen, until
     from rich.console import Console
-    from test_kvtop_pilot import drive, seen, until
     from textual.pilot import Pilot
 
     from kvtop.dashboard import KvtopApp

@@ -253,7 +253,7 @@ def test_a_freed_place_goes_to_the_model_of_highest_priority(fleet, workdir: Pat
         long = Stream(router, completion("m0", PROMPTS[0], MAX_MODEL_LEN - len(PROMPTS[0]), stream=True))
         with ThreadPoolExecutor(2) as pool:
             try:  # closed before the pool waits for the others, which wait behind it
-                wait_for(lambda: _figures(router)["models"].get("m0", {}).get("in_flight") == 1, timeout=30)
+                wait_for(lambda: _figures(router)["models"].get("m0", {}).get("in_flight") == 1, timeout=120)
                 # 200 tokens, about a second: `done` is the order the clients read their answers in, and org/m1's
                 # client, kept off the CPU on a loaded host, once read its 16 tokens after m0's 16 (admitted after).
                 late_m0 = pool.submit(send, "m0", completion("m0", PROMPTS[1], 200))

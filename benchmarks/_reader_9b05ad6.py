@@ -15,11 +15,9 @@ import os
 import stat
 import time
 from array import array
-from dataclasses import replace
 from pathlib import Path
 
-from kvcached_core.bounds import printable
-from kvcached_core.interop.legacy import NotLegacy, is_legacy_name, read_legacy
+from kvcached_core.interop.legacy import NotLegacy, _printable, is_legacy_name, read_legacy
 from kvcached_core.segment import layout as L
 from kvcached_core.segment.liveness import judge, writer_alive
 from kvcached_core.segment.names import SEGMENT_PREFIX
@@ -50,12 +48,6 @@ def _legacy_sized(path: str) -> bool:
     except OSError:
         return False
     return stat.S_ISREG(st.st_mode) and st.st_size == L.LEGACY_SIZE
-
-
-def _printable(m: ModelSnapshot) -> ModelSnapshot:
-    """Upstream rows' names without control characters (the reader's at 9b05ad6)."""
-    shown = (printable(m.name), printable(m.model), printable(m.engine))
-    return m if shown == (m.name, m.model, m.engine) else replace(m, name=shown[0], model=shown[1], engine=shown[2])
 
 
 _SUMS: dict[str, tuple[bytes, int]] = {}  # per segment name: the last page map summed, and its sum

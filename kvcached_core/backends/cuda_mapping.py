@@ -32,7 +32,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from .base import BackendError
@@ -82,10 +82,7 @@ class PageMapping:
     _unmapper: threading.Thread | None
     _stopping: bool
     _async_error: BaseException | None
-
-    def _claimed(self) -> None:
-        """Tell the accounting what the backend holds now (the backend's own)."""
-        raise NotImplementedError
+    _claimed: Callable[[], None]  # the backend's own: tells its accounting what it holds now
 
     # -- the driver --------------------------------------------------------------------------------
     def _err_name(self, err: Any) -> str:

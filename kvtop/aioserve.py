@@ -12,6 +12,9 @@ to its user, in one place for every server of the project:
 - a listen backlog that holds a burst of clients (the kernel's usual 5 made them wait out SYN
   retries of 1, 3, 7 s);
 - no access log and no signal handlers: the command that serves decides how it stops;
+- a handler whose client goes away is cancelled (aiohttp's ``handler_cancellation``): a router request
+  waiting on an engine that sends nothing lets go of its place and its engine's connection at once,
+  instead of when the engine next writes;
 - a ``Server`` header that names no versions (aiohttp's default tells a stranger its and Python's);
 - a request that is not HTTP, or breaks a limit, is answered 400 and logged at debug level only: a
   stranger's bytes never print a traceback on the operator's terminal.
@@ -142,7 +145,7 @@ async def serve(app: web.Application, host: str, port: int, *, backlog: int = BA
     app.middlewares.append(deadlines.middleware)
     app.on_response_prepare.append(_plain_server_header)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-                           logger=LOG, **HEAD_LIMITS)
+                           logger=LOG, handler_cancellation=True, **HEAD_LIMITS)
     await runner.setup()
     server = runner.server
     assert server is not None

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 
@@ -495,3 +496,95 @@ def test_a_freed_place_goes_to_the_highest_model_priority_then_the_lowest_reques
     order, seen, after = asyncio.run(scenario())
     assert order == ["first", "other device", "chat prio 1", "chat prio 5", "batch late"]
     assert seen == {"batch": 1, "chat": 3} and after == {}
+
+
+class SilentEngine(socketserver.ThreadingTCPServer):
+    """An engine that starts streaming its first answer, one event, and then sends nothing more until the
+    other end closes the connection (a long prefill, a stalled engine); every later answer is whole."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), SilentEngineHandler)
+        self.posts = 0  # requests passed on to it
+        self.hung_up = threading.Event()  # the connection of the silent answer was closed by the router
+
+
+class SilentEngineHandler(socketserver.StreamRequestHandler):
+    server: SilentEngine
+
+    def handle(self) -> None:
+        line = self.rfile.readline()
+        length = 0
+        while (header := self.rfile.readline()) not in (b"\r\n", b""):
+            name, _, value = header.decode().partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        self.rfile.read(length)
+        if line.startswith(b"GET"):
+            body = json.dumps({"object": "list", "data": [{"id": "m1"}]}).encode()
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            return
+        self.server.posts += 1
+        first = self.server.posts == 1
+        self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+                         b'data: {"choices": [{"text": "a"}]}\n\n')
+        self.wfile.flush()
+        if first:
+            if self.rfile.read(1) == b"":  # nothing more comes from the router: it closed the connection
+                self.server.hung_up.set()
+            return
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+def test_a_client_gone_while_its_engine_is_silent_frees_its_place_at_once(spawn_allocator):
+    """With one place, a streamed request whose client goes away while its engine sends nothing: the router closes
+    the engine's connection (the engine aborts it) and the waiting request gets the place. The old router noticed
+    the client only when the engine next wrote: the place stayed held and the waiting request never went on."""
+    engine = SilentEngine()
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    proc = kvctl("route", "--listen", "127.0.0.1:0", "--rescan", "0.1", "--max-in-flight", "1")
+    try:
+        found = re.search(r"serving (http://\S+)/v1 ", proc.stderr.readline())
+        assert found
+        router = found.group(1)
+        host, port = engine.server_address[:2]
+        spawn_allocator("m1", script=f"m.publish_endpoint('http://{host}:{port}')\n")
+        wait_for(lambda: call(router + "/v1/models")[1]["data"], timeout=30)
+        url = urllib.parse.urlsplit(router)
+        held = socket.create_connection((url.hostname, url.port))
+        body = json.dumps({"model": "m1", "prompt": "hi", "stream": True}).encode()
+        held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        first = b""
+        while b"data:" not in first:
+            chunk = held.recv(4096)
+            assert chunk, first
+            first += chunk
+        later: list[tuple[int, dict | str]] = []
+
+        def send_later() -> None:
+            req = urllib.request.Request(router + "/v1/completions", data=json.dumps(
+                {"model": "m1", "prompt": "hi", "stream": True}).encode(), headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                later.append((resp.status, resp.read().decode()))
+
+        waiter = threading.Thread(target=send_later)
+        waiter.start()
+        wait_for(lambda: call(router + "/kvcached/figures")[1]["waiting"] == {"m1": 1}, timeout=30)
+        held.shutdown(socket.SHUT_RDWR)
+        held.close()
+        assert engine.hung_up.wait(timeout=30), "the router kept the silent engine's connection"
+        waiter.join(timeout=60)
+        assert later and later[0][0] == 200 and "[DONE]" in later[0][1], later
+        assert engine.posts == 2
+        figures = call(router + "/kvcached/figures")[1]
+        assert figures["waiting"] == {} and figures["models"]["m1"]["in_flight"] == 0
+        assert figures["models"]["m1"]["errors"] == 0  # a client gone mid-answer is no error of the router's
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+        engine.shutdown()
+        engine.server_close()

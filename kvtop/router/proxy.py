@@ -170,16 +170,20 @@ async def _answer(request: web.Request, engine: Engine, model: str, payload: dic
     fig = app[FIGURES].of(engine.name)
     if engine.state == GONE:
         return _gone_error(engine)
-    if engine.state in (ASLEEP, DRAINING):
-        fig.woken += 1
-        why = await _wake(app, engine)
-        if why is not None:
-            return error(503, why, "service_unavailable", "wake_failed")
-    if engine.served and model not in engine.served:  # a segment's name: the engine knows its served id
-        payload["model"] = engine.served[0]
-        raw = json.dumps(payload).encode()
     admission = app[ADMISSION]
-    await admission.enter(engine.snap.device, engine.name, engine.priority, request_priority(payload))
+    try:  # the server cancels the handler of a client that goes away (aioserve): here, before its request is passed on
+        if engine.state in (ASLEEP, DRAINING):
+            fig.woken += 1
+            why = await _wake(app, engine)
+            if why is not None:
+                return error(503, why, "service_unavailable", "wake_failed")
+        if engine.served and model not in engine.served:  # a segment's name: the engine knows its served id
+            payload["model"] = engine.served[0]
+            raw = json.dumps(payload).encode()
+        await admission.enter(engine.snap.device, engine.name, engine.priority, request_priority(payload))
+    except asyncio.CancelledError:
+        fig.errors += 1  # counted as the CLIENT_GONE answer below: never passed on
+        raise
     try:
         if request.transport is None or request.transport.is_closing():  # the client gave up while it waited
             return web.Response(status=CLIENT_GONE, reason="Client Closed Request")

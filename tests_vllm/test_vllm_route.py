@@ -248,15 +248,20 @@ def test_a_freed_place_goes_to_the_model_of_highest_priority(fleet, workdir: Pat
 
         finished = snapshot("m0", directory=shm).traffic.finished
         # The long m0 request holds the place until the test lets it go (it closes the stream: the router drops it
-        # and vLLM aborts it), so nothing below depends on how long its tokens take on a loaded host (a timed
-        # one once ran out while the test still set up the waiting requests).
+        # and vLLM aborts it). Once it runs, m0's API server is stopped (its engine core runs on and publishes):
+        # its answer stalls, so it holds the place however fast the engine would run out of tokens. Its 2000
+        # tokens once took 6 s on an idle host, less than setting up the waiting requests took there.
+        api_server = servers["m0"].proc.pid
+        stopped = False
         long = Stream(router, completion("m0", PROMPTS[0], MAX_MODEL_LEN - len(PROMPTS[0]), stream=True))
         with ThreadPoolExecutor(2) as pool:
             try:  # closed before the pool waits for the others, which wait behind it
-                wait_for(lambda: _figures(router)["models"].get("m0", {}).get("in_flight") == 1, timeout=120)
-                # 200 tokens, about a second: `done` is the order the clients read their answers in, and org/m1's
-                # client, kept off the CPU on a loaded host, once read its 16 tokens after m0's 16 (admitted after).
-                late_m0 = pool.submit(send, "m0", completion("m0", PROMPTS[1], 200))
+                wait_for(lambda: _figures(router)["models"].get("m0", {}).get("in_flight") == 1 or not long.running,
+                         timeout=120)
+                assert long.running, f"the long request ended before it was seen in flight: {_figures(router)}"
+                os.kill(api_server, signal.SIGSTOP)
+                stopped = True
+                late_m0 = pool.submit(send, "m0", completion("m0", PROMPTS[1], 16))
                 wait_for(lambda: _figures(router)["waiting"] == {"m0": 1}, timeout=30)
                 try:  # gives up and closes its connection
                     given_up = post(router + "/v1/completions", completion("m0", PROMPTS[2], 16), timeout=1)
@@ -271,10 +276,15 @@ def test_a_freed_place_goes_to_the_model_of_highest_priority(fleet, workdir: Pat
 
                 wait_for(m1_waits, timeout=30)
                 assert _figures(router)["waiting"].get("m0") in (1, 2)
-                assert long.running, f"the long request ran out of tokens or broke ({long.broken}) while the others were set up"
+                assert long.running, f"the long request broke ({long.broken}) while the others were set up"
                 long.close()  # its place is freed: it goes to org/m1, of the higher model priority
-                answers = [late_m0.result(), m1.result()]
+                m1_answer = m1.result(timeout=120)  # m0's late request, still waiting or sent to the stopped server
+                os.kill(api_server, signal.SIGCONT)
+                stopped = False
+                answers = [late_m0.result(timeout=120), m1_answer]
             finally:
+                if stopped:
+                    os.kill(api_server, signal.SIGCONT)
                 long.close()
         assert [status for status, _ in answers] == [200, 200], answers
         assert done == ["org/m1", "m0"]

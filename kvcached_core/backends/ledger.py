@@ -125,10 +125,21 @@ class CapacityLedger:
         one liveness verdict (a process of the file's owner, or a fresh heartbeat across pid
         namespaces), and it claims no more than the whole capacity (no allocator can).
         """
-        total = takeable = 0
         self.scans += 1
+        try:  # each segment opened relative to the directory's fd: no path built and resolved per segment
+            dfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return 0, 0
         try:
-            names = os.listdir(self.directory)
+            return self._scan_in(dfd, waiters)
+        finally:
+            os.close(dfd)
+
+    def _scan_in(self, dfd: int, waiters: list[int] | None) -> tuple[int, int]:
+        """:meth:`_scan` over the directory open as ``dfd``."""
+        total = takeable = 0
+        try:
+            names = os.listdir(dfd)
         except OSError:
             return 0, 0
         now = time.monotonic()
@@ -136,7 +147,7 @@ class CapacityLedger:
             if not name.startswith(SEGMENT_PREFIX):
                 continue
             try:
-                fd = os.open(self.directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
             except OSError:
                 continue
             try:

@@ -26,6 +26,7 @@ import psutil
 
 from kvcached_core.segment.reader import snapshot
 from kvcached_core.segment.snapshot import ModelSnapshot
+from kvcached_vllm.tiny import prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -222,3 +223,38 @@ class Stream:
             self.conn.sock.shutdown(socket.SHUT_RDWR)  # the other end sees the client go at once
         self.conn.close()
         self.thread.join(timeout=30)
+
+
+class Busy:
+    """Streamed requests that keep an engine busy however long a test takes: a thread starts another beside the
+    newest before it runs out of tokens (past half of them), so the engine never goes idle while the test needs it
+    busy, whatever the host's speed. ``tokens``: each request's greedy tokens, after a ``prompt_len``-token prompt
+    (the tiny model's 2048-token context, less its prompt, at most)."""
+
+    def __init__(self, server: Server, seed: int, *, tokens: int = 1800, prompt_len: int = 100) -> None:
+        self.server, self.seed, self.tokens, self.prompt_len = server, seed, tokens, prompt_len
+        self.streams = [self._stream(seed)]
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._keep, daemon=True)
+        self.thread.start()
+
+    def _keep(self) -> None:
+        while not self.done.wait(0.05):
+            newest = self.streams[-1]
+            if newest.lines > self.tokens or not newest.running:  # past half of its 2 * tokens lines
+                self.streams.append(self._stream(self.seed + len(self.streams)))
+
+    def _stream(self, seed: int) -> Stream:
+        body = {"model": self.server.name, "prompt": prompts(1, length=self.prompt_len, seed=seed)[0],
+                "max_tokens": self.tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+        return Stream(self.server.url(""), body)
+
+    def running(self) -> bool:
+        """A streamed request is still running (the engine is busy now)."""
+        return any(s.running for s in self.streams)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=90)
+        for stream in self.streams:
+            stream.close()

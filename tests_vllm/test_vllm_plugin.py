@@ -22,7 +22,7 @@ from kvcached_core.segment.snapshot import ModelSnapshot
 from kvcached_vllm.tiny import prompts
 
 from .conftest import BASELINE_TOKENS, LONG, NAME, REPEATED, SHORT
-from .harness import Server, base_env, kvctl, run_offline, settled, wait_for
+from .harness import MAX_MODEL_LEN, Server, Stream, base_env, kvctl, run_offline, settled, wait_for
 
 MiB = 1024 * 1024
 
@@ -154,12 +154,16 @@ def test_limit_below_use_queues_requests_and_lifting_it_restores_concurrency(
         server: Server, ctl_env: dict[str, str], baseline: list[list[int]]) -> None:
     directory = Path(ctl_env["KVCACHED_SHM_DIR"])
     samples: list = []
+    failed: list[BaseException] = []
     stop = threading.Event()
 
     def monitor() -> None:
-        while not stop.is_set():
-            samples.append(snapshot(NAME, directory=directory, with_pages=False))
-            time.sleep(0.005)
+        try:
+            while not stop.is_set():
+                samples.append(snapshot(NAME, directory=directory, with_pages=False))
+                time.sleep(0.005)
+        except Exception as exc:  # noqa: BLE001 - said below, not lost in a warning while the test reads stale samples
+            failed.append(exc)
 
     thread = threading.Thread(target=monitor)
     thread.start()
@@ -183,22 +187,54 @@ def test_limit_below_use_queues_requests_and_lifting_it_restores_concurrency(
         served = len(samples)
         # Deferred, the limit applies once the pages in use fit it: while requests still run, or at the
         # latest when the engine goes idle and gives back the cached blocks that kept pages pinned.
-        wait_for(lambda: samples[-1].limit_status == "applied", timeout=120, every=0.01)
+        wait_for(lambda: failed or samples[-1].limit_status == "applied", timeout=120, every=0.01)
         mark = len(samples)
         assert limited.returncode == 0, limited.stderr
         (ack,) = json.loads(limited.stdout)  # the engine's allocator acknowledged the request
         assert ack["status"] in ("deferred", "applied") and ack["requested_bytes"] == 16 * MiB, ack
-        lifted = kvctl("limit", NAME, "none", env=ctl_env)
-        assert lifted.returncode == 0
-        # As long as the limited run, so the requests overlap for as many steps as they did then.
-        wide = complete_all(server, LONG, BASELINE_TOKENS + 150)
+        lifted = kvctl("limit", NAME, "none", "--json", env=ctl_env)
+        (lift,) = json.loads(lifted.stdout)
+        assert lift["status"] == "none", lift  # acknowledged once the allocator published the lift
+        bundle = samples[0].bundle_bytes
+        limit_pages = (16 * MiB) // bundle
+        # Lifted: the same prompts at once, streamed with tokens up to the model's length, so that they keep running
+        # until a read sees them, however late a busy host lets the reader look (CI once sampled a run as long as
+        # the limited one every 5 ms from another thread and caught no moment above the limit's pages). Then more
+        # pages are in use at once, and more requests run in one step, than the limit's pages hold (each request
+        # takes at least 8 blocks of 128 tokens). Under a limit still in force they take turns within its pages
+        # (preempted and recomputed), and the wait below runs out.
+        with ThreadPoolExecutor(max_workers=len(LONG)) as pool:  # each returns once its first token came
+            opened = [pool.submit(TokenStream, server, p, MAX_MODEL_LEN - len(p)) for p in LONG]
+        try:
+            assert not any(f.exception() for f in opened), \
+                f"{[f.exception() for f in opened]}: {timeline(samples[mark:])}"
+            wide = [f.result() for f in opened]
+
+            def beyond_the_limit() -> ModelSnapshot | None:
+                m = snapshot(NAME, directory=directory, with_pages=False)
+                return m if m.traffic and m.pages_inuse > limit_pages and m.traffic.running > \
+                    limit_pages * m.blocks_per_page // 8 else None
+
+            try:
+                seen = wait_for(beyond_the_limit, timeout=120, every=0.005)
+            except AssertionError:
+                raise AssertionError(f"lifted, yet no more than {limit_pages} pages or their requests in use at once "
+                                     f"in 120 s: {timeline(samples[mark:])}") from None
+            wait_for(lambda: all(len(w.tokens()) >= BASELINE_TOKENS for w in wide), timeout=120, every=0.05)
+            assert not any(w.broken for w in wide), [w.broken for w in wide]
+        finally:
+            for f in opened:
+                if not f.exception():
+                    f.result().close()  # the server aborts its request
+        idle = wait_for(lambda: (t := snapshot(NAME, directory=directory, with_pages=False).traffic)
+                        and not t.running and not t.waiting, timeout=120)
     finally:
         stop.set()
         thread.join()
-    bundle = samples[0].page_size * samples[0].num_layers * samples[0].num_kv_buffers
-    limit_pages = (16 * MiB) // bundle
+    assert not failed, f"the monitor stopped: {failed[0]!r}"
+    assert idle
     assert [r[:BASELINE_TOKENS] for r in results] == baseline[len(SHORT):len(SHORT) + len(LONG)]
-    assert [w[:BASELINE_TOKENS] for w in wide] == baseline[len(SHORT):len(SHORT) + len(LONG)]
+    assert [w.tokens()[:BASELINE_TOKENS] for w in wide] == baseline[len(SHORT):len(SHORT) + len(LONG)]
     during = samples[:mark]
     # Deferred first: the acknowledgement says so, or a sample caught it (the engine may evict and apply
     # between two samples).
@@ -211,12 +247,37 @@ def test_limit_below_use_queues_requests_and_lifting_it_restores_concurrency(
     limited_run = [s for s in samples[:served] if s.limit_status != "none" and s.traffic]
     assert any(s.traffic.waiting for s in limited_run) or \
         limited_run[-1].traffic.preemptions > limited_run[0].traffic.preemptions, timeline(limited_run)
-    # Lifted: more pages in use at once, and more requests running in one step than the limit's pages hold
-    # (each request takes at least 8 blocks of 128 tokens).
-    assert max(s.pages_inuse for s in samples[mark:]) > limit_pages
-    assert max(s.traffic.running for s in samples[mark:] if s.traffic) > limit_pages * samples[0].blocks_per_page // 8
     print(f"limit applied while requests ran: {any(s.limit_status == 'applied' for s in samples[:served])}; "
-          f"preemptions {limited_run[-1].traffic.preemptions - limited_run[0].traffic.preemptions}")
+          f"preemptions {limited_run[-1].traffic.preemptions - limited_run[0].traffic.preemptions}; lifted: "
+          f"{seen.pages_inuse} pages in use, {seen.traffic and seen.traffic.running} requests running")
+
+
+class TokenStream(Stream):
+    """A streamed greedy completion of a token-id prompt that keeps what it read: its token ids so far."""
+
+    def __init__(self, server: Server, prompt: list[int], max_tokens: int) -> None:
+        self.raw = bytearray()
+        super().__init__(server.url(""), {"model": server.name, "prompt": prompt, "max_tokens": max_tokens,
+                                          "temperature": 0, "stream": True, "ignore_eos": True,
+                                          "return_token_ids": True})
+
+    def _read(self) -> None:
+        read1 = self.resp.read1
+
+        def keep(size: int = -1) -> bytes:
+            chunk = read1(size)
+            self.raw += chunk
+            return chunk
+
+        self.resp.read1 = keep  # type: ignore[method-assign, assignment]
+        super()._read()
+
+    def tokens(self) -> list[int]:
+        out: list[int] = []
+        for line in bytes(self.raw).split(b"\n"):
+            if line.startswith(b"data: {"):
+                out += json.loads(line[6:])["choices"][0].get("token_ids") or []
+        return out
 
 
 def test_a_limit_below_an_idle_engines_prefix_cache_applies_and_hits_stay_right(

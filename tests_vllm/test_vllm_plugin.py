@@ -25,6 +25,7 @@ from .conftest import BASELINE_TOKENS, LONG, NAME, REPEATED, SHORT
 from .harness import MAX_MODEL_LEN, Server, Stream, base_env, kvctl, run_offline, settled, wait_for
 
 MiB = 1024 * 1024
+HOLDERS = prompts(8, length=900, seed=9)  # the limit test's streams that hold pages until the limit applies
 
 
 def complete_all(server: Server, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -169,7 +170,11 @@ def test_limit_below_use_queues_requests_and_lifting_it_restores_concurrency(
     thread.start()
     results: list[list[int]] = []
     try:
-        with ThreadPoolExecutor(max_workers=len(LONG)) as pool:
+        with ThreadPoolExecutor(max_workers=len(HOLDERS) + len(LONG)) as pool:
+            # Streams that run up to the model's length hold pages beyond the limit however long kvctl takes to start
+            # (seconds on a loaded host, where the requests below once all ended first: the limit applied at once).
+            # Closed once it applied: under it they were preempted or waited, as the requests below may be.
+            holding = [pool.submit(TokenStream, server, p, MAX_MODEL_LEN - len(p)) for p in HOLDERS]
             futures = [pool.submit(server.complete, p, BASELINE_TOKENS + 150) for p in LONG]
             # Requests holding more pages than the limit allows, with a page to spare for the steps that run
             # while kvctl starts, so it is deferred. Pages that hold only cached blocks (earlier tests' prefixes)
@@ -181,8 +186,14 @@ def test_limit_below_use_queues_requests_and_lifting_it_restores_concurrency(
                 return (m.traffic is not None and m.traffic.running >= 4
                         and (m.pages_inuse - evictable_pages(m.pages) - 1) * m.bundle_bytes > 16 * MiB)
 
-            wait_for(pinned_by_requests, timeout=120, every=0.01)
-            limited = kvctl("limit", NAME, "16MiB", "--json", env=ctl_env, check=False)
+            try:
+                wait_for(pinned_by_requests, timeout=120, every=0.01)
+                limited = kvctl("limit", NAME, "16MiB", "--json", env=ctl_env, check=False)
+                wait_for(lambda: failed or samples[-1].limit_status == "applied", timeout=120, every=0.01)
+            finally:
+                for h in holding:
+                    if not h.exception():
+                        h.result().close()  # the server aborts its request
             results = [f.result() for f in futures]
         served = len(samples)
         # Deferred, the limit applies once the pages in use fit it: while requests still run, or at the

@@ -215,20 +215,21 @@ async def _pass(request: web.Request, engine: Engine, raw: bytes, started: float
                 fig.latency_s.append(time.perf_counter() - started)
                 return web.Response(body=body, status=upstream.status, headers=out_headers)
             response = web.StreamResponse(status=upstream.status, headers=out_headers)
-            await response.prepare(request)
             first = True
             try:
+                await response.prepare(request)
                 async for chunk in upstream.content.iter_any():
                     if first:
                         fig.ttft_s.append(time.perf_counter() - started)
                         first = False
                     await response.write(chunk)
+                await response.write_eof()
             except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError):
                 return response  # the engine hung up mid-stream: the client sees the stream end unfinished
             except ConnectionResetError:
-                # The client went away: leaving this block closes the engine's connection, which aborts the request.
+                # The client went away (before the answer's head, or during its events): leaving this block closes
+                # the engine's connection, which aborts the request.
                 return response
-            await response.write_eof()
             fig.latency_s.append(time.perf_counter() - started)
             return response
     except aiohttp.ClientConnectorError as exc:

@@ -100,7 +100,7 @@ def test_kvctl_compact_on_a_busy_engine_packs_its_cache_and_keeps_the_hits(engin
     """On the old code kvctl compact is refused: the vLLM engine registered no compact handler."""
     server, shm = engine
     ctl = base_env(shm, enabled=False)
-    busy = Busy(server, seed=40)
+    busy = Busy(server, shm, seed=40)
     try:
         batch, first, before = spread(server, shm, seed=41)
         assert returnable(before) > 0, before  # a page only cached blocks hold, that fit elsewhere: to compact
@@ -132,7 +132,7 @@ def test_an_idle_engine_packs_by_compacting_and_keeps_its_cache(engine: tuple[Se
     """Idle packing moves the cached blocks together instead of evicting the sparse pages (the old code's
     packing drops them: fewer cached blocks, misses on the same prompts)."""
     server, shm = engine
-    busy = Busy(server, seed=50)
+    busy = Busy(server, shm, seed=50)
     try:
         batch, first, during = spread(server, shm, seed=51)
         assert returnable(during) > 0, during

@@ -8,17 +8,21 @@ publishes vLLM's bound --host/--port), and the router finds both there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -246,21 +250,16 @@ def test_a_freed_place_goes_to_the_model_of_highest_priority(fleet, workdir: Pat
             done.append(label)
             return answer
 
-        finished = snapshot("m0", directory=shm).traffic.finished
-        # The long m0 request holds the place until the test lets it go (it closes the stream: the router drops it
-        # and vLLM aborts it). Once it runs, m0's API server is stopped (its engine core runs on and publishes):
-        # its answer stalls, so it holds the place however fast the engine would run out of tokens. Its 2000
-        # tokens once took 6 s on an idle host, less than setting up the waiting requests took there.
-        api_server = servers["m0"].proc.pid
-        stopped = False
-        long = Stream(router, completion("m0", PROMPTS[0], MAX_MODEL_LEN - len(PROMPTS[0]), stream=True))
+        # The long m0 request holds the router's one place until the test lets it go: once m0's engine runs it (its
+        # segment says so), m0's processes (API server and engine core) are stopped until org/m1 is answered, so it
+        # can neither end nor free the place, however fast or slow the host. Closing its connection frees the place
+        # (the router drops it; vLLM aborts it once continued). Its 2000 tokens once ran out in 6 s on an idle host,
+        # before org/m1 was sent; a loaded host once let the engine run them all before the first event came.
+        group = servers["m0"].proc.pid  # the server leads a session of its own: its engine core is in the group
+        long, finished = _hold_stopped(router, shm, group)
+        stopped = True
         with ThreadPoolExecutor(2) as pool:
             try:  # closed before the pool waits for the others, which wait behind it
-                wait_for(lambda: _figures(router)["models"].get("m0", {}).get("in_flight") == 1 or not long.running,
-                         timeout=120)
-                assert long.running, f"the long request ended before it was seen in flight: {_figures(router)}"
-                os.kill(api_server, signal.SIGSTOP)
-                stopped = True
                 late_m0 = pool.submit(send, "m0", completion("m0", PROMPTS[1], 16))
                 wait_for(lambda: _figures(router)["waiting"] == {"m0": 1}, timeout=30)
                 try:  # gives up and closes its connection
@@ -276,16 +275,15 @@ def test_a_freed_place_goes_to_the_model_of_highest_priority(fleet, workdir: Pat
 
                 wait_for(m1_waits, timeout=30)
                 assert _figures(router)["waiting"].get("m0") in (1, 2)
-                assert long.running, f"the long request broke ({long.broken}) while the others were set up"
-                long.close()  # its place is freed: it goes to org/m1, of the higher model priority
+                _hang_up(long)  # its place is freed: it goes to org/m1, of the higher model priority
                 m1_answer = m1.result(timeout=120)  # m0's late request, still waiting or sent to the stopped server
-                os.kill(api_server, signal.SIGCONT)
+                os.killpg(group, signal.SIGCONT)
                 stopped = False
                 answers = [late_m0.result(timeout=120), m1_answer]
             finally:
                 if stopped:
-                    os.kill(api_server, signal.SIGCONT)
-                long.close()
+                    os.killpg(group, signal.SIGCONT)
+                _hang_up(long)
         assert [status for status, _ in answers] == [200, 200], answers
         assert done == ["org/m1", "m0"]
         assert answers[1][1]["choices"][0]["token_ids"] == servers[M1].complete(PROMPTS[2], 16)
@@ -298,6 +296,42 @@ def test_a_freed_place_goes_to_the_model_of_highest_priority(fleet, workdir: Pat
         router_proc.wait(timeout=30)
         kvctl("policy", "org_m1", "--priority", "0", env=env)
     assert "Traceback" not in log.read_text()
+
+
+def _m0_traffic(shm: Path) -> Any:
+    traffic = snapshot("m0", directory=shm, with_pages=False).traffic
+    assert traffic is not None
+    return traffic
+
+
+def _hold_stopped(router: str, shm: Path, group: int) -> tuple[socket.socket, int]:
+    """A long streamed m0 request sent through the router, and m0's process group stopped while its engine runs it:
+    (the client's connection, left unread; m0's finished count before the request). Sent again, at most twice,
+    when it ended before the stop."""
+    for _ in range(3):
+        finished = _m0_traffic(shm).finished
+        url = urllib.parse.urlsplit(router)
+        client = socket.create_connection((url.hostname, url.port), timeout=30)
+        body = json.dumps(completion("m0", PROMPTS[0], MAX_MODEL_LEN - len(PROMPTS[0]), stream=True)).encode()
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(lambda before=finished: (t := _m0_traffic(shm)).running >= 1 or t.finished > before, timeout=120)
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            after = _m0_traffic(shm)
+        except BlockingIOError:  # stopped inside a publish: it was running at the look above, a step ago
+            return client, finished
+        if after.running >= 1 and after.finished == finished:
+            return client, finished
+        os.killpg(group, signal.SIGCONT)  # it ended first: again
+        _hang_up(client)
+    raise AssertionError("m0's long request ended before its engine could be stopped, three times")
+
+
+def _hang_up(client: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        client.shutdown(socket.SHUT_RDWR)  # the router sees the client go at once
+    client.close()
 
 
 def test_a_killed_engine_is_a_503_while_the_other_is_still_served(fleet) -> None:

@@ -281,8 +281,9 @@ class Busy:
         return Stream(self.server.url(""), body)
 
     def running(self) -> bool:
-        """A streamed request is still running (the engine is busy now)."""
-        return any(s.running for s in self.streams)
+        """A streamed request is still running, or one was sent and its first event has not come yet (the engine has
+        it, or will: on a loaded host one is often in flight while the one before it ends)."""
+        return any(s.running for s in self.streams) or any(t.is_alive() for t in self.starting)
 
     def stop(self) -> None:
         self.done.set()

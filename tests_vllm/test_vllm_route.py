@@ -144,12 +144,17 @@ def test_streaming_passes_the_engines_events_through(fleet) -> None:
     # still runs the request (2000 tokens, seconds of them); a router that held the body back would send it only
     # after the end. Counting chunks did not prove it: a client kept off the CPU (a busy host) reads many events
     # at once (seen: 24 tokens in 1 chunk, 600 in 2).
-    held = Stream(router, completion(M1, PROMPTS[0], MAX_MODEL_LEN - len(PROMPTS[0]), stream=True))  # its first event
-    try:
-        running = snapshot("org_m1", directory=shm).traffic
-        assert held.running and running is not None and running.running == 1, (running, held.broken)
-    finally:
-        held.close()
+    # A starved API server can send a whole answer in one burst after the engine ran it out (seen beside a busy loop:
+    # the first event came after the 2000 tokens): such a try proves nothing either way, and another is made.
+    for _ in range(3):
+        held = Stream(router, completion(M1, PROMPTS[0], MAX_MODEL_LEN - len(PROMPTS[0]), stream=True))  # 1st event
+        try:
+            running = snapshot("org_m1", directory=shm).traffic
+            if held.running and running is not None and running.running == 1:
+                break
+        finally:
+            held.close()
+    assert held.broken is None and running is not None and running.running == 1, (running, held.broken)
 
 
 def test_a_sleeping_model_is_woken_by_a_request_and_answers(fleet) -> None:

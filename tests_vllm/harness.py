@@ -226,23 +226,54 @@ class Stream:
 
 
 class Busy:
-    """Streamed requests that keep an engine busy however long a test takes: a thread starts another beside the
-    newest before it runs out of tokens (past half of them), so the engine never goes idle while the test needs it
-    busy, whatever the host's speed. ``tokens``: each request's greedy tokens, after a ``prompt_len``-token prompt
-    (the tiny model's 2048-token context, less its prompt, at most)."""
+    """Streamed requests that keep an engine busy however long a test takes, whatever the host's speed.
 
-    def __init__(self, server: Server, seed: int, *, tokens: int = 1800, prompt_len: int = 100) -> None:
-        self.server, self.seed, self.tokens, self.prompt_len = server, seed, tokens, prompt_len
-        self.streams = [self._stream(seed)]
+    A new stream starts whenever the engine (its segment in ``shm``, read as the engine core publishes it, every
+    step) has generated a third of a stream's ``tokens`` since the last one started, and whenever fewer than two
+    streams run: about three run at once, their ends staggered. Watching the client's reads instead failed on a
+    loaded host, where a starved API server sent a stream's whole answer in one burst after the engine had run it
+    out, and the engine went idle before the next one came. ``tokens``: each request's greedy tokens, after a
+    ``prompt_len``-token prompt (the tiny model's 2048-token context, less its prompt, at most)."""
+
+    def __init__(self, server: Server, shm: Path, seed: int, *, tokens: int = 1800, prompt_len: int = 100) -> None:
+        self.server, self.shm, self.seed, self.tokens, self.prompt_len = server, shm, seed, tokens, prompt_len
+        self.streams: list[Stream] = []
+        self.starting: list[threading.Thread] = []
         self.done = threading.Event()
+        self._start()
         self.thread = threading.Thread(target=self._keep, daemon=True)
         self.thread.start()
+        wait_for(lambda: self.streams, timeout=120)
+
+    def _generated(self) -> int | None:
+        try:
+            traffic = snapshot(self.server.name, directory=self.shm, with_pages=False).traffic
+        except (OSError, ValueError):  # a read that met a publish in progress: the next look reads it
+            return None
+        return None if traffic is None else traffic.generated_tokens
+
+    def _start(self) -> None:
+        seed = self.seed + len(self.starting)
+
+        def start() -> None:
+            stream = self._stream(seed)
+            self.streams.append(stream)
+            if self.done.is_set():
+                stream.close()
+
+        thread = threading.Thread(target=start, daemon=True)
+        self.starting.append(thread)
+        thread.start()
 
     def _keep(self) -> None:
-        while not self.done.wait(0.05):
-            newest = self.streams[-1]
-            if newest.lines > self.tokens or not newest.running:  # past half of its 2 * tokens lines
-                self.streams.append(self._stream(self.seed + len(self.streams)))
+        mark = self._generated()
+        while not self.done.wait(0.02):
+            now = self._generated()
+            pending = sum(t.is_alive() for t in self.starting)
+            running = sum(s.running for s in self.streams) + pending
+            if running < 2 or (now is not None and (mark is None or now - mark >= self.tokens // 3)):
+                self._start()
+                mark = now
 
     def _stream(self, seed: int) -> Stream:
         body = {"model": self.server.name, "prompt": prompts(1, length=self.prompt_len, seed=seed)[0],
@@ -250,11 +281,14 @@ class Busy:
         return Stream(self.server.url(""), body)
 
     def running(self) -> bool:
-        """A streamed request is still running (the engine is busy now)."""
-        return any(s.running for s in self.streams)
+        """A streamed request is still running, or one was sent and its first event has not come yet (the engine has
+        it, or will: on a loaded host one is often in flight while the one before it ends)."""
+        return any(s.running for s in self.streams) or any(t.is_alive() for t in self.starting)
 
     def stop(self) -> None:
         self.done.set()
         self.thread.join(timeout=90)
+        for thread in self.starting:
+            thread.join(timeout=90)
         for stream in self.streams:
             stream.close()

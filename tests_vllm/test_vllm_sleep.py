@@ -155,7 +155,7 @@ def test_after_idle_sleeps_the_engine_and_the_next_request_wakes_it(
     assert server.complete(SHORT[0], BASELINE_TOKENS) == baseline[0]
     # Asked while streamed requests keep the engine busy: the policy cannot fall due before kvctl reads its answer,
     # however slowly kvctl starts and reads on a loaded host (idle since the request above, it could).
-    busy = Busy(server, seed=60)
+    busy = Busy(server, Path(ctl_env["KVCACHED_SHM_DIR"]), seed=60)
     try:
         out = kvctl("sleep", NAME, "--after-idle", "2s", "--json", env=ctl_env)
         assert busy.running()

@@ -161,20 +161,28 @@ class ClosingEngine(socketserver.ThreadingTCPServer):
         self.dropped: list[str] = []  # and of each dropped unanswered
 
 
+def read_request(rfile: io.BufferedIOBase) -> bytes:
+    """One HTTP request read off ``rfile``, its head and its body: its request line (b"" once the client closed)."""
+    line = rfile.readline()
+    if not line:
+        return line
+    length = 0
+    while (header := rfile.readline()) not in (b"\r\n", b""):
+        name, _, value = header.decode().partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value)
+    rfile.read(length)
+    return line
+
+
 class ClosingEngineHandler(socketserver.StreamRequestHandler):
     server: ClosingEngine
 
     def handle(self) -> None:
         for number in range(self.server.answers + 1):
-            line = self.rfile.readline()
+            line = read_request(self.rfile)
             if not line:
                 return
-            length = 0
-            while (header := self.rfile.readline()) not in (b"\r\n", b""):
-                name, _, value = header.decode().partition(":")
-                if name.strip().lower() == "content-length":
-                    length = int(value)
-            self.rfile.read(length)
             said = " ".join(line.decode().split()[:2])
             if number == self.server.answers:
                 self.server.dropped.append(said)
@@ -515,13 +523,7 @@ class SilentEngineHandler(socketserver.StreamRequestHandler):
     server: SilentEngine
 
     def handle(self) -> None:
-        line = self.rfile.readline()
-        length = 0
-        while (header := self.rfile.readline()) not in (b"\r\n", b""):
-            name, _, value = header.decode().partition(":")
-            if name.strip().lower() == "content-length":
-                length = int(value)
-        self.rfile.read(length)
+        line = read_request(self.rfile)
         if line.startswith(b"GET"):
             body = json.dumps({"object": "list", "data": [{"id": "m1"}]}).encode()
             self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"

@@ -55,7 +55,8 @@ def server(model_dir: Path, workdir: Path, shm: Path) -> Iterator[Server]:
     """``vllm serve`` with the plugin: the pool is never returned by itself (trim has something to
     take) and the prefix-cache budget is 16 blocks (2048 tokens)."""
     env = base_env(shm, enabled=True, KVCACHED_IDLE_RETURN_S="-1", KVCACHED_MAX_CACHED_TOKENS="2048")
-    srv = start_server(model_dir, env, workdir / "serve.log", name=NAME)
+    srv = start_server(model_dir, env, workdir / "serve.log", name=NAME,
+                       args=("--enable-log-requests",))  # the sleep drain test waits on its "Added request" lines
     try:
         yield srv
     finally:

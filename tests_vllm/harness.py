@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,8 @@ MAX_MODEL_LEN = 2048
 # float32: greedy tokens must not depend on batch composition (preemption recomputes a request in
 # another batch); bfloat16 near-ties of the random model flip a token now and then.
 DTYPE = "float32"
+# What a server started with --enable-log-requests logs once its API server has passed a request on to its engine.
+ADDED = "Added request"
 
 
 def base_env(shm_dir: Path, *, enabled: bool, **extra: str) -> dict[str, str]:
@@ -180,6 +183,37 @@ def wait_for(predicate, timeout: float = 120.0, every: float = 0.02):
             return value
         time.sleep(every)
     raise AssertionError(f"condition not met within {timeout} s")
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` is stopped (state T or t), or the process is gone."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+    return all(state in ("T", "t", "Z", "X") for state in states)
+
+
+@contextlib.contextmanager
+def engine_stopped(server: Server) -> Iterator[None]:
+    """The server's engine (every descendant of its API server: the engine core, whose scheduler owns the pages,
+    and its workers) stopped with SIGSTOP until the block ends, then continued. Entered once every thread of
+    theirs is stopped: from then on the engine neither schedules nor publishes, while its API server still takes
+    requests and queues them for the engine. A test that must act on a state the engine would soon change
+    (holes a compaction should fill, requests a drain must outlast) holds it here, whatever the host's speed.
+    A segment read in the block may meet a publish the stop cut short (BlockingIOError)."""
+    engine = psutil.Process(server.proc.pid).children(recursive=True)
+    for proc in engine:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: all(_stopped(proc.pid) for proc in engine), timeout=60)
+        yield
+    finally:
+        for proc in engine:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGCONT)
 
 
 class Stream:

@@ -6,19 +6,22 @@ each request on pages of its own, so requests that run together leave their cach
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from kvcached_core.segment import layout as L
 from kvcached_core.segment.pagemap import decoded
 from kvcached_core.segment.reader import snapshot
 from kvcached_core.segment.snapshot import ModelSnapshot
 from kvcached_vllm.tiny import prompts
 
-from .harness import Busy, Server, base_env, kvctl, start_server, wait_for
+from .harness import BIN, Busy, Server, base_env, engine_stopped, start_server, wait_for
 
 NAME = "tiny-compact"
 BLOCK_TOKENS = 128
@@ -96,6 +99,28 @@ def spread(server: Server, shm: Path, seed: int) -> tuple[list[list[int]], list[
     return batch, tokens, m
 
 
+def compact_requests(m: ModelSnapshot) -> int:
+    """The compact requests controllers have made of ``m`` so far (its CONTROL block's sequence word)."""
+    with open(m.path, "rb") as segment:
+        segment.seek(L.COMPACT_REQ_OFF)
+        return L.U64.unpack(segment.read(L.U64.size))[0]
+
+
+@contextlib.contextmanager
+def frozen(server: Server, shm: Path) -> Iterator[ModelSnapshot]:
+    """The engine stopped (:func:`engine_stopped`) and its model as it last published it; stopped again, at most
+    five times, when the stop cut a publish short."""
+    for _ in range(5):
+        with engine_stopped(server):
+            try:
+                m = snapshot(NAME, directory=shm)
+            except BlockingIOError:
+                continue
+            yield m
+            return
+    raise AssertionError(f"{NAME}'s engine was stopped inside a publish five times")
+
+
 def test_kvctl_compact_on_a_busy_engine_packs_its_cache_and_keeps_the_hits(engine: tuple[Server, Path]) -> None:
     """On the old code kvctl compact is refused: the vLLM engine registered no compact handler."""
     server, shm = engine
@@ -103,23 +128,35 @@ def test_kvctl_compact_on_a_busy_engine_packs_its_cache_and_keeps_the_hits(engin
     busy = Busy(server, shm, seed=40)
     try:
         for attempt in range(3):
-            batch, first, before = spread(server, shm, seed=41 + 100 * attempt)
-            assert returnable(before) > 0, before  # a page only cached blocks hold, that fit elsewhere: to compact
-            assert before.compaction is not None and before.compaction.capable
-            assert before.compaction.bytes_returned is not None
-            assert busy.running()
-            answer = json.loads(kvctl("compact", NAME, "--json", "--wait", "60", env=ctl).stdout)
+            batch, first, _ = spread(server, shm, seed=41 + 100 * attempt)
+            # The engine is stopped from the look at its pages until kvctl's request is in its segment: the busy
+            # streams, each taking a block every 128 tokens, filled the holes within kvctl's start in CI (three
+            # compactions in a row returned nothing). Continued, it plans the round at its next step.
+            with frozen(server, shm) as before:
+                if returnable(before) == 0:  # the streams filled the holes since spread() looked: another batch
+                    continue
+                assert before.compaction is not None and before.compaction.capable
+                assert before.compaction.bytes_returned is not None
+                assert busy.running()
+                asked = compact_requests(before)
+                ask = subprocess.Popen([str(BIN / "kvctl"), "compact", NAME, "--json", "--wait", "60"], env=ctl,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                wait_for(lambda m=before, n=asked, p=ask: compact_requests(m) > n or p.poll() is not None)
+            out, err = ask.communicate(timeout=120)
+            assert ask.returncode == 0, err
+            answer = json.loads(out)
             assert answer["status"] == "compacted"
             after = snapshot(NAME, directory=shm)
             assert after.compaction is not None
-            # Pages emptied and unmapped, blocks moved since `before`: by this request, or (seen in CI trials, cause
-            # not established) by a round the engine ran just before it, after which this one finds nothing left
-            # and returns 0 bytes. Not the pages in use: the streamed requests keep taking pages meanwhile (a loaded
-            # host saw 12 -> 12 after a compaction that returned pages). Nothing at all: the streams, each taking a
-            # block every 128 tokens, filled the holes before the compaction ran (once, beside a busy loop): again,
-            # with another batch.
+            # Pages emptied and unmapped, blocks moved since `before`: by this request, or by a round the engine
+            # ran just before it (seen in CI trials once, cause not established), after which this one finds
+            # nothing left and returns 0 bytes: again then, with another batch. Not the pages in use: the streamed
+            # requests keep taking pages meanwhile (a loaded host saw 12 -> 12 after a compaction that returned
+            # pages).
             if after.compaction.bytes_returned > before.compaction.bytes_returned:
                 break
+        else:
+            pytest.fail("no batch left a page a compaction could empty, three times")
         assert after.blocks_cached >= before.blocks_cached  # nothing evicted: moved
         assert after.compaction.bytes_returned > before.compaction.bytes_returned, (before, after)
         assert after.compaction.blocks_moved > before.compaction.blocks_moved

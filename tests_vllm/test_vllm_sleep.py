@@ -21,7 +21,7 @@ from kvcached_core.segment.reader import snapshot
 from kvcached_core.segment.snapshot import ModelSnapshot
 
 from .conftest import BASELINE_TOKENS, LONG, NAME, SHORT
-from .harness import MAX_MODEL_LEN, Busy, Server, kvctl, settled, wait_for
+from .harness import ADDED, MAX_MODEL_LEN, Busy, Server, engine_stopped, kvctl, settled, wait_for
 
 MiB = 1024 * 1024
 LONG_BASE = len(SHORT)  # LONG's tokens start here in the baseline
@@ -76,8 +76,13 @@ def test_requests_before_during_and_after_a_sleep_match_plain_vllm(
         # requests below must arrive while it lasts (kvctl sleep is tested below and in tests/).
         asked = request_sleep(model(ctl_env), "sleep", wait=60)
         assert asked.status == "draining", asked
-        # Requests sent while it drains wait in vLLM's queue: none rejected, none scheduled.
-        during = [pool.submit(server.complete, p, BASELINE_TOKENS) for p in SHORT[2:4]]
+        # Requests sent while it drains wait in vLLM's queue: none rejected, none scheduled. The engine is stopped
+        # until its API server has passed both on (its log says so), so the drain cannot end before they reach the
+        # engine: a starved API server once took longer than the running requests' 1148 tokens.
+        with engine_stopped(server):
+            added = server.log.read_text().count(ADDED)
+            during = [pool.submit(server.complete, p, BASELINE_TOKENS) for p in SHORT[2:4]]
+            wait_for(lambda: server.log.read_text().count(ADDED) >= added + 2 or any(f.done() for f in during))
         # They reach vLLM's queue while it drains (or is asleep by then); one that came after the drain
         # ended would rightly wake the model, and this test would prove nothing: say so.
         queued = wait_for(lambda: (m := model(ctl_env)).traffic is not None

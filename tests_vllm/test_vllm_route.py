@@ -30,7 +30,7 @@ import pytest
 from kvcached_core.segment.reader import snapshot
 from kvcached_vllm.tiny import prompts
 
-from .harness import MAX_MODEL_LEN, Server, Stream, base_env, kvctl, start_server, wait_for
+from .harness import MAX_MODEL_LEN, Server, base_env, engine_stopped, kvctl, start_server, wait_for
 
 NAMES = ("m0", "org/m1")  # what each engine serves (--served-model-name)
 SEGMENTS = ("m0", "org_m1")  # their segments' names: kvctl's, which the router also answers to
@@ -140,21 +140,26 @@ def test_streaming_passes_the_engines_events_through(fleet) -> None:
     assert kind == "text/event-stream"
     assert text == direct_text and text.split() and len(text.split()) == 24
     assert b"".join(chunks).rstrip().endswith(b"data: [DONE]")
-    # Event by event as the engine sent them, not one body at the end: the first event arrives while the engine
-    # still runs the request (2000 tokens, seconds of them); a router that held the body back would send it only
-    # after the end. Counting chunks did not prove it: a client kept off the CPU (a busy host) reads many events
-    # at once (seen: 24 tokens in 1 chunk, 600 in 2).
-    # A starved API server can send a whole answer in one burst after the engine ran it out (seen beside a busy loop:
-    # the first event came after the 2000 tokens): such a try proves nothing either way, and another is made.
-    for _ in range(3):
-        held = Stream(router, completion(M1, PROMPTS[0], MAX_MODEL_LEN - len(PROMPTS[0]), stream=True))  # 1st event
+    # Event by event as the engine sent them, not one body at the end: the first event reaches the client while
+    # org/m1's engine, stopped once it has generated a token, still holds the request (2000 tokens); a router that
+    # held the body back until the end would send nothing then. Counting chunks did not prove it (a client kept off
+    # the CPU reads many events at once), nor the time of the first event (a starved API server once sent a whole
+    # answer in one burst after the engine ran it out).
+    for _ in range(3):  # again when the stop came after the request ended
+        before = _traffic(shm, "org_m1")
+        client = _send(router, completion(M1, PROMPTS[0], MAX_MODEL_LEN - len(PROMPTS[0]), stream=True))
         try:
-            running = snapshot("org_m1", directory=shm).traffic
-            if held.running and running is not None and running.running == 1:
-                break
+            wait_for(lambda b=before: (t := _traffic(shm, "org_m1")).generated_tokens > b.generated_tokens
+                     or t.finished > b.finished, timeout=120)
+            # (stopped inside a publish: the next try looks again)
+            with engine_stopped(servers[M1]), contextlib.suppress(BlockingIOError):
+                now = _traffic(shm, "org_m1")
+                if now.running == 1 and now.finished == before.finished:
+                    assert b"\ndata: " in _read_until(client, b"\ndata: ", timeout=60)
+                    return
         finally:
-            held.close()
-    assert held.broken is None and running is not None and running.running == 1, (running, held.broken)
+            _hang_up(client)
+    pytest.fail("org/m1's long request ended before its engine could be stopped, three times")
 
 
 def test_a_sleeping_model_is_woken_by_a_request_and_answers(fleet) -> None:
@@ -215,10 +220,13 @@ async def _abandon(url: str, body: dict) -> None:
 
 def test_a_client_that_goes_away_mid_stream_ends_the_engines_request(fleet, workdir: Path) -> None:
     _, router, shm = fleet
+    before = _traffic(shm, "m0")
     body = completion("m0", PROMPTS[0], 1800, stream=True)  # about 10 s of tokens, were it left to run
     asyncio.run(_abandon(router + "/v1/completions", body))
-    wait_for(lambda: (t := snapshot("m0", directory=shm).traffic) is not None and t.running == 0 and t.waiting == 0,
-             timeout=5)  # the router closed its connection to the engine, which aborted the request
+    ended = wait_for(lambda: (t := _traffic(shm, "m0")).running == 0 and t.waiting == 0
+                     and t.finished > before.finished and t, timeout=120)
+    # the router closed its connection to the engine, which aborted the request before its tokens ran out
+    assert ended.generated_tokens - before.generated_tokens < 1800, (before, ended)
     assert "Traceback" not in (workdir / ROUTER_LOG).read_text()
     assert tokens(router, "m0", PROMPTS[1]) == tokens(router, "m0", PROMPTS[1])  # and it serves on
 
@@ -303,10 +311,30 @@ def test_a_freed_place_goes_to_the_model_of_highest_priority(fleet, workdir: Pat
     assert "Traceback" not in log.read_text()
 
 
-def _m0_traffic(shm: Path) -> Any:
-    traffic = snapshot("m0", directory=shm, with_pages=False).traffic
+def _traffic(shm: Path, segment: str) -> Any:
+    traffic = snapshot(segment, directory=shm, with_pages=False).traffic
     assert traffic is not None
     return traffic
+
+
+def _send(router: str, body: dict) -> socket.socket:
+    """``body`` posted to the router's /v1/completions on a raw connection, its answer left unread."""
+    url = urllib.parse.urlsplit(router)
+    client = socket.create_connection((url.hostname, url.port), timeout=30)
+    data = json.dumps(body).encode()
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return client
+
+
+def _read_until(client: socket.socket, marker: bytes, timeout: float) -> bytes:
+    """What the connection brought until ``marker`` came, it closed, or ``timeout`` passed."""
+    received = b""
+    client.settimeout(timeout)
+    with contextlib.suppress(TimeoutError):
+        while marker not in received and (chunk := client.recv(65536)):
+            received += chunk
+    return received
 
 
 def _hold_stopped(router: str, shm: Path, group: int) -> tuple[socket.socket, int]:
@@ -314,16 +342,12 @@ def _hold_stopped(router: str, shm: Path, group: int) -> tuple[socket.socket, in
     (the client's connection, left unread; m0's finished count before the request). Sent again, at most twice,
     when it ended before the stop."""
     for _ in range(3):
-        finished = _m0_traffic(shm).finished
-        url = urllib.parse.urlsplit(router)
-        client = socket.create_connection((url.hostname, url.port), timeout=30)
-        body = json.dumps(completion("m0", PROMPTS[0], MAX_MODEL_LEN - len(PROMPTS[0]), stream=True)).encode()
-        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        wait_for(lambda before=finished: (t := _m0_traffic(shm)).running >= 1 or t.finished > before, timeout=120)
+        finished = _traffic(shm, "m0").finished
+        client = _send(router, completion("m0", PROMPTS[0], MAX_MODEL_LEN - len(PROMPTS[0]), stream=True))
+        wait_for(lambda before=finished: (t := _traffic(shm, "m0")).running >= 1 or t.finished > before, timeout=120)
         os.killpg(group, signal.SIGSTOP)
         try:
-            after = _m0_traffic(shm)
+            after = _traffic(shm, "m0")
         except BlockingIOError:  # stopped inside a publish: it was running at the look above, a step ago
             return client, finished
         if after.running >= 1 and after.finished == finished:

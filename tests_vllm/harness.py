@@ -316,8 +316,15 @@ class Busy:
 
     def running(self) -> bool:
         """A streamed request is still running, or one was sent and its first event has not come yet (the engine has
-        it, or will: on a loaded host one is often in flight while the one before it ends)."""
-        return any(s.running for s in self.streams) or any(t.is_alive() for t in self.starting)
+        it, or will: on a loaded host one is often in flight while the one before it ends), or the engine says it
+        runs requests (a starved API server sends a stream's end late, and Busy's next one may be on its way)."""
+        if any(s.running for s in self.streams) or any(t.is_alive() for t in self.starting):
+            return True
+        try:
+            traffic = snapshot(self.server.name, directory=self.shm, with_pages=False).traffic
+        except (OSError, ValueError):
+            return False
+        return traffic is not None and traffic.running > 0
 
     def stop(self) -> None:
         self.done.set()

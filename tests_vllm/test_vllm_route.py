@@ -146,11 +146,13 @@ def test_streaming_passes_the_engines_events_through(fleet) -> None:
     # the CPU reads many events at once), nor the time of the first event (a starved API server once sent a whole
     # answer in one burst after the engine ran it out).
     for _ in range(3):  # again when the stop came after the request ended
-        before = _traffic(shm, "org_m1")
+        # From an idle engine, its figures final: the requests above (and an earlier try's, aborted) end in the
+        # engine after their clients have their answers, and a look taken before would count them as this one's.
+        before = wait_for(lambda: (t := _traffic(shm, "org_m1")).running == 0 and t.waiting == 0 and t, timeout=120)
         client = _send(router, completion(M1, PROMPTS[0], MAX_MODEL_LEN - len(PROMPTS[0]), stream=True))
         try:
-            wait_for(lambda b=before: (t := _traffic(shm, "org_m1")).generated_tokens > b.generated_tokens
-                     or t.finished > b.finished, timeout=120)
+            wait_for(lambda b=before: (t := _traffic(shm, "org_m1")).running == 1
+                     and t.generated_tokens > b.generated_tokens or t.finished > b.finished, timeout=120)
             # (stopped inside a publish: the next try looks again)
             with engine_stopped(servers[M1]), contextlib.suppress(BlockingIOError):
                 now = _traffic(shm, "org_m1")

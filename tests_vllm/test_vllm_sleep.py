@@ -134,16 +134,28 @@ def test_sleep_now_preempts_running_requests_which_run_again_after_the_wake(
         # first one ends (seconds), however late a reader starved of the CPU looks; running == 4 is the same span,
         # but a gauge a slow reader can miss.
         four = sum(map(len, LONG[6:10]))
-        wait_for(lambda: (t := model(ctl_env).traffic) is not None and t.prompt_tokens - before.prompt_tokens >= four
-                 and t.waiting == 0 and t.finished == before.finished, every=0.005)
-        # Asked from this process (kvctl's own start takes about as long as these requests run).
-        ack = request_sleep(model(ctl_env), "sleep_now", wait=60, until_done=True)
-        assert ack.status == "asleep"
-        assert_nothing_mapped(model(ctl_env, pages=True))
+        seen: list = []  # the last look, for the failure's message
+        try:
+            wait_for(lambda: (t := model(ctl_env).traffic) is not None and not seen.append(t)
+                     and t.prompt_tokens - before.prompt_tokens >= four and t.waiting == 0
+                     and t.finished == before.finished, every=0.005)
+        except AssertionError:
+            pytest.fail(f"the four never seen running together: before {before}, last look {seen[-1:]}")
+        # Asked with the engine stopped, so that none of the four can end before the sleep comes (beside a busy loop
+        # all four once did); continued, the engine falls asleep within a step or two. Asked from this process
+        # (kvctl's own start takes about as long as these requests run).
+        with engine_stopped(server):
+            asked = request_sleep(model(ctl_env), "sleep_now", wait=0)
+        assert asked.status == "pending"
+        try:
+            asleep = wait_for(lambda: (m := model(ctl_env, pages=True)).sleep.state == "asleep" and m)
+        except AssertionError:
+            m = model(ctl_env)
+            pytest.fail(f"not asleep: {m.sleep}, traffic {m.traffic}, requests done {[f.done() for f in running]}")
+        assert_nothing_mapped(asleep)
         shown = traffic(ctl_env)  # no step runs while asleep: the gauges were published as it fell asleep
-        # Every request still running when the sleep came was preempted and waits for the wake (all four, unless
-        # the host let one end between the look above and the ask); one that a drain would have let finish shows
-        # as finished instead, and none waits.
+        # Every request still running when the sleep came was preempted and waits for the wake (all four); one that
+        # a drain would have let finish shows as finished instead, and none waits.
         preempted = shown["waiting"]
         assert shown["running"] == 0 and preempted >= 1, shown
         assert shown["preemptions"] - before.preemptions == preempted, shown

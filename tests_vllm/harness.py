@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -279,11 +280,15 @@ class Busy:
         self.thread.start()
         wait_for(lambda: self.streams, timeout=120)
 
-    def _generated(self) -> int | None:
+    def _traffic(self) -> Any:
+        """The engine's published traffic; None when a read met a publish in progress (the next look reads it)."""
         try:
-            traffic = snapshot(self.server.name, directory=self.shm, with_pages=False).traffic
-        except (OSError, ValueError):  # a read that met a publish in progress: the next look reads it
+            return snapshot(self.server.name, directory=self.shm, with_pages=False).traffic
+        except (OSError, ValueError):
             return None
+
+    def _generated(self) -> int | None:
+        traffic = self._traffic()
         return None if traffic is None else traffic.generated_tokens
 
     def _start(self) -> None:
@@ -320,10 +325,7 @@ class Busy:
         runs requests (a starved API server sends a stream's end late, and Busy's next one may be on its way)."""
         if any(s.running for s in self.streams) or any(t.is_alive() for t in self.starting):
             return True
-        try:
-            traffic = snapshot(self.server.name, directory=self.shm, with_pages=False).traffic
-        except (OSError, ValueError):
-            return False
+        traffic = self._traffic()
         return traffic is not None and traffic.running > 0
 
     def stop(self) -> None:

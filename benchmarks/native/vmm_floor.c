@@ -131,7 +131,9 @@ int floor_setup(int layer, size_t layers, size_t buffers, size_t page_mb, size_t
     memset(&acc, 0, sizeof acc);
     acc.location = prop.location;
     acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    CK(cuMemAddressReserve(&va, total_bytes, page, 0, 0));
+    /* The driver takes only a power-of-two alignment (a 28 MiB one is CUDA_ERROR_INVALID_VALUE): the largest
+     * power of two dividing the page, as kvcached_core.backends.cuda.reserve_alignment (page is whole MiB). */
+    CK(cuMemAddressReserve(&va, total_bytes, page & (~page + 1), 0, 0));
     mapped = calloc(npages * slices, sizeof *mapped);
     pool = calloc(npages * slices, sizeof *pool);
     pool_len = 0;

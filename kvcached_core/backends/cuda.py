@@ -152,6 +152,25 @@ def _shape_as(tensor: Any, dtype: Any, shape: Sequence[int] | None) -> Any:
 
 
 # -- the driver -------------------------------------------------------------------------------------
+RESERVE_ALIGNMENT_CAP = 1 << 30  # no need to align a range beyond 1 GiB: maps only need the granularity
+
+
+def reserve_alignment(page_size: int, granularity: int) -> int:
+    """The alignment to pass ``cuMemAddressReserve`` for ranges mapped in ``page_size`` steps.
+
+    The driver takes only a power of two (or 0) as the alignment: 6 MiB or 28 MiB is refused with
+    ``CUDA_ERROR_INVALID_VALUE`` (measured on an H100, driver 580). Every mapped address lies a multiple of
+    ``page_size`` from the range's start, so the largest power of two dividing ``page_size`` keeps each one as
+    aligned as the page allows; never below the VMM granularity (``cuMemMap`` needs that) nor above
+    :data:`RESERVE_ALIGNMENT_CAP`.
+    """
+    if granularity <= 0 or granularity & (granularity - 1):
+        raise ValueError(f"granularity {granularity} is not a power of two")
+    if page_size <= 0 or page_size % granularity:
+        raise ValueError(f"page size {page_size} is not a multiple of the granularity {granularity}")
+    return max(granularity, min(page_size & -page_size, RESERVE_ALIGNMENT_CAP))
+
+
 def _load_driver() -> Any:
     try:
         from cuda.bindings import driver
@@ -274,8 +293,9 @@ class CudaBackend(PageMapping, Backend):
             budget = configured.of(int(self._total))
         if budget is not None:
             self.ledger = CapacityLedger(budget, self.settings.shm_dir, backend=self.name, device=self.device)
+        align = reserve_alignment(g.page_size, int(self.granularity))
         with self._context():
-            self._va = int(self._check("cuMemAddressReserve", d.cuMemAddressReserve(self.va_bytes, g.page_size, 0, 0)))
+            self._va = int(self._check("cuMemAddressReserve", d.cuMemAddressReserve(self.va_bytes, align, 0, 0)))
         # where slice s of page 0 starts; slice s of page p is p * slice_bytes further
         self._bases = [self._va + s * g.range_bytes for s in range(self.slices)] if self.layout == "layer" else [self._va]
         if self.native_mode != "off":
@@ -542,5 +562,5 @@ def tensor_views(manager: Any, *, dtype: Any = None, shape: Sequence[int] | None
              for kv in range(manager.num_kv_buffers)] for layer in range(manager.num_layers)]
 
 
-__all__ = ["CudaBackend", "LAYOUTS", "ViewSpec", "block_spec", "range_spec", "runs",
+__all__ = ["CudaBackend", "LAYOUTS", "ViewSpec", "block_spec", "range_spec", "reserve_alignment", "runs",
            "tensor_views"]

@@ -11,6 +11,7 @@ still runs.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import sys
 from collections.abc import Callable, Mapping
@@ -20,7 +21,7 @@ from typing import Any
 
 from .bounds import PRIORITY_MAX, PRIORITY_MIN, endpoint_problem
 from .hostmem import total_ram_bytes
-from .sizes import SizeError, parse_size
+from .sizes import NONE_WORDS, SizeError, parse_size
 
 MiB = 1024 * 1024
 PAGE_GRAIN = 2 * MiB  # a page size is a whole number of these (the CUDA backend's mapping granularity)
@@ -54,6 +55,7 @@ TP_STRATEGIES = ("sequential", "concurrent")
 HOST_CAPACITY_FRACTION = 0.5  # of RAM, the host backend's budget unless KVCACHED_HOST_CAPACITY says
 _TRISTATE = {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on",
              "0": "off", "off": "off", "false": "off", "no": "off"}
+_FRACTION_RE = re.compile(r"^\s*-?(\d+(\.\d*)?|\.\d+)\s*$")  # a bare number: KVCACHED_DEVICE_HEADROOM's fraction
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -75,6 +77,10 @@ VARIABLES: tuple[Var, ...] = (
         "CUDA backend: the KV budget of each device, shared by every allocator on it (`60GiB`, `80%` of the "
         "device's memory); a growth past it is refused as the driver's out-of-memory would be",
         shown="none: the driver's out-of-memory"),
+    Var("KVCACHED_DEVICE_HEADROOM", "5%", "size",
+        "CUDA backend: device memory KV never takes, beside the engines' registered working memory (`5%` or "
+        "`0.05` of the device's memory, `4GiB`; `0` off): a growth that would leave less free is refused as the "
+        "budget refuses one, with or without `KVCACHED_DEVICE_BUDGET` ([cuda.md](cuda.md#headroom))"),
     Var("KVCACHED_MIN", None, "size",
         "a model's memory.min under pressure: bytes never reclaimed from it by another model's refused growth "
         "(`4GiB`, `none`); live: `kvctl policy MODEL --min`", shown="none"),
@@ -130,18 +136,26 @@ def default_of(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class DeviceBudget:
-    """``KVCACHED_DEVICE_BUDGET``: a fixed size, or a percentage of each device's memory."""
+class DeviceShare:
+    """A fixed size, or a percentage of each device's memory."""
 
     size_bytes: int | None = None
     percent: float | None = None
 
     def of(self, device_total: int) -> int:
-        """The budget in bytes on a device of ``device_total`` bytes."""
+        """The bytes on a device of ``device_total`` bytes."""
         if self.size_bytes is not None:
             return self.size_bytes
         assert self.percent is not None
         return int(device_total * self.percent / 100)
+
+
+class DeviceBudget(DeviceShare):
+    """``KVCACHED_DEVICE_BUDGET``: the KV budget of each device, shared by its allocators."""
+
+
+class DeviceHeadroom(DeviceShare):
+    """``KVCACHED_DEVICE_HEADROOM``: device memory a KV growth must leave free (``size_bytes=0``: off)."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +185,7 @@ class Settings:
     max_cached_blocks: int | None  # as set; None when unset
     host_capacity_bytes: int
     device_budget: DeviceBudget | None  # None: the driver's out-of-memory is the budget
+    device_headroom: DeviceHeadroom  # KVCACHED_DEVICE_HEADROOM; 0 bytes: off
     min_bytes: int  # KVCACHED_MIN; 0: none
     priority: int
     policy: str
@@ -339,6 +354,31 @@ def _device_budget(raw: Raw, done: dict[str, Any]) -> DeviceBudget | None:
     return DeviceBudget(size_bytes=parsed)
 
 
+def _device_headroom(raw: Raw, done: dict[str, Any]) -> DeviceHeadroom:
+    """A percentage below 100, a fraction below 1 (as a GPU-utilization setting's complement), or a size; 0 is off."""
+    name = "KVCACHED_DEVICE_HEADROOM"
+    value = _value(raw, name)
+    if value.lower() in NONE_WORDS:
+        return DeviceHeadroom(size_bytes=0)
+    if value.endswith("%") or _FRACTION_RE.match(value):
+        try:
+            share = float(value[:-1]) / 100 if value.endswith("%") else float(value)
+        except ValueError:
+            raise ConfigError(f"{name}={value!r} is not a percentage (try 5%)") from None
+        if share >= 1 and not value.endswith("%"):
+            raise ConfigError(f"{name}={value!r}: a bare number is a fraction of the device, below 1 "
+                              f"({value}GiB for a size, {value}% for a percentage)")
+        if not 0 <= share < 1:
+            raise ConfigError(f"{name}={value!r} must be from 0 (off) to below 100% of the device")
+        return DeviceHeadroom(size_bytes=0) if share == 0 else DeviceHeadroom(percent=share * 100)
+    try:
+        parsed = parse_size(value)
+    except SizeError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    assert parsed is not None
+    return DeviceHeadroom(size_bytes=parsed)
+
+
 def _min_bytes(raw: Raw, done: dict[str, Any]) -> int:
     value = (raw["KVCACHED_MIN"] or "").strip()
     if not value:
@@ -445,6 +485,7 @@ _PARSERS: dict[str, Callable[[Raw, dict[str, Any]], Any]] = {
     "max_cached_blocks": _cached_blocks,
     "host_capacity_bytes": _host_capacity,
     "device_budget": _device_budget,
+    "device_headroom": _device_headroom,
     "min_bytes": _min_bytes,
     "priority": _priority,
     "policy": _policy,

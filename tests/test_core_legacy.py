@@ -99,7 +99,7 @@ def header_bytes(**changes) -> bytes:
                   backend=b"host", pid=os.getpid(), start_time=0, uid=os.getuid(), device=0, tp_rank=0,
                   tp_world=1, page_size=65536, block_bytes=8192, num_layers=1, num_kv_buffers=2,
                   blocks_per_page=8, num_blocks=32, created_ns=0, ranks_max=1, device_capacity=0, pid_ns=0,
-                  wake_token=0)
+                  wake_token=0, device_headroom=0)
     values.update(changes)
     return L.HEADER.pack(*(values[f] for f in L.HEADER_FIELDS))
 

@@ -142,6 +142,7 @@ class KVCacheManager(Admission, Limits, Publishing, Compacting):
                 num_kv_buffers=num_kv_buffers, blocks_per_page=bpp, num_blocks=num_blocks,
                 pages_total=pages_total, tp_rank=tp_rank, tp_world=tp_world,
                 ranks_max=max(1, tp_world), device_capacity=self.backend.capacity_bytes(),
+                device_headroom=self.backend.headroom_bytes(),
             ), cfg.shm_dir)
         except BaseException:
             self.backend.close()
@@ -267,6 +268,20 @@ class KVCacheManager(Admission, Limits, Publishing, Compacting):
                 if not self._refill_polling:
                     self._refill_wanted.notify()
             return ids
+
+    def register_working_memory(self, peak_bytes: int, now_bytes: int | None = None) -> None:
+        """The engine's measured working-memory peak beside its weights and KV (activations, masks, logits: a
+        profiling pass at its largest batch), and of it what its process holds now (torch's caching allocator
+        keeps what it once reached; None: nothing yet). Published in the segment; every CUDA allocator of the
+        device keeps ``max(0, peak - now)`` free beside the headroom, so KV never takes what a forward pass
+        needs (``KVCACHED_DEVICE_HEADROOM``, docs/cuda.md). Call it again whenever either figure changes."""
+        now = 0 if now_bytes is None else now_bytes
+        for label, value in (("peak_bytes", peak_bytes), ("now_bytes", now)):
+            if not isinstance(value, Integral) or isinstance(value, bool) or not 0 <= value <= L.MAX_LIMIT_BYTES:
+                raise ValueError(f"{label} must be a whole number of bytes from 0 to 2^63-1, got {value!r}")
+        with self._lock:
+            self._check_open()
+            self.segment.set_working(int(peak_bytes), int(now))
 
     def _shortfall_bytes(self, blocks: int) -> int:
         """Bytes to map before ``blocks`` more blocks fit (lock held): whole page bundles, at least one."""

@@ -65,6 +65,10 @@ class Backend(ABC):
     def free_bytes(self) -> int:
         """Memory the device could still give (best known estimate)."""
 
+    def headroom_bytes(self) -> int:
+        """Device memory a growth leaves free beside the engines' working memory (the CUDA backend's headroom)."""
+        return 0
+
     def bind_claims(self, set_claimed: Callable[[int], None],  # noqa: B027 - optional hook
                     own_segment: tuple[int, int] | None = None) -> None:
         """Hook through which the backend records the bytes it holds in the segment (host only);

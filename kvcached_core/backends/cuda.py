@@ -231,6 +231,7 @@ class CudaBackend(PageMapping, Backend):
         self.ledger: CapacityLedger | None = None  # the device budget, when one is set (see _setup)
         self._budget_lock = threading.Lock()  # a claim and the map it allows are one step (refill vs alloc)
         self._budget_arg = budget_bytes
+        self.headroom = 0  # bytes of the device a growth leaves free (KVCACHED_DEVICE_HEADROOM, see _setup)
         self._views_keep: list = []
         self._all_blocks: dict[int, Any] = {}  # all_blocks views by block size
         self._va = 0
@@ -288,6 +289,7 @@ class CudaBackend(PageMapping, Backend):
                     f"{self.granularity}: set KVCACHED_PAGE_SIZE_MB to a multiple of {self.granularity >> 20 or 1}"
                 )
             _free, self._total = self._check("cuMemGetInfo", d.cuMemGetInfo())
+        self.headroom = self.settings.device_headroom.of(int(self._total))
         budget, configured = self._budget_arg, self.settings.device_budget
         if budget is None and configured is not None:
             budget = configured.of(int(self._total))
@@ -425,6 +427,9 @@ class CudaBackend(PageMapping, Backend):
         if self.ledger is not None:
             self.ledger.bind(set_claimed, own_segment)
         self._claimed()
+
+    def headroom_bytes(self) -> int:
+        return self.headroom
 
     def capacity_bytes(self) -> int:
         """The device budget when one is set, else the device's memory."""

@@ -6,7 +6,7 @@ One file per model, ``<KVCACHED_SHM_DIR>/kvc.<name>``, mode 0600, little-endian:
     0       512   HEADER      allocator      magic, layout version, sizes, identity (once); ENDPOINT in its spare tail
     384     128   ENDPOINT    engine         sealed: the URL the engine serves its model on (an OpenAI-compatible server)
     512     96    CONTROL     controllers    limit bytes + revision + check, trim request seq, sleep request, compact request seq
-    608     32    LIVENESS    allocator      heartbeat (ns), claimed bytes (capacity ledger): single 8-byte stores
+    608     32    LIVENESS    allocator      heartbeat (ns), claimed bytes (capacity ledger), working memory peak and now: single 8-byte stores
     640     8     SEQ         allocator      seqlock sequence (odd while a publish is under way)
     648     176   COUNTERS    allocator      counters, acknowledgements, page-map sum, checksum
     832     232   COMPACT     allocator      sealed: compaction capable, status, acknowledged request, totals, the last answers
@@ -49,7 +49,7 @@ LAYOUT_VERSION = 4  # 2: the CONTROL block grew by the compact request (liveness
 # 3: COMPACT, TRAFFIC and SLEEP sealed (each its own seqlock and check), the last compaction answers, page map at 1536;
 # 4: the GROUPS region at 1536, page map at 1664
 
-HEADER = struct.Struct("<8sIIQQ64s128s32s16sqQIiiiQQIIIQQIQQQ")
+HEADER = struct.Struct("<8sIIQQ64s128s32s16sqQIiiiQQIIIQQIQQQQ")
 HEADER_FIELDS = (
     "magic", "layout_version", "header_bytes", "total_bytes", "pages_total",
     "name", "model", "engine", "backend",
@@ -58,6 +58,7 @@ HEADER_FIELDS = (
     "num_blocks", "created_ns", "ranks_max", "device_capacity",
     "pid_ns",  # the writer's pid namespace (inode of /proc/self/ns/pid); 0 in segments written before it
     "wake_token",  # names the allocator's wake socket (kvcached_core.allocator.poller); 0: none, nobody to poke
+    "device_headroom",  # bytes of the device a KV growth leaves free (KVCACHED_DEVICE_HEADROOM); 0: none, or written before it
 )
 HEADER_OFF = 0
 HEADER_SIZE = 512
@@ -87,8 +88,13 @@ LIVENESS_OFF = CONTROL_OFF + CONTROL_SIZE
 assert COMPACT_REQ_OFF + 8 <= LIVENESS_OFF
 HEARTBEAT_OFF = LIVENESS_OFF       # u64 ns, CLOCK_REALTIME
 CLAIMED_OFF = LIVENESS_OFF + 8     # u64 bytes this process holds against the device capacity
+# The engine's working memory beside its KV (activations, masks, logits): its measured peak (0: none registered) and
+# of it what the engine's process holds now; the device's headroom keeps max(0, peak - now) free for it. Single stores.
+WORKING_PEAK_OFF = LIVENESS_OFF + 16
+WORKING_NOW_OFF = LIVENESS_OFF + 24
 
 SEQ_OFF = 640
+assert WORKING_NOW_OFF + 8 <= SEQ_OFF
 U64 = struct.Struct("<Q")
 I64 = struct.Struct("<q")
 

@@ -69,6 +69,7 @@ class Identity:
     tp_world: int = 1
     ranks_max: int = 1
     device_capacity: int = 0
+    device_headroom: int = 0  # bytes of the device a KV growth leaves free (the CUDA backend's headroom)
 
 
 @dataclass(frozen=True)
@@ -238,7 +239,7 @@ class SegmentWriter:
             ident.backend.encode()[:16], self.pid, start_time(self.pid), os.getuid(), ident.device,
             ident.tp_rank, ident.tp_world, ident.page_size, ident.block_bytes, ident.num_layers,
             ident.num_kv_buffers, ident.blocks_per_page, ident.num_blocks, time.time_ns(), ident.ranks_max,
-            ident.device_capacity, own_pid_ns(), self.wake_token,
+            ident.device_capacity, own_pid_ns(), self.wake_token, ident.device_headroom,
         )
         initial = bytearray(L.PAGE_MAP_OFF)
         initial[:len(header)] = header
@@ -365,6 +366,18 @@ class SegmentWriter:
 
     def set_claimed(self, nbytes: int) -> None:
         self._words[L.CLAIMED_OFF >> 3] = max(0, nbytes)
+
+    def set_working(self, peak: int, now: int) -> None:
+        """The engine's working memory (``layout.WORKING_*``): two single stores, in the order whose in-between
+        state (one word new, one old) keeps back the more of the two a reader could see, never less."""
+        words = self._words
+        old_peak, old_now = words[L.WORKING_PEAK_OFF >> 3], words[L.WORKING_NOW_OFF >> 3]
+        if peak - old_now >= old_peak - now:
+            words[L.WORKING_PEAK_OFF >> 3] = peak
+            words[L.WORKING_NOW_OFF >> 3] = now
+        else:
+            words[L.WORKING_NOW_OFF >> 3] = now
+            words[L.WORKING_PEAK_OFF >> 3] = peak
 
     # -- control -----------------------------------------------------------------------------
     def read_control(self) -> ControlRequest:

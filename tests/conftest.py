@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+from fake_cuda import fake_cuda  # noqa: F401 - the fake CUDA driver fixture, for every test module
 from procs import Processes
 
 from kvcached_core.settings import Settings

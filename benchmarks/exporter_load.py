@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ._common import ROOT, child_env, percentile, private_segments, spawn, stop
 
-EXPORTER_FILES = ("kvtop/exporter.py", "kvtop/http_page.py", "kvtop/aioserve.py", "kvtop/cli/export.py")
+EXPORTER_FILES = ("kvtop/serve/exporter.py", "kvtop/serve/http_page.py", "kvtop/serve/aioserve.py", "kvtop/cli/export.py")
 MODELS = """
 import sys
 from kvcached_core.allocator.manager import KVCacheManager
@@ -134,7 +134,7 @@ def tree_of(rev: str) -> Iterator[Path]:
             tar.extractall(directory, filter="data")
         env = child_env()
         env["PYTHONPATH"] = directory + os.pathsep + env["PYTHONPATH"]
-        where = subprocess.run([sys.executable, "-c", "import kvtop.exporter; print(kvtop.exporter.__file__)"],
+        where = subprocess.run([sys.executable, "-c", "import kvtop.serve.exporter; print(kvtop.serve.exporter.__file__)"],
                                env=env, cwd=directory, check=True, capture_output=True, text=True).stdout.strip()
         if not where.startswith(directory):
             raise RuntimeError(f"the exporter of {rev} is not the one imported ({where})")

@@ -100,7 +100,7 @@ def _reads_alone(env: dict[str, str], seconds: float) -> tuple[float, float]:
     """(CPU share of one core, median read seconds) of LiveSource.read at 4 Hz in a fresh process."""
     code = textwrap.dedent(f"""
         import json, statistics, time
-        from kvtop.source import LiveSource
+        from kvtop.frames.source import LiveSource
         src = LiveSource()
         src.read("bench-00")
         cpu0, wall0, times = time.process_time(), time.monotonic(), []

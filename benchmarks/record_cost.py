@@ -3,7 +3,7 @@
 Frames are made here (no segments read: the read's own cost is kvtop's refresh, measured elsewhere) and written
 by the real Recorder into a real day file. Four shapes:
 
-- ``demo``: each map changes as a busy demo model's does (measured on ``kvtop.demo``'s fleet: about 30 pages
+- ``demo``: each map changes as a busy demo model's does (measured on ``kvtop.demo.fleet``'s fleet: about 30 pages
   a map a second, in runs of neighbours among its mapped quarter: gaps between changed pages 1 (56 %), 2
   (20 %), 3 (9 %), 4-20 (15 %); a page's used blocks moving by a few, its cached blocks mostly unchanged);
 - ``busy``: 30 pages anywhere in each map take random words each sample (a page's used and cached blocks
@@ -32,11 +32,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvcached_core import ModelSnapshot, pagemap
+from kvtop.frames.source import Frame
 from kvtop.record.reading import Recording
 from kvtop.record.recorder import Recorder
 from kvtop.record.retention import recording_size
 from kvtop.record.schema import KEY_EVERY, create
-from kvtop.source import Frame
 
 MODELS, PAGES, DAY = 16, 4096, 86_400
 

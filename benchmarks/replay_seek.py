@@ -26,9 +26,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvcached_core import ModelSnapshot, pagemap
+from kvtop.frames.source import Frame
 from kvtop.record.reading import Recording
 from kvtop.record.recorder import Recorder
-from kvtop.source import Frame
 
 MODELS, PAGES, CHANGED = 16, 4096, 30
 SELECTED = "model-03"
@@ -67,7 +67,7 @@ def write_recording(directory: Path, samples: int, seed: int = 1) -> None:
 def time_reads(path: Path, seeks: int, rng: random.Random) -> tuple[list[float], list[float]]:
     """Milliseconds the replay's poller takes for each moment asked: to the frame and its log lines (what it
     posts first), and to the history of the samples before it too (what it posts next)."""
-    from kvtop.replay import ReplayClock, ReplaySource
+    from kvtop.replay.source import ReplayClock, ReplaySource
 
     recording = Recording.open(path)
     clock = ReplayClock(recording.times())
@@ -91,7 +91,7 @@ def time_reads(path: Path, seeks: int, rng: random.Random) -> tuple[list[float],
 
 def time_on_screen(path: Path, seeks: int, rng: random.Random) -> list[float]:
     """Milliseconds from asking for a moment to its frame drawn by the headless dashboard."""
-    from kvtop.replay_app import ReplayApp
+    from kvtop.replay.app import ReplayApp
 
     app = ReplayApp(Recording.open(path), name=path.name, model=SELECTED)
     out: list[float] = []

@@ -1,5 +1,5 @@
 """kvtop's command line: the live dashboard, ``--once``, ``--demo`` and ``--replay`` (the app itself:
-:mod:`kvtop.dashboard`; a replay's: :mod:`kvtop.replay_app`)."""
+:mod:`kvtop.screen.dashboard`; a replay's: :mod:`kvtop.replay.app`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import click
 
 from kvcached_core import __version__
 from kvtop.cli.common import Number, Whole
-from kvtop.dashboard import KvtopApp
-from kvtop.source import LiveSource
+from kvtop.frames.source import LiveSource
+from kvtop.screen.dashboard import KvtopApp
 
 # -- command line ------------------------------------------------------------------------------
 
@@ -53,10 +53,10 @@ def run_replay(path: str, *, at: str | None, once: bool, gpus: list[int] | None,
     one line and exit 2."""
     from pathlib import Path
 
-    from kvtop.once import print_once
     from kvtop.record.reading import Recording, RecordingError
-    from kvtop.replay import ReplayClock, ReplaySource, parse_moment
-    from kvtop.replay_app import ReplayApp
+    from kvtop.replay.app import ReplayApp
+    from kvtop.replay.source import ReplayClock, ReplaySource, parse_moment
+    from kvtop.screen.once import print_once
 
     try:
         recording = Recording.open(Path(path))
@@ -83,7 +83,7 @@ def run_replay(path: str, *, at: str | None, once: bool, gpus: list[int] | None,
 def run(*, demo: bool, demo_models: int, once: bool, interval: float, gpus: list[int] | None,
         model: str | None, readonly: bool) -> int:
     """Start the demo fleet if asked, then the dashboard or the one-shot snapshot; always stop the fleet."""
-    from kvtop.once import print_once
+    from kvtop.screen.once import print_once
 
     interactive = sys.stdout.isatty() and sys.stdin.isatty()
     fleet = None
@@ -91,7 +91,7 @@ def run(*, demo: bool, demo_models: int, once: bool, interval: float, gpus: list
         try:
             if demo:
                 from kvcached_core.settings import shm_dir_problem
-                from kvtop.demo import DemoFleet
+                from kvtop.demo.fleet import DemoFleet
 
                 problem = shm_dir_problem(writable=True)
                 if problem:

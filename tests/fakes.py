@@ -17,7 +17,7 @@ from kvcached_core.interop.legacy import limit_status as legacy_limit_status
 from kvcached_core.segment.layout import model_id
 from kvcached_core.segment.pagemap import count_pages, page_entry
 from kvcached_core.segment.snapshot import ModelSnapshot, PressureInfo, Problem
-from kvtop.source import Frame
+from kvtop.frames.source import Frame
 
 FAKE_T0 = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC
 KiB, MiB, GiB = 1024, 1024**2, 1024**3

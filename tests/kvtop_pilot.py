@@ -12,7 +12,7 @@ from rich.console import Console
 from textual.pilot import Pilot
 
 import kvcached_core as kc
-from kvtop.dashboard import KvtopApp
+from kvtop.screen.dashboard import KvtopApp
 
 MiB = 1024 * 1024
 TIMEOUT_S = 30.0

@@ -98,7 +98,7 @@ def test_kvctl_show_says_each_groups_blocks_and_pages(spawn_allocator, shm_dir) 
 def test_the_exporter_serves_each_groups_blocks_and_pages(spawn_allocator, shm_dir) -> None:
     from test_exporter import scrape, value
 
-    from kvtop.exporter import Exporter
+    from kvtop.serve.exporter import Exporter
 
     proc = spawn_allocator("scraped", num_layers=2)
     spawn_allocator("plain")

@@ -61,7 +61,7 @@ def test_tests_take_no_logic_from_benchmarks() -> None:
 
 
 def test_the_core_holds_no_demo_and_imports_no_front_end() -> None:
-    """The demo workload is a client of the allocator (kvtop/demo.py), not part of it; the core never
+    """The demo workload is a client of the allocator (kvtop/demo/fleet.py), not part of it; the core never
     reaches into kvtop (kvtop, kvctl, the exporter, the demo) or an engine plugin."""
     import ast
     from pathlib import Path

@@ -187,7 +187,7 @@ def test_kvctl_kvtop_and_the_exporter_agree_on_one_live_allocator(spawn_allocato
 
     from kvcached_core.backends import nvml
     from kvcached_core.sizes import percent
-    from kvtop.exporter import Exporter
+    from kvtop.serve.exporter import Exporter
 
     # 8 MiB page bundles (2 MiB pages, 2 layers, K and V), 4 blocks per page: 41 blocks, 5 freed, pin 10 pages
     proc = spawn_allocator("agree", num_blocks=256, block_bytes=512 << 10, num_layers=2, page_size=2 << 20,

@@ -121,7 +121,7 @@ def test_sleep_state_reaches_watch_and_the_exporter(spawn_allocator) -> None:
 
     from test_exporter import scrape, value
 
-    from kvtop.exporter import Exporter
+    from kvtop.serve.exporter import Exporter
 
     proc = spawn_allocator("eng", script=ENGINE)
     spawn_allocator("plain")

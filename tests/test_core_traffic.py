@@ -10,7 +10,7 @@ from conftest import kvctl, send, wait_for
 from test_exporter import scrape, value
 
 from kvcached_core import snapshot
-from kvtop.exporter import Exporter
+from kvtop.serve.exporter import Exporter
 
 PUBLISH = "m.publish_traffic(3, 2, 7, 1200, 345, 1, time.time_ns() - 2_000_000_000)"
 
@@ -60,9 +60,9 @@ def test_kvtop_shows_traffic_next_to_memory(spawn_allocator) -> None:
 
     from rich.console import Console
 
-    from kvtop.history import History
-    from kvtop.once import models_table
-    from kvtop.view import model_cells
+    from kvtop.frames.history import History
+    from kvtop.screen.once import models_table
+    from kvtop.screen.view import model_cells
 
     spawn_allocator("busy", engine="vllm", script="import time; " + PUBLISH)
     spawn_allocator("quiet")

@@ -105,7 +105,7 @@ def test_a_live_writer_never_shows_a_torn_word(spawn_allocator, shm_dir):
 
 def exported(name: str) -> list:
     """The exporter's samples for model ``name``."""
-    from kvtop.exporter import KVCachedCollector
+    from kvtop.serve.exporter import KVCachedCollector
 
     return [s for family in KVCachedCollector(with_nvml=False).collect() for s in family.samples
             if s.labels.get("model") == name]

@@ -99,7 +99,7 @@ def doc_expressions() -> list[tuple[str, str]]:
 def served() -> tuple[set[str], dict[str, set[str]]]:
     """What a live exporter serves next to a real allocator: the series names PromQL selects (counters with their
     ``_total``) and, for each that has samples, the label names they carry."""
-    from kvtop.exporter import Exporter
+    from kvtop.serve.exporter import Exporter
 
     with Exporter("127.0.0.1", 0) as exporter, urllib.request.urlopen(exporter.url, timeout=10) as response:
         text = response.read().decode()

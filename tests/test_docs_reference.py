@@ -90,7 +90,7 @@ def test_json_key_table_is_what_to_dict_produces(spawn_allocator):
 # -- kvctl export: docs/metrics.md against a live scrape -----------------------------------------
 
 def test_metric_table_is_what_the_exporter_serves(spawn_allocator):
-    from kvtop.exporter import Exporter
+    from kvtop.serve.exporter import Exporter
 
     proc = spawn_allocator("scraped", engine="vllm", script="b = m.alloc(4)")
     send(proc, "m.publish_traffic(1, 0, 2, 10, 20, 0, __import__('time').time_ns())")
@@ -205,8 +205,8 @@ def test_segment_tables_match_the_layout_module():
 # -- kvtop's keys: docs/kvtop.md against the app's bindings ---------------------------------------
 
 def test_every_kvtop_binding_is_in_the_key_table():
-    from kvtop.actions import KEY_NAMES
-    from kvtop.dashboard import KvtopApp
+    from kvtop.screen.actions import KEY_NAMES
+    from kvtop.screen.dashboard import KvtopApp
 
     documented = {part for row in table(DOCS / "kvtop.md", "key") for name in names(row[0])
                   for part in re.split(r"\s*/\s*", name)}

@@ -19,7 +19,7 @@ import kvcached_core as kc
 from kvcached_core.backends import nvml
 from kvcached_core.control.policy import request_policy
 from kvcached_core.segment import layout as L
-from kvtop.exporter import Exporter
+from kvtop.serve.exporter import Exporter
 
 Samples = dict[tuple[str, frozenset], float]
 

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 import kvcached_core as kc
 from kvcached_core.segment import layout as L
 from kvcached_core.segment.writer import Identity, SegmentWriter
-from kvtop.exporter import KVCachedCollector
-from kvtop.pagemap import fold
+from kvtop.serve.exporter import KVCachedCollector
+from kvtop.text.pagemap import fold
 
 SCAN_BOUND_S = 10  # a hang detector, not a speed target
 PROBLEM_KINDS = {"corrupt", "foreign", "unreadable", "busy"}

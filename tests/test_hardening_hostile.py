@@ -440,7 +440,7 @@ def test_the_largest_limit_is_exact_and_applies(spawn_allocator):
 
 
 def test_kvtops_limit_dialog_refuses_a_limit_beyond_int64():
-    from kvtop.widgets.modals import SizeValidator
+    from kvtop.screen.widgets.modals import SizeValidator
 
     verdict = SizeValidator(None).validate("8388608TiB")
     assert not verdict.is_valid and "beyond the largest size" in verdict.failure_descriptions[0]
@@ -614,7 +614,7 @@ def test_kvctl_frag_reads_the_largest_segment(shm_dir):
 def test_kvtop_logs_a_model_going_late_and_beating_again() -> None:
     from fakes import fake_model
 
-    from kvtop.events import diff
+    from kvtop.frames.events import diff
 
     on_time = fake_model("m")
     late = replace(on_time, late=True)
@@ -680,7 +680,7 @@ def test_a_request_nobody_poked_is_applied_at_the_next_heartbeat_tick(spawn_allo
 def test_fifty_scrapers_at_once_are_all_answered_and_share_reads(spawn_allocator):
     import urllib.request
 
-    from kvtop.exporter import Exporter
+    from kvtop.serve.exporter import Exporter
 
     spawn_allocator("m1")
     bodies: list[bytes] = []

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from kvtop.http_page import Page, PageServer
+from kvtop.serve.http_page import Page, PageServer
 
 
 def raw(port: int, request: bytes) -> bytes:

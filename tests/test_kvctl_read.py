@@ -240,7 +240,7 @@ def test_docs_document_every_list_json_key(spawn_allocator):
 
 
 def test_rich_table_for_a_terminal_never_truncates(capsys, monkeypatch):
-    from kvtop import textfmt as T
+    from kvtop.text import textfmt as T
 
     monkeypatch.setenv("COLUMNS", "30")
     columns = (T.Column("NAME"), T.Column("STATUS"), T.Column("WASTE", True))

@@ -283,9 +283,9 @@ def test_kvctl_route_on_a_busy_port_fails_in_one_line(shm_dir):
 
 
 def test_the_router_drops_a_client_that_trickles_its_request_head(router):
-    """The router serves with kvtop.aioserve's limits: a connection that never finishes its request head is closed
+    """The router serves with kvtop.serve.aioserve's limits: a connection that never finishes its request head is closed
     at the head deadline, however steadily it trickles bytes; other clients are served meanwhile and after."""
-    from kvtop.aioserve import HEAD_TIMEOUT_S
+    from kvtop.serve.aioserve import HEAD_TIMEOUT_S
 
     host, port = router.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=30) as slow:
@@ -369,7 +369,7 @@ def test_router_figures_reach_kvctl_and_the_exporter(router, spawn_allocator, sh
 
 
 def untrusted_files() -> float:
-    from kvtop.exporter import KVCachedCollector
+    from kvtop.serve.exporter import KVCachedCollector
 
     (value,) = [s.value for family in KVCachedCollector(with_nvml=False).collect() for s in family.samples
                 if s.name == "kvcached_router_untrusted_files"]
@@ -412,9 +412,9 @@ def test_kvctl_show_and_kvtop_details_say_the_endpoint_and_the_router_figures(ro
     from rich.console import Console
     from textual.pilot import Pilot
 
-    from kvtop.dashboard import KvtopApp
-    from kvtop.source import LiveSource
-    from kvtop.widgets import DetailsScreen
+    from kvtop.frames.source import LiveSource
+    from kvtop.screen.dashboard import KvtopApp
+    from kvtop.screen.widgets import DetailsScreen
 
     port = closed_port()
     spawn_allocator("m1", script=f"m.publish_endpoint('http://127.0.0.1:{port}')\n")
@@ -471,12 +471,12 @@ def test_v1_models_says_each_models_priority_and_figures_the_requests_waiting(ro
 
 
 def test_a_freed_place_goes_to_the_highest_model_priority_then_the_lowest_request_priority():
-    """The router's admission (kvtop.router.admission) with one place on device 0: three requests wait behind the
+    """The router's admission (kvtop.serve.router.admission) with one place on device 0: three requests wait behind the
     one holding it; each freed place goes to the next by (model priority high first, request priority low first,
     arrival), a cancelled waiter is passed over, and another device has its own place."""
     import asyncio
 
-    from kvtop.router.admission import Admission
+    from kvtop.serve.router.admission import Admission
 
     async def scenario() -> tuple[list[str], dict[str, int], dict[str, int]]:
         admission = Admission(1)

@@ -24,7 +24,7 @@ import pytest
 from conftest import child_env, wait_for
 
 from kvcached_core.segment.reader import snapshot
-from kvtop.demo import DemoFleet
+from kvtop.demo.fleet import DemoFleet
 
 LLAMA = "demo-llama-3-8b"
 

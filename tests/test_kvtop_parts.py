@@ -16,11 +16,11 @@ from rich.console import Console
 from kvcached_core.backends import nvml
 from kvcached_core.segment import layout as L
 from kvcached_core.segment.snapshot import Problem, SleepInfo
-from kvtop.events import diff
-from kvtop.history import History
-from kvtop.once import print_once, render
-from kvtop.source import LiveSource
-from kvtop.view import (
+from kvtop.frames.events import diff
+from kvtop.frames.history import History
+from kvtop.frames.source import LiveSource
+from kvtop.screen.once import print_once, render
+from kvtop.screen.view import (
     bar_text,
     device_bars,
     filter_models,
@@ -299,7 +299,7 @@ def test_help_and_version() -> None:
 
 def test_the_fragmentation_panel_shows_compaction_once_one_happened() -> None:
     from kvcached_core.segment.snapshot import CompactInfo
-    from kvtop.view import frag_table
+    from kvtop.screen.view import frag_table
 
     def text(m) -> str:
         console = Console(record=True, width=60, force_terminal=False)

@@ -15,9 +15,9 @@ from textual.widgets import OptionList
 
 import kvcached_core as kc
 from kvcached_core.segment.reader import snapshot as read_model
-from kvtop.dashboard import KvtopApp
-from kvtop.source import LiveSource
-from kvtop.widgets import ConfirmScreen, LimitScreen, PolicyScreen
+from kvtop.frames.source import LiveSource
+from kvtop.screen.dashboard import KvtopApp
+from kvtop.screen.widgets import ConfirmScreen, LimitScreen, PolicyScreen
 
 BUNDLE = 256 * 1024 * 2 * 2  # spawn_allocator's page bundle: 256 KiB pages x 2 layers x K/V = 1 MiB
 

@@ -16,9 +16,9 @@ from textual.widgets import Static
 
 from kvcached_core.control.policy import request_policy
 from kvcached_core.segment.reader import snapshot as read_model
-from kvtop.dashboard import KvtopApp
-from kvtop.source import LiveSource
-from kvtop.widgets import DetailsScreen
+from kvtop.frames.source import LiveSource
+from kvtop.screen.dashboard import KvtopApp
+from kvtop.screen.widgets import DetailsScreen
 
 
 def test_the_details_screen_shows_each_kv_cache_group(spawn_allocator) -> None:

@@ -18,10 +18,10 @@ from textual.pilot import Pilot
 
 import kvcached_core as kc
 from kvcached_core.segment.snapshot import Traffic
-from kvtop.actions import KEY_NAMES
-from kvtop.dashboard import KvtopApp
-from kvtop.source import Frame, LiveSource
-from kvtop.widgets import ConfirmScreen, DetailsScreen, FilterScreen, HelpScreen, LimitScreen, PolicyScreen
+from kvtop.frames.source import Frame, LiveSource
+from kvtop.screen.actions import KEY_NAMES
+from kvtop.screen.dashboard import KvtopApp
+from kvtop.screen.widgets import ConfirmScreen, DetailsScreen, FilterScreen, HelpScreen, LimitScreen, PolicyScreen
 
 
 @pytest.mark.parametrize("keys, check", [

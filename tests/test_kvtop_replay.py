@@ -27,16 +27,16 @@ from textual.pilot import Pilot
 from textual.widgets import Input
 
 import kvcached_core as kc
-from kvtop.actions import KEY_NAMES
-from kvtop.dashboard import KvtopApp
-from kvtop.demo import DemoFleet
+from kvtop.demo.fleet import DemoFleet
+from kvtop.frames.source import Frame, Source
 from kvtop.record.reading import Recording
 from kvtop.record.recorder import Recorder
-from kvtop.replay import REFUSED, SPEEDS, ReplaySource, parse_moment
-from kvtop.replay_app import ReplayApp
-from kvtop.source import Frame, Source
-from kvtop.widgets import ConfirmScreen, DetailsScreen, HelpScreen, LimitScreen, PolicyScreen
-from kvtop.widgets.jump import JumpScreen
+from kvtop.replay.app import ReplayApp
+from kvtop.replay.source import REFUSED, SPEEDS, ReplaySource, parse_moment
+from kvtop.screen.actions import KEY_NAMES
+from kvtop.screen.dashboard import KvtopApp
+from kvtop.screen.widgets import ConfirmScreen, DetailsScreen, HelpScreen, LimitScreen, PolicyScreen
+from kvtop.screen.widgets.jump import JumpScreen
 
 SIZE = (150, 46)
 TIMEOUT_S = 30.0
@@ -92,7 +92,7 @@ class Shown:
     rows: list[str]  # the models table: header, then a line per model
     map_title: str
     map_lines: list[str]  # the page map's lines on screen
-    cells: list[list] = field(repr=False)  # every row of the page map's cells (kvtop.pagemap.Cell)
+    cells: list[list] = field(repr=False)  # every row of the page map's cells (kvtop.text.pagemap.Cell)
     frag: str = ""
     devices: str = ""
     log: list[str] = field(default_factory=list)

@@ -1,6 +1,6 @@
 """Screen snapshots of kvtop from a deterministic fake source, at 80x24 and 160x50.
 
-The fleet (``kvtop.source.sample_fleet``) holds a live model, a stale one, one shrinking under
+The fleet (``kvtop.frames.source.sample_fleet``) holds a live model, a stale one, one shrinking under
 a deferred limit, an upstream (legacy) segment and a model with 100,000 pages; there is no
 GPU unless a test asks for two fake H200s. Regenerate with ``--snapshot-update`` and look at
 the SVGs in tests/__snapshots__/ before committing them.
@@ -15,7 +15,7 @@ from fakes import FakeSource, sample_fleet
 from textual.pilot import Pilot
 from textual.widgets import Input
 
-from kvtop.dashboard import KvtopApp
+from kvtop.screen.dashboard import KvtopApp
 
 SMALL, LARGE = (80, 24), (160, 50)
 

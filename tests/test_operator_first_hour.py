@@ -26,9 +26,9 @@ import kvcached_core as kc
 from kvcached_core.backends.ledger import LOCK_NAME
 from kvcached_core.segment.procinfo import is_alive
 from kvtop.cli import COMMANDS as KVCTL_COMMANDS
-from kvtop.dashboard import KvtopApp
-from kvtop.source import LiveSource
-from kvtop.widgets import LimitScreen
+from kvtop.frames.source import LiveSource
+from kvtop.screen.dashboard import KvtopApp
+from kvtop.screen.widgets import LimitScreen
 
 MiB = 1024 * 1024
 SMALL = dict(num_blocks=64, block_bytes=1 << 16, num_layers=1, page_size=1 << 18)
@@ -216,7 +216,7 @@ def test_demo_models_end_with_kvctl_demo_whatever_the_signal(sig, shm_dir: Path,
 
 def test_a_demo_model_whose_parent_is_gone_before_it_starts_ends_at_once(shm_dir: Path, procs: Processes) -> None:
     """The stdin watchdog covers what PR_SET_PDEATHSIG cannot: a parent gone before the child's prctl."""
-    child = procs.start([sys.executable, "-m", "kvtop.demo", "orphan", "vllm", "1", "0", ""],
+    child = procs.start([sys.executable, "-m", "kvtop.demo.fleet", "orphan", "vllm", "1", "0", ""],
                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(), text=True)
     assert child.stdout.readline() == "ready\n"
     assert (shm_dir / "kvc.orphan").exists()
@@ -237,7 +237,7 @@ def serving(name: str) -> bool:
 def test_a_demo_model_sleeps_as_kvctl_asks_and_wakes_on_kvctl_wake_or_a_request(shm_dir: Path) -> None:
     """The first model a newcomer steers can sleep: it drains, frees every block, unmaps every page, and
     serves again after kvctl wake, or by itself when its next request comes (its next burst)."""
-    from kvtop.demo import DemoFleet
+    from kvtop.demo.fleet import DemoFleet
 
     with DemoFleet(models=1) as fleet:
         assert fleet.wait_ready(timeout=60), fleet.failure
@@ -298,7 +298,7 @@ def test_the_capacity_lock_still_excludes_while_it_comes_and_goes(shm_dir: Path,
 # -- messages and pipes --------------------------------------------------------------------
 
 def test_the_event_log_names_a_problem_file_once() -> None:
-    from kvtop.events import diff
+    from kvtop.frames.events import diff
 
     [event] = diff((), (), 1.0, (), (kc.Problem("/dev/shm/kvc.bad", "corrupt", "bad magic"),))
     assert (event.model, event.text) == ("/dev/shm/kvc.bad", "corrupt: bad magic")
@@ -372,7 +372,7 @@ def http_get(url: str) -> tuple[int, str, bytes]:
 
 
 def test_the_exporter_serves_metrics_at_metrics_an_index_at_root_and_404_elsewhere(spawn_allocator) -> None:
-    from kvtop.exporter import Exporter
+    from kvtop.serve.exporter import Exporter
 
     spawn_allocator("m1")
     with Exporter(port=0, with_nvml=False) as exporter:
@@ -400,7 +400,7 @@ def test_kvctl_export_ctrl_c_exits_130_as_the_readme_says(procs: Processes) -> N
 # -- kvtop's trim dialog -------------------------------------------------------------------
 
 def test_the_trim_dialog_reads_the_model_again_and_says_the_pool_refills(spawn_allocator, monkeypatch) -> None:
-    from kvtop.widgets import ConfirmScreen
+    from kvtop.screen.widgets import ConfirmScreen
 
     monkeypatch.setenv("KVCACHED_IDLE_RETURN_S", "-1")  # the warm pool stays until trimmed
     proc = spawn_allocator("m1", script="b = m.alloc(1)")
@@ -422,7 +422,7 @@ def test_the_trim_dialog_reads_the_model_again_and_says_the_pool_refills(spawn_a
 
 
 def test_the_docs_say_what_trim_says_about_the_refill() -> None:
-    from kvtop.textfmt import REFILL_NOTE
+    from kvtop.text.textfmt import REFILL_NOTE
 
     row = next(line for line in (DOCS / "kvctl.md").read_text().splitlines() if line.startswith("| `kvctl trim "))
     assert f"(`{REFILL_NOTE}`)" in row and "set a limit" in row
@@ -473,7 +473,7 @@ def test_the_footer_says_what_space_does_now_and_fits_80_columns() -> None:
 def test_zooming_past_either_end_says_so() -> None:
     from fakes import sample_fleet
 
-    import kvtop.dashboard as kvtop_app
+    import kvtop.screen.dashboard as kvtop_app
 
     class Told(KvtopApp):
         """Keeps every notice it gives: toasts vanish after 3 s of wall time, a busy test machine is slower."""
@@ -506,8 +506,8 @@ def test_the_command_palette_holds_kvtops_commands_only() -> None:
     from textual.command import CommandPalette
     from textual.widgets import OptionList
 
-    from kvtop.actions import LIVE
-    from kvtop.commands import COMMANDS as OURS
+    from kvtop.screen.actions import LIVE
+    from kvtop.screen.commands import COMMANDS as OURS
 
     app = fake_app()
 
@@ -592,7 +592,7 @@ def test_the_readme_screen_is_what_kvtop_demo_shows() -> None:
 
 
 def test_the_readme_python_and_kvctl_examples_work_against_the_demo(shm_dir: Path) -> None:
-    from kvtop.demo import DemoFleet
+    from kvtop.demo.fleet import DemoFleet
 
     with DemoFleet(models=4) as fleet:
         assert fleet.wait_ready(30), fleet.failure
@@ -618,8 +618,8 @@ def test_the_example_and_the_readme_give_the_same_limit_and_it_exhausts_the_cach
 
 
 def test_every_column_of_the_model_table_is_shown_when_there_is_room() -> None:
-    from kvtop.view import COLUMNS
-    from kvtop.widgets.models import choose_columns
+    from kvtop.screen.view import COLUMNS
+    from kvtop.screen.widgets.models import choose_columns
 
     widths = {key: 5 for key, *_ in COLUMNS}
     assert choose_columns(widths, 10_000) == COLUMNS  # in their order, none forgotten by the priority list

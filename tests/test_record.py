@@ -20,13 +20,13 @@ from conftest import wait_for
 
 import kvcached_core as kc
 from kvcached_core import ModelSnapshot
-from kvtop.demo import DemoFleet
+from kvtop.demo.fleet import DemoFleet
+from kvtop.frames.source import Frame
 from kvtop.record import reading
 from kvtop.record.reading import Recording, RecordingError
 from kvtop.record.recorder import Recorder
 from kvtop.record.retention import drop_oldest, recording_size
 from kvtop.record.schema import PAGE_SIZE
-from kvtop.source import Frame
 
 KVCTL = [sys.executable, "-m", "kvtop.cli"]
 

@@ -21,7 +21,7 @@ from kvcached_core.segment import layout as L
 from kvcached_core.segment.procinfo import is_alive
 from kvcached_core.segment.reader import list_models, snapshot
 from kvcached_core.tp import RankLost, TPWorker
-from kvtop.exporter import KVCachedCollector
+from kvtop.serve.exporter import KVCachedCollector
 
 KiB, MiB = 1024, 1024 * 1024
 # 4 blocks per page, 16 pages; one page id costs 256 KiB x 2 layers x 2 buffers = 1 MiB per rank.
@@ -359,8 +359,8 @@ def test_kvctl_and_kvtop_group_the_ranks_under_one_model(managers) -> None:
 
     from kvcached_core.backends.nvml import GpuInfo
     from kvtop.cli import main as kvctl
-    from kvtop.source import Frame
-    from kvtop.view import device_bars, model_cells
+    from kvtop.frames.source import Frame
+    from kvtop.screen.view import device_bars, model_cells
 
     m = managers("tp-cli", 2)
     assert m.alloc(8) is not None  # 2 pages

@@ -29,8 +29,8 @@ import kvcached_core as kc
 from kvcached_core.backends import nvml
 from kvcached_core.interop.legacy import parse_name
 from kvcached_core.segment.pgroups import GroupJudge
-from kvtop.exporter import Exporter
-from kvtop.view import model_cells
+from kvtop.screen.view import model_cells
+from kvtop.serve.exporter import Exporter
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -263,9 +263,9 @@ def test_kvtops_limit_dialog_takes_a_percentage_of_device_0_by_nvml(shm_dir):
     """As kvctl does: 30% of device 0's NVML total, the dialog saying so; without NVML refused, saying why."""
     from test_operator_first_hour import drive, until
 
-    from kvtop.dashboard import KvtopApp
-    from kvtop.source import LiveSource
-    from kvtop.widgets import LimitScreen
+    from kvtop.frames.source import LiveSource
+    from kvtop.screen.dashboard import KvtopApp
+    from kvtop.screen.widgets import LimitScreen
 
     name = f"kvcached_vLLM_{LIVE}"
     path = upstream_segment(shm_dir, name, 8 * GiB, GiB, 0)
@@ -302,9 +302,9 @@ def test_kvtops_limit_dialog_refuses_none_and_0_and_says_pending(shm_dir):
     a limit below what is in use is previewed as pending, never applied."""
     from test_operator_first_hour import drive, until
 
-    from kvtop.dashboard import KvtopApp
-    from kvtop.source import LiveSource
-    from kvtop.widgets import LimitScreen
+    from kvtop.frames.source import LiveSource
+    from kvtop.screen.dashboard import KvtopApp
+    from kvtop.screen.widgets import LimitScreen
 
     name = f"kvcached_vLLM_{LIVE}"
     path = upstream_segment(shm_dir, name, 8 * GiB, 3 * GiB, GiB)

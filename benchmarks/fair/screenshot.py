@@ -48,8 +48,8 @@ class Screenshot:
 
     async def _main(self) -> None:
         from kvcached_core import scan
-        from kvtop.dashboard import KvtopApp
-        from kvtop.source import LiveSource
+        from kvtop.frames.source import LiveSource
+        from kvtop.screen.dashboard import KvtopApp
 
         start = reclaims(list(scan(directory=self.directory).models))
         app = KvtopApp(LiveSource(directory=self.directory), interval=0.5, readonly=True)

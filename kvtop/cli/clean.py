@@ -5,13 +5,13 @@ from __future__ import annotations
 import click
 
 from kvcached_core.control import leftovers
-from kvtop import textfmt as T
 from kvtop.cli import ExitCode
 from kvtop.cli.common import read, warn
+from kvtop.text import textfmt as T
 
 
 def _router_pid(filename: str) -> int | None:
-    from kvtop.router.published import PREFIX
+    from kvtop.serve.router.published import PREFIX
 
     pid_text = filename[len(PREFIX):].removesuffix(".tmp") if filename.startswith(PREFIX) else ""
     return int(pid_text) if pid_text.isdigit() else None

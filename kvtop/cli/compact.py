@@ -6,9 +6,9 @@ import click
 
 from kvcached_core import ControlError
 from kvcached_core.control import AckTimeout
-from kvtop import textfmt as T
 from kvtop.cli import Failure, model_argument
 from kvtop.cli.common import Number, emit_json, pick, read
+from kvtop.text import textfmt as T
 
 
 @click.command("compact")

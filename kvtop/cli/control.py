@@ -10,9 +10,9 @@ from dataclasses import replace
 import click
 
 from kvcached_core import Ack, AckTimeout, ControlError, ModelSnapshot, request_limit, request_trim
-from kvtop import textfmt as T
 from kvtop.cli import SIZE, ExitCode, Failure, SizeSpec, check_model_name, model_argument
 from kvtop.cli.common import Number, emit_json, pick, read, warn
+from kvtop.text import textfmt as T
 
 WAIT_HELP = "Seconds to wait for each model's acknowledgement (0: do not wait)."
 REFUSED = (ControlError, AckTimeout, OSError, ValueError)

@@ -37,7 +37,7 @@ def demo_cmd(models: int, duration: float | None, seed: int) -> None:
       kvctl demo --models 6 --duration 60 --seed 7
     """
     from kvcached_core.settings import shm_dir_problem
-    from kvtop.demo import DemoFleet
+    from kvtop.demo.fleet import DemoFleet
 
     problem = shm_dir_problem(writable=True)
     if problem:

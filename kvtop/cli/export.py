@@ -34,7 +34,7 @@ def export_cmd(host: str, port: int, interval: float | None) -> None:
       kvctl export --host 0.0.0.0 --interval 5
     """
     from kvcached_core.settings import shm_dir_problem
-    from kvtop.exporter import Exporter
+    from kvtop.serve.exporter import Exporter
 
     problem = shm_dir_problem()
     if problem:

@@ -43,14 +43,14 @@ def list_cmd(as_json: bool, gpu: int | None, show_all: bool) -> None:
     if not found.models:
         click.echo("no models" + ("" if show_all else " (kvctl list --all also shows stale ones)"))
         return
-    from kvtop import textfmt as T  # text only: --json never pays for it
+    from kvtop.text import textfmt as T  # text only: --json never pays for it
 
     T.print_table(T.LIST_COLUMNS, [T.list_row(m) for m in found.models])
 
 
 def _router_figures(name: str) -> dict | None:
     from kvcached_core.settings import settings
-    from kvtop.router.published import read as read_routers
+    from kvtop.serve.router.published import read as read_routers
 
     return read_routers(settings().shm_dir).models.get(name)
 
@@ -58,7 +58,7 @@ def _router_figures(name: str) -> dict | None:
 def _add_router_figures(rows: list[dict], *, warn_untrusted: bool) -> None:
     """Each row's ``router`` key: what a running ``kvctl route`` counted for the model (docs/json.md), else null."""
     from kvcached_core.settings import settings
-    from kvtop.router.published import read as read_routers
+    from kvtop.serve.router.published import read as read_routers
 
     found = read_routers(settings().shm_dir)
     for row in rows:
@@ -96,14 +96,14 @@ def show_cmd(model: str, as_json: bool, width: int, rows: int) -> None:
         _add_router_figures([out], warn_untrusted=False)
         emit_json(out)
         return
-    from kvtop import textfmt as T
+    from kvtop.text import textfmt as T
 
     lines = T.show_lines(snap, frag, found.models)
     if snap.endpoint is not None:
         lines.append(f"  {'endpoint':<12} {snap.endpoint}")
     figures = _router_figures(snap.name)
     if figures is not None:
-        from kvtop.router.published import summary
+        from kvtop.serve.router.published import summary
 
         lines.append(f"  {'router':<12} {summary(figures)}")
     click.echo("\n".join([*lines, "", *T.page_map_lines(snap, width, rows)]))
@@ -136,7 +136,7 @@ def frag_cmd(model: str | None, as_json: bool, worst: int) -> None:
         if as_json:
             emit_json({"name": snap.name, "status": snap.status, **frag.to_dict()})
             return
-        from kvtop import textfmt as T
+        from kvtop.text import textfmt as T
 
         click.echo("\n".join(T.frag_lines(snap, frag)))
         return
@@ -148,6 +148,6 @@ def frag_cmd(model: str | None, as_json: bool, worst: int) -> None:
     if not reports:
         click.echo("no models")
         return
-    from kvtop import textfmt as T
+    from kvtop.text import textfmt as T
 
     T.print_table(T.FRAG_COLUMNS, [T.frag_row(m, f) for m, f in reports])

@@ -6,10 +6,10 @@ import click
 
 from kvcached_core import Ack, ModelSnapshot
 from kvcached_core.control import KEEP, PRIORITY_MAX, PRIORITY_MIN, request_policy
-from kvtop import textfmt as T
 from kvtop.cli import SIZE, Failure, SizeSpec, model_argument
 from kvtop.cli.common import Number, Whole, emit_json, pick, read
 from kvtop.cli.control import REFUSED, ack_dict, capacity_of
+from kvtop.text import textfmt as T
 
 WAIT_HELP = "Seconds to wait for the model's acknowledgement (0: do not wait)."
 

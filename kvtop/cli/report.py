@@ -133,7 +133,7 @@ def report_cmd(file: Path, start: str | None, end: str | None, model: str | None
 
 
 def _print_table(reports: list, t0: float, t1: float) -> None:
-    from kvtop import textfmt as T
+    from kvtop.text import textfmt as T
 
     title = f"{_when(t0)} to {_when(t1)} ({_duration(t1 - t0)})"
     if not reports:

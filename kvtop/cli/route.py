@@ -1,4 +1,4 @@
-"""``kvctl route``: one OpenAI-compatible endpoint in front of every model on the host (:mod:`kvtop.router`)."""
+"""``kvctl route``: one OpenAI-compatible endpoint in front of every model on the host (:mod:`kvtop.serve.router`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kvtop.cli import Failure
 from kvtop.cli.common import Number
 
 if TYPE_CHECKING:
-    from kvtop.router.directory import Directory
+    from kvtop.serve.router.directory import Directory
 
 KEY_ENV = "KVCTL_ROUTE_API_KEY"
 
@@ -152,7 +152,7 @@ def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float, max_i
     if problem:
         raise Failure(problem)
     try:
-        from kvtop.router.proxy import serve
+        from kvtop.serve.router.proxy import serve
     except ImportError as exc:
         raise Failure(f"kvctl route needs aiohttp ({exc}): pip install 'aiohttp>=3.9'") from None
     host, port = listen

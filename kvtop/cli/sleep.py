@@ -8,9 +8,9 @@ import click
 
 from kvcached_core import ControlError, ModelNotFound, ModelSnapshot, resolve
 from kvcached_core.control import AckTimeout
-from kvtop import textfmt as T
 from kvtop.cli import Failure, check_model_name, model_argument
 from kvtop.cli.common import Number, emit_json, read
+from kvtop.text import textfmt as T
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}

@@ -11,9 +11,9 @@ from typing import TextIO
 import click
 
 from kvcached_core import ModelSnapshot
-from kvtop import textfmt as T
 from kvtop.cli import model_argument
 from kvtop.cli.common import Number, Whole, pick_many, read
+from kvtop.text import textfmt as T
 
 # CSV columns after time and tick: every scalar key of ModelSnapshot.to_dict(), in its order.
 CSV_FIELDS = (

@@ -1,4 +1,4 @@
-"""Reading a recording back: any moment as a kvtop :class:`~kvtop.source.Frame`, the events, the counters.
+"""Reading a recording back: any moment as a kvtop :class:`~kvtop.frames.source.Frame`, the events, the counters.
 
 ``Recording.open(path)`` takes one day file or a directory of them. A damaged row (its CRC does not
 match, or it does not decode) reads as absent and is named once in ``problems``; a moment whose
@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from kvcached_core import GpuInfo, ModelSnapshot, Problem
+from kvtop.frames.source import Frame
 from kvtop.record import codec
 from kvtop.record.codec import PAGES_KEY, Damaged, Flat
 from kvtop.record.schema import APPLICATION_ID, SCHEMA_VERSION, crc, day_files, event_crc_input, open_readonly
-from kvtop.source import Frame
 
-# Event kinds: kvtop's event log's, as recorded (kvtop.events.Event.kind, with a limit's outcome named).
+# Event kinds: kvtop's event log's, as recorded (kvtop.frames.events.Event.kind, with a limit's outcome named).
 START = "start"  # the recorder began: the models it found
 APPEARED = "appeared"
 STALE = "stale"  # its process is gone

@@ -3,7 +3,7 @@
 :meth:`Recorder.read` takes a frame (every model with its page map, the GPUs, the router's figures);
 :meth:`Recorder.write` stores it as one transaction: the sample row (every model's changed counters and
 page maps in one payload) and the events kvtop's log shows between it and the sample before
-(``kvtop.events.diff``, the same code).
+(``kvtop.frames.events.diff``, the same code).
 A write that fails (a full disk, an I/O error) raises :class:`RecordWriteError`; what was committed
 before stays readable.
 """
@@ -21,12 +21,12 @@ from typing import Any
 import kvcached_core as kc
 from kvcached_core import ModelSnapshot, nvml
 from kvcached_core.settings import ConfigError, settings, shm_dir_problem
-from kvtop import events as E
+from kvtop.frames import events as E
+from kvtop.frames.source import Frame
 from kvtop.record import codec, reading
 from kvtop.record.codec import PAGES_KEY, Flat
 from kvtop.record.retention import drop_oldest
 from kvtop.record.schema import KEY_EVERY, crc, create, day_path, event_crc_input
-from kvtop.source import Frame
 
 _KINDS = {"watching": reading.START, "appeared": reading.APPEARED, "stale": reading.STALE,
           "live": reading.LIVE, "late": reading.LATE, "disappeared": reading.GONE, "gave": reading.RECLAIM,
@@ -99,7 +99,7 @@ class Recorder:
         found = kc.scan(with_pages=True, directory=self.segments)
         gpus = tuple(nvml.probe(None)) if self.gpus else ()
         note = "" if gpus else (nvml.unavailable_reason() if self.gpus and not nvml.available() else "")
-        from kvtop.router.published import read as read_routers
+        from kvtop.serve.router.published import read as read_routers
 
         router = read_routers(self.segments or settings().shm_dir).models
         return Frame(found.models, found.problems, gpus, note, self._host_capacity, None, time.time(), self.host,

@@ -1,6 +1,6 @@
 """A few fixed pages served over HTTP by aiohttp, on one asyncio loop in a daemon thread.
 
-aiohttp parses the requests and :mod:`kvtop.aioserve` bounds them (head size, the wait for a head,
+aiohttp parses the requests and :mod:`kvtop.serve.aioserve` bounds them (head size, the wait for a head,
 the listen backlog); what is this module's own is how a page is made. A page is made in a worker
 thread once for every request that arrived while no making of it had started yet: a request
 never gets a page read before it arrived, and a burst of 50 costs at most two makings (the one
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from kvtop.aioserve import BACKLOG, HEAD_TIMEOUT_S, Served, serve
+from kvtop.serve.aioserve import BACKLOG, HEAD_TIMEOUT_S, Served, serve
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 import kvcached_core
 from kvcached_core import ModelSnapshot, nvml
-from kvtop.http_page import Page, PageServer
+from kvtop.serve.http_page import Page, PageServer
 
 PREFIX = "kvcached"
 MODEL_LABELS = ("model", "engine", "device", "pid", "host")
@@ -226,9 +226,9 @@ class KVCachedCollector(Collector):
         return [models, problems, duration]
 
     def _router_families(self, models: tuple[ModelSnapshot, ...]) -> list[Metric]:
-        """What a running kvctl route counted per model (kvtop.router.published), beside the engines' own figures."""
+        """What a running kvctl route counted per model (kvtop.serve.router.published), beside the engines' own figures."""
         from kvcached_core.settings import settings
-        from kvtop.router.published import read as read_routers
+        from kvtop.serve.router.published import read as read_routers
 
         found = read_routers(settings().shm_dir)
 
@@ -355,7 +355,7 @@ INDEX = (b"<!doctype html><title>kvcached exporter</title><h1>kvcached exporter<
 
 def pages(registry: CollectorRegistry) -> dict[str, Page]:
     """``/metrics`` serves the metrics, ``/`` a small index that links there (anything else is 404).
-    Scrapes that arrive together share one making of the page (:class:`kvtop.http_page.PageServer`, served by
+    Scrapes that arrive together share one making of the page (:class:`kvtop.serve.http_page.PageServer`, served by
     aiohttp): 50 scrapers at once cost one or two reads of the segments, not 50."""
     return {
         "/metrics": Page("200 OK", CONTENT_TYPE_LATEST, lambda: generate_latest(registry)),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import RichLog
 
-from kvtop.events import ERROR, GOOD, WARN, Event
+from kvtop.frames.events import ERROR, GOOD, WARN, Event
 
 LEVEL_STYLES = {GOOD: "green", WARN: "yellow", ERROR: "bold red"}
 

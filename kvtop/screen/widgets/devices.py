@@ -6,8 +6,8 @@ from rich.console import Group
 from rich.text import Text
 from textual.widget import Widget
 
-from kvtop.source import Frame
-from kvtop.view import DeviceBar, device_bars, device_lines
+from kvtop.frames.source import Frame
+from kvtop.screen.view import DeviceBar, device_bars, device_lines
 
 
 class DevicePanel(Widget):

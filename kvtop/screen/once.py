@@ -14,10 +14,9 @@ from rich.table import Table
 from rich.text import Text
 
 from kvcached_core import ModelNotFound, resolve
-from kvtop.history import History
-from kvtop.pagemap import fold
-from kvtop.source import Frame, Source
-from kvtop.view import (
+from kvtop.frames.history import History
+from kvtop.frames.source import Frame, Source
+from kvtop.screen.view import (
     COLUMNS,
     RATE_COLUMNS,
     cells_text,
@@ -29,6 +28,7 @@ from kvtop.view import (
     model_cells,
     sort_models,
 )
+from kvtop.text.pagemap import fold
 
 MAP_ROWS = 8
 

@@ -7,7 +7,7 @@ model is woken by it (bounded), and the router keeps per-model figures.
 Built on aiohttp: one well-kept library for both sides (its server and its client share one event loop,
 one connection pool and one streaming API), where starlette + uvicorn + httpx would be three libraries,
 two of them with their own event-loop and connection-pool layers, for the same job. No HTTP is parsed
-here by hand; the server listens through :func:`kvtop.aioserve.serve`, as ``kvctl export`` does, so both keep
+here by hand; the server listens through :func:`kvtop.serve.aioserve.serve`, as ``kvctl export`` does, so both keep
 the same limits (a bounded request head and wait for it, the backlog, no access log, a ``Server`` header naming
 no versions). ``kvcached_core`` never imports this package; only :mod:`.proxy` and :mod:`.directory` import
 aiohttp, so a reader of the published figures that serves nothing (``kvctl list``, kvtop) never loads it.

@@ -7,7 +7,7 @@ import time
 from rich.text import Text
 from textual.widget import Widget
 
-from kvtop.source import Frame
+from kvtop.frames.source import Frame
 
 
 class StatusLine(Widget):

@@ -1,6 +1,6 @@
 """Page map of the selected model: one cell per page or per group of pages, zoomable and scrollable.
 
-Only the rows on screen are folded (``kvtop.pagemap.fold``), and a refresh whose page map is
+Only the rows on screen are folded (``kvtop.text.pagemap.fold``), and a refresh whose page map is
 byte-for-byte the one already drawn folds nothing: a 100k-page model costs what its visible
 cells cost.
 """
@@ -18,8 +18,8 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from kvcached_core import ModelSnapshot, format_bytes
-from kvtop.pagemap import GLYPHS, Cell, fold
-from kvtop.view import STATE_STYLES, fit_per_cell
+from kvtop.screen.view import STATE_STYLES, fit_per_cell
+from kvtop.text.pagemap import GLYPHS, Cell, fold
 
 GUTTER_MIN_WIDTH = 40
 

@@ -1,6 +1,6 @@
 """``kvtop --replay FILE``: the dashboard, every panel as it was, driven by a recording's clock.
 
-The same app and widgets as the live dashboard (``kvtop.dashboard``), with a time bar under the status line. Its one
+The same app and widgets as the live dashboard (``kvtop.screen.dashboard``), with a time bar under the status line. Its one
 poller reads the recording's frame at the clock's moment (``kvtop.replay.ReplaySource``) with the recorded
 events up to it and the history the sparklines need, and posts them; the handler sets them as the live one does.
 The log shows what was recorded, so going back shows it as it was. Actions that change a model are refused
@@ -21,15 +21,15 @@ from textual.binding import Binding, BindingType
 from textual.message import Message
 from textual.worker import get_current_worker
 
-from kvtop.actions import REPLAY, bindings
-from kvtop.dashboard import KvtopApp
-from kvtop.history import History
-from kvtop.messages import PollFailed
+from kvtop.frames.history import History
+from kvtop.frames.source import Frame
 from kvtop.record.reading import RecordedEvent, Recording
-from kvtop.replay import LogUpdate, ReplayClock, ReplaySource, format_moment, parse_moment
-from kvtop.source import Frame
-from kvtop.widgets.jump import JumpScreen
-from kvtop.widgets.timebar import ReplayState, TimeBar, span_text
+from kvtop.replay.source import LogUpdate, ReplayClock, ReplaySource, format_moment, parse_moment
+from kvtop.screen.actions import REPLAY, bindings
+from kvtop.screen.dashboard import KvtopApp
+from kvtop.screen.messages import PollFailed
+from kvtop.screen.widgets.jump import JumpScreen
+from kvtop.screen.widgets.timebar import ReplayState, TimeBar, span_text
 
 DRAWN_WAIT_S = 0.5  # at most this long the poller waits for a frame to be drawn before it reads its history
 # What a replay refuses; their keys stay (pressing one says why), the footer leaves them out.

@@ -33,7 +33,7 @@ class Frame:
     host: str
     read_s: float = 0.0  # seconds the read took
     directory_problem: str = ""  # why the segment directory cannot be read ("" when it can)
-    router: dict[str, dict] = field(default_factory=dict)  # kvctl route's figures by model (kvtop.router.published)
+    router: dict[str, dict] = field(default_factory=dict)  # kvctl route's figures by model (kvtop.serve.router.published)
 
     def model(self, name: str | None) -> ModelSnapshot | None:
         for m in self.models:
@@ -107,7 +107,7 @@ class LiveSource:
         note = "" if gpus or nvml.available() else nvml.unavailable_reason()
         if not gpus and not note:
             note = "NVML reports no GPU" if self.gpu_filter is None else f"no GPU {self.gpu_filter}"
-        from kvtop.router.published import read as read_routers
+        from kvtop.serve.router.published import read as read_routers
 
         router = read_routers(self.directory or settings().shm_dir).models
         return Frame(found.models, found.problems, gpus, note, self._host_capacity, detail,

@@ -10,12 +10,12 @@ running ones finish (``--now``: preempts them), drops its prefix cache, frees ev
 calls ``ready()``, so every page is unmapped. It wakes on ``kvctl wake`` or on its next request:
 the simulated users of a sleeping model come back with its next burst of traffic.
 
-Each model also serves a toy OpenAI-compatible endpoint on 127.0.0.1 (:mod:`kvtop.demo_serve`) and
+Each model also serves a toy OpenAI-compatible endpoint on 127.0.0.1 (:mod:`kvtop.demo.serve`) and
 publishes its address in its segment, as a real engine does, so ``kvctl route`` serves the demo too; its
 requests allocate blocks beside the simulated ones and wake a sleeping model.
 
 Not part of the allocator: a client of kvcached_core's public API, as an engine is, that
-``kvctl demo`` and ``kvtop --demo`` start (each model is ``python -m kvtop.demo`` in a child).
+``kvctl demo`` and ``kvtop --demo`` start (each model is ``python -m kvtop.demo.fleet`` in a child).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class DemoEngine:
     asked: deque[str] = field(default_factory=deque)
     draining: bool = False
     asleep: bool = False
-    # Held by step() and by the requests the model's server takes (kvtop.demo_serve), which run in its thread.
+    # Held by step() and by the requests the model's server takes (kvtop.demo.serve), which run in its thread.
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def on_sleep(self, action: str) -> None:
@@ -220,11 +220,11 @@ def die_with_parent(stop: Callable[[], None]) -> None:
 def run_model(name: str, engine: str, layers: int, seed: int, duration: float | None, tick: float = 0.05) -> None:
     """Child-process body: serve simulated traffic until ``duration``, SIGTERM/SIGINT or the parent's end.
 
-    Says ``ready`` on stdout once its segment exists and its server (:mod:`kvtop.demo_serve`) listens, its
+    Says ``ready`` on stdout once its segment exists and its server (:mod:`kvtop.demo.serve`) listens, its
     address published, or ``failed: <why>`` (one line) and exits 1.
     """
     from kvcached_core import KVCacheManager
-    from kvtop.demo_serve import DemoServer
+    from kvtop.demo.serve import DemoServer
 
     stopping = threading.Event()
     signalled = False
@@ -288,7 +288,7 @@ class DemoFleet:
         signal follows the thread that started a child, not the process)."""
         for i, name in enumerate(self.names()):
             _base, engine, layers = DEMO_MODELS[i % len(DEMO_MODELS)]
-            cmd = [sys.executable, "-m", "kvtop.demo", name, engine, str(layers),
+            cmd = [sys.executable, "-m", "kvtop.demo.fleet", name, engine, str(layers),
                    str(self.seed * 1000 + i), "" if self.duration is None else str(self.duration)]
             # stdin: a pipe only this process holds, so a child sees end of file when we are gone;
             # stdout: the child's one line, "ready" or "failed: <why>".

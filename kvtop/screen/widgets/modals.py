@@ -25,9 +25,9 @@ from kvcached_core.control import (
     limit_refusal,
     policy_problem,
 )
-from kvtop.pagemap import GLYPHS, LEGEND
-from kvtop.textfmt import fmt_device, group_fields
-from kvtop.view import STATE_STYLES, frag_table
+from kvtop.screen.view import STATE_STYLES, frag_table
+from kvtop.text.pagemap import GLYPHS, LEGEND
+from kvtop.text.textfmt import fmt_device, group_fields
 
 
 class ConfirmScreen(ModalScreen[bool]):
@@ -105,7 +105,7 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
     def __init__(self, model: ModelSnapshot, router: dict | None = None) -> None:
         super().__init__(classes="dialog")
         self.model = model
-        self.router = router  # kvctl route's figures for it (kvtop.router.published), None when no router has any
+        self.router = router  # kvctl route's figures for it (kvtop.serve.router.published), None when no router has any
         self.percent_of: int | None = None  # what a percentage is taken of: the base kvctl limit takes
         self.percent_note = ""  # how a percentage is taken, when the model does not say it
         self.percent_problem = ""  # why no percentage can be taken
@@ -245,7 +245,7 @@ class PolicyScreen(ModalScreen[PolicyRequest | None]):
     def __init__(self, model: ModelSnapshot, router: dict | None = None) -> None:
         super().__init__(classes="dialog")
         self.model = model
-        self.router = router  # kvctl route's figures for it (kvtop.router.published), None when no router has any
+        self.router = router  # kvctl route's figures for it (kvtop.serve.router.published), None when no router has any
         self.percent_of: int | None = None
         self.percent_problem = ""
         try:
@@ -414,7 +414,7 @@ class DetailsScreen(_InfoScreen):
     def __init__(self, model: ModelSnapshot, router: dict | None = None) -> None:
         super().__init__(classes="dialog")
         self.model = model
-        self.router = router  # kvctl route's figures for it (kvtop.router.published), None when no router has any
+        self.router = router  # kvctl route's figures for it (kvtop.serve.router.published), None when no router has any
 
     def compose(self) -> ComposeResult:
         m = self.model
@@ -450,7 +450,7 @@ class DetailsScreen(_InfoScreen):
             if m.endpoint is not None:
                 rows.append(("endpoint", m.endpoint))
             if self.router is not None:
-                from kvtop.router.published import summary
+                from kvtop.serve.router.published import summary
 
                 rows.append(("router", summary(self.router)))
             for r in m.ranks:

@@ -6,9 +6,9 @@ from functools import partial
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-from kvtop.actions import LIVE, REPLAY, palette
+from kvtop.screen.actions import LIVE, REPLAY, palette
 
-# (title, help, action): the palette's rows of kvtop/actions.py, the same actions the keys run; a replay's own.
+# (title, help, action): the palette's rows of kvtop/screen/actions.py, the same actions the keys run; a replay's own.
 COMMANDS = {LIVE: palette(LIVE), REPLAY: palette(REPLAY)}
 
 

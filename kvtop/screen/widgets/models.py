@@ -19,8 +19,8 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from kvcached_core import ModelSnapshot
-from kvtop.history import History
-from kvtop.view import COLUMNS, model_cells, unpublished_columns
+from kvtop.frames.history import History
+from kvtop.screen.view import COLUMNS, model_cells, unpublished_columns
 
 GAP = 2
 # Which columns a narrow terminal keeps, first to last; they are drawn in COLUMNS order.

@@ -22,7 +22,7 @@ from aiohttp import web
 from kvcached_core import ControlError
 from kvcached_core.control import AckTimeout
 from kvcached_core.settings import settings
-from kvtop import aioserve
+from kvtop.serve import aioserve
 
 from . import published
 from .admission import Admission
@@ -371,7 +371,7 @@ STARTUP_ASK_S = 2.0  # how long the first report waits for the engines' served i
 
 def serve(host: str, port: int, shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout_s: float = 60.0,
           max_in_flight: int = 0, api_key: str = "", ready: Callable[[str, Directory], None] | None = None) -> None:
-    """Listen on ``host:port`` until SIGINT or SIGTERM, with :func:`kvtop.aioserve.serve`'s limits (a bounded
+    """Listen on ``host:port`` until SIGINT or SIGTERM, with :func:`kvtop.serve.aioserve.serve`'s limits (a bounded
     request head and wait for it: the wait stops while a request is answered, so a long streamed answer or a slow
     engine is never cut); ``ready`` gets the URL once listening (port 0: the one the system chose) and the models
     found then. OSError when the address cannot be bound."""

@@ -1,6 +1,6 @@
 """A demo model's OpenAI-compatible server: a toy generator behind the routes a real engine serves.
 
-Each demo model (:mod:`kvtop.demo`) serves on 127.0.0.1 at a port the system picks and publishes the
+Each demo model (:mod:`kvtop.demo.fleet`) serves on 127.0.0.1 at a port the system picks and publishes the
 address in its segment, as a real engine does, so ``kvctl route`` finds it:
 
 - ``GET /v1/models``: the model's name;

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import ClassVar
 
 from textual import on, work
@@ -26,15 +27,14 @@ from textual.widgets import Footer, Static
 from textual.worker import get_current_worker
 
 from kvcached_core import AckTimeout, ControlError, ModelNotFound, ModelSnapshot, format_bytes, resolve
-from kvtop.actions import LIVE, bindings, help_rows
-from kvtop.commands import KvtopCommands
-from kvtop.events import ERROR, GOOD, INFO, WARN, Event, asleep_key, asleep_text, diff, policy_text
-from kvtop.history import History
-from kvtop.messages import ControlDone, FrameReady, PollFailed
-from kvtop.source import Frame, Source
-from kvtop.textfmt import REFILL_NOTE
-from kvtop.view import SORT_KEYS, filter_models, legend_text, sort_models
-from kvtop.widgets import (
+from kvtop.frames.events import ERROR, GOOD, INFO, WARN, Event, asleep_key, asleep_text, diff, policy_text
+from kvtop.frames.history import History
+from kvtop.frames.source import Frame, Source
+from kvtop.screen.actions import LIVE, bindings, help_rows
+from kvtop.screen.commands import KvtopCommands
+from kvtop.screen.messages import ControlDone, FrameReady, PollFailed
+from kvtop.screen.view import SORT_KEYS, filter_models, legend_text, sort_models
+from kvtop.screen.widgets import (
     ConfirmScreen,
     DetailsScreen,
     DevicePanel,
@@ -50,6 +50,7 @@ from kvtop.widgets import (
     PolicyScreen,
     StatusLine,
 )
+from kvtop.text.textfmt import REFILL_NOTE
 
 INTERVALS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 # How long kvtop's worker waits for an engine to acknowledge a control. It waits off the UI thread, so
@@ -61,13 +62,13 @@ CONTROL_WAIT_S = 10.0
 class KvtopApp(App[int]):
     """The dashboard. ``source`` is a LiveSource in production and a FakeSource (tests/fakes.py) in snapshot tests."""
 
-    CSS_PATH = "kvtop.tcss"
+    CSS_PATH = Path(__file__).with_name("kvtop.tcss")  # whole: textual reads a relative one beside a subclass's module (ReplayApp)
     TITLE = "kvtop"
     COMMANDS = {KvtopCommands}  # ours only: one list, one style (quit, keys and help are in it)
     VERTICAL_BREAKPOINTS = [(0, "-short"), (36, "-tall")]
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
-    BINDINGS: ClassVar[list[BindingType]] = list(bindings(LIVE))  # kvtop/actions.py: keys, palette and help in one table
-    MODE = LIVE  # the rows of kvtop/actions.py this dashboard has (kvtop.replay_app: REPLAY)
+    BINDINGS: ClassVar[list[BindingType]] = list(bindings(LIVE))  # kvtop/screen/actions.py: keys, palette and help in one table
+    MODE = LIVE  # the rows of kvtop/screen/actions.py this dashboard has (kvtop.replay.app: REPLAY)
 
     # ``var``: no repaint of the whole screen when one changes; the watchers redraw what changed.
     frame: var[Frame | None] = var(None, always_update=True, init=False)
@@ -321,7 +322,7 @@ class KvtopApp(App[int]):
     # -- view actions ----------------------------------------------------------------------------
     @classmethod
     def help_keys(cls) -> list[tuple[tuple[str, ...], str, str]]:
-        """The help screen's rows: (Textual key names, action, description), from kvtop/actions.py."""
+        """The help screen's rows: (Textual key names, action, description), from kvtop/screen/actions.py."""
         return [(tuple(a.keys.split(",")), a.action, a.help_text) for a in help_rows(cls.MODE)]
 
     def action_help(self) -> None:

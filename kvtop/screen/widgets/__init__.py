@@ -1,9 +1,9 @@
 """The dashboard's widgets and modal screens; each renders frozen snapshots handed to it."""
 
-from kvtop.widgets.devices import DevicePanel
-from kvtop.widgets.eventlog import EventLog
-from kvtop.widgets.frag import FragSummary
-from kvtop.widgets.modals import (
+from kvtop.screen.widgets.devices import DevicePanel
+from kvtop.screen.widgets.eventlog import EventLog
+from kvtop.screen.widgets.frag import FragSummary
+from kvtop.screen.widgets.modals import (
     ConfirmScreen,
     DetailsScreen,
     FilterScreen,
@@ -13,9 +13,9 @@ from kvtop.widgets.modals import (
     PolicyRequest,
     PolicyScreen,
 )
-from kvtop.widgets.models import ModelTable
-from kvtop.widgets.pagemap_view import PageMapView
-from kvtop.widgets.status import StatusLine
+from kvtop.screen.widgets.models import ModelTable
+from kvtop.screen.widgets.pagemap_view import PageMapView
+from kvtop.screen.widgets.status import StatusLine
 
 __all__ = [
     "ConfirmScreen", "DetailsScreen", "DevicePanel", "EventLog", "FilterScreen", "FragSummary", "HelpScreen",

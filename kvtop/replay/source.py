@@ -2,10 +2,10 @@
 
 The :class:`ReplayClock` says which moment of the recording is on screen: paused or playing at a speed,
 stepped one sample at a time, or moved to a moment (:func:`parse_moment` reads what a person types). The
-:class:`ReplaySource` is the dashboard's source (``kvtop.source.Source``): each read is the recording's frame
+:class:`ReplaySource` is the dashboard's source (``kvtop.frames.source.Source``): each read is the recording's frame
 at the clock's moment, read in the poller's thread as a live read is; it also hands the event log the
 recorded events up to that moment and the history the sparklines and rates need, and it refuses every
-request that would change a model. No drawing here: ``kvtop.replay_app`` is the screen.
+request that would change a model. No drawing here: ``kvtop.replay.app`` is the screen.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from datetime import datetime, timedelta
 
 import kvcached_core as kc
 from kvcached_core import ControlError, ModelSnapshot
-from kvtop.events import Event
-from kvtop.history import DEPTH, History
+from kvtop.frames.events import Event
+from kvtop.frames.history import DEPTH, History
+from kvtop.frames.source import Frame
 from kvtop.record.reading import LIMIT_DEFERRED, RECLAIM, STALE, RecordedEvent, Recording
-from kvtop.source import Frame
 
 SPEEDS = (1, 2, 5, 10, 30, 60, 120, 300, 600)
 REFUSED = "replay: actions that change models are off"

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from kvtop.events import Event
-from kvtop.source import Frame
+from kvtop.frames.events import Event
+from kvtop.frames.source import Frame
 
 
 class FrameReady(Message):

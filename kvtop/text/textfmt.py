@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcached_core import Fragmentation, ModelSnapshot, format_bytes
-from kvtop.pagemap import GLYPHS, LEGEND, fold, grid_lines
+from kvtop.text.pagemap import GLYPHS, LEGEND, fold, grid_lines
 
 # What a trim of a busy model leads to, said wherever a trim is asked for or answered.
 REFILL_NOTE = "the warm pool refills while traffic lasts; a limit keeps it down"
@@ -138,7 +138,7 @@ def list_row(m: ModelSnapshot) -> list[str]:
 
 def pressure_fields(m: ModelSnapshot, models: Sequence[ModelSnapshot] = ()) -> list[tuple[str, str]]:
     """``kvctl show``'s policy and reclaim lines (``models``: the others, to name the one a donor gave to)."""
-    from kvtop.events import asker_name
+    from kvtop.frames.events import asker_name
 
     p = m.pressure
     if m.legacy:

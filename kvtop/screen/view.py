@@ -1,6 +1,6 @@
 """What the screen says, as rich renderables: shared by the dashboard widgets and ``--once``.
 
-Pure functions of a :class:`~kvtop.source.Frame` (and the history): no textual here, so the
+Pure functions of a :class:`~kvtop.frames.source.Frame` (and the history): no textual here, so the
 non-interactive snapshot does not pay for it.
 """
 
@@ -13,10 +13,10 @@ from rich.table import Table
 from rich.text import Text
 
 from kvcached_core import ModelSnapshot, format_bytes, fragmentation, pagemap, percent
-from kvtop.history import History
-from kvtop.pagemap import GLYPHS, Cell
-from kvtop.source import Frame
-from kvtop.textfmt import STATUS_STYLES, fmt_device
+from kvtop.frames.history import History
+from kvtop.frames.source import Frame
+from kvtop.text.pagemap import GLYPHS, Cell
+from kvtop.text.textfmt import STATUS_STYLES, fmt_device
 
 SORT_KEYS = ("name", "mapped", "waste", "alloc/s", "held")
 MODEL_COLOURS = ("dodger_blue1", "dark_orange", "medium_purple1", "spring_green2", "gold1", "hot_pink",

@@ -6,7 +6,7 @@ from rich.console import RenderableType
 from textual.widget import Widget
 
 from kvcached_core import ModelSnapshot
-from kvtop.view import frag_table
+from kvtop.screen.view import frag_table
 
 
 class FragSummary(Widget):

@@ -586,6 +586,96 @@ class FakeDriver:
         return (OK,)
 
 
+# -- probes: the same calls on the fake and on a real driver (tests/test_cuda_backend.py compares them) ----------
+PROBES_REFUSED = frozenset({
+    "reserve aligned to 6 MiB", "reserve aligned to 28 MiB", "create half a granule", "map at a non-zero offset",
+    "map outside the reservation", "map half a granule", "map onto a mapped address", "unmap an unmapped range",
+    "unmap part of a mapping", "set access on an unmapped range", "create past the device's memory",
+})
+
+
+def run_probes(d: Any, device: int = 0) -> dict[str, int]:
+    """Each probe's result code (an int) on driver module ``d`` (cuda-python's or a :class:`FakeDriver`):
+    the calls the fake's rules are about. Everything a probe holds is given back before it returns."""
+    ok = d.CUresult.CUDA_SUCCESS
+    assert d.cuInit(0)[0] == ok
+    dev = d.cuDeviceGet(device)[1]
+    ctx = d.cuDevicePrimaryCtxRetain(dev)[1]
+    assert d.cuCtxPushCurrent(ctx)[0] == ok
+    prop = d.CUmemAllocationProp()
+    prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device
+    access = d.CUmemAccessDesc()
+    access.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    access.location.id = device
+    access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    gran = int(d.cuMemGetAllocationGranularity(
+        prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)[1])
+    total = int(d.cuMemGetInfo()[2])
+    ranges: list[tuple[int, int]] = []
+    handles: list[Any] = []
+    maps: list[tuple[int, int]] = []
+
+    def reserve(size: int, align: int = 0) -> tuple[int, int]:
+        res = d.cuMemAddressReserve(size, align, 0, 0)
+        if res[0] == ok:
+            ranges.append((int(res[1]), size))
+            return int(ok), int(res[1])
+        return int(res[0]), 0
+
+    def create(size: int) -> tuple[int, Any]:
+        res = d.cuMemCreate(size, prop, 0)
+        if res[0] == ok:
+            handles.append(res[1])
+            return int(ok), res[1]
+        return int(res[0]), None
+
+    def map_(ptr: int, size: int, handle: Any, offset: int = 0) -> int:
+        err = d.cuMemMap(ptr, size, offset, handle, 0)[0]
+        if err == ok:
+            maps.append((ptr, size))
+        return int(err)
+
+    def unmap(ptr: int, size: int) -> int:
+        err = d.cuMemUnmap(ptr, size)[0]
+        if err == ok:
+            maps[:] = [m for m in maps if not ptr <= m[0] < ptr + size]
+        return int(err)
+
+    out: dict[str, int] = {}
+    try:
+        for mib in (0, 2, 8, 6, 28):
+            out[f"reserve aligned to {mib} MiB"] = reserve(4 * gran, mib * MiB)[0]
+        _, va = reserve(8 * gran)
+        out["create half a granule"] = create(gran // 2)[0]
+        out["create one granule"], one = create(gran)
+        _, two = create(2 * gran)
+        out["map at a non-zero offset"] = map_(va, gran, two, offset=gran)
+        out["map outside the reservation"] = map_(va + 8 * gran, gran, one)
+        out["map half a granule"] = map_(va, gran // 2, one)
+        out["map, set access"] = map_(va, gran, one) or int(d.cuMemSetAccess(va, gran, [access], 1)[0])
+        out["map onto a mapped address"] = map_(va, gran, two)
+        out["unmap an unmapped range"] = unmap(va + 4 * gran, gran)
+        out["set access on an unmapped range"] = int(d.cuMemSetAccess(va + 4 * gran, gran, [access], 1)[0])
+        out["map two granules beside it"] = map_(va + gran, 2 * gran, two)
+        out["unmap part of a mapping"] = unmap(va + gran, gran)
+        handles.remove(two)  # released while mapped: the driver frees its memory at the unmap
+        out["release a mapped handle"] = int(d.cuMemRelease(two)[0])
+        out["unmap two neighbouring mappings at once"] = unmap(va, 3 * gran)
+        out["create past the device's memory"] = create(-(-(total + gran) // gran) * gran)[0]
+    finally:
+        for ptr, size in list(maps):
+            d.cuMemUnmap(ptr, size)
+        for handle in handles:
+            d.cuMemRelease(handle)
+        for ptr, size in ranges:
+            d.cuMemAddressFree(ptr, size)
+        d.cuCtxPopCurrent()
+        d.cuDevicePrimaryCtxRelease(dev)
+    return out
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDriver]:
     """The CUDA backend on a :class:`FakeDriver` (80 GiB, 2 MiB granularity; set its attributes before building
@@ -599,4 +689,4 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDriver]:
     yield driver
 
 
-__all__ = ["FakeDriver", "Refusal", "fake_cuda"]
+__all__ = ["PROBES_REFUSED", "FakeDriver", "Refusal", "fake_cuda", "run_probes"]

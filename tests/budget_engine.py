@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -61,3 +62,24 @@ def budget_donor(spawn_allocator: Any, name: str) -> subprocess.Popen:
                             page_size=2 * MIB, env={"KVCACHED_MAX_RESERVED_PAGES": "10"})
     send(donor, "held = m.alloc(12)")
     return donor
+
+
+def pooled_donor(spawn_allocator: Any, name: str) -> subprocess.Popen:
+    """The other model with its 12 blocks freed into its warm pool: three pages reserved, the budget full."""
+    donor = budget_donor(spawn_allocator, name)
+    send(donor, "m.free(held)")
+    assert kc.snapshot(name).pages_reserved == 3
+    return donor
+
+
+def finished(manager_cb: Any, ids: list[str], seconds: float = 60.0) -> dict[str, list[int]]:
+    """Each request's generated tokens, once every one of ``ids`` has finished without an error (``seconds`` at most)."""
+    results: dict[str, list[int]] = {}
+    deadline = time.monotonic() + seconds
+    while len(results) < len(ids):
+        assert time.monotonic() < deadline, f"requests did not finish: {sorted(set(ids) - set(results))}"
+        got = manager_cb.get_result(timeout=1)
+        if got is not None and got.is_finished():
+            assert got.error is None, got.error
+            results[got.request_id] = list(got.generated_tokens)
+    return results

@@ -15,7 +15,6 @@ first and at once: memory only its owner could use is no reason to hold a reques
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,8 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from budget_engine import BLOCK_BYTES, MIB, PAGE_TOKENS, budget_donor, budget_engine  # noqa: E402
-from conftest import send  # noqa: E402
+from budget_engine import BLOCK_BYTES, MIB, PAGE_TOKENS, budget_engine, finished, pooled_donor  # noqa: E402
 from test_plugin_transformers_cb import needs_cb  # noqa: E402
 
 import kvcached_core as kc  # noqa: E402
@@ -105,19 +103,6 @@ def test_an_elastic_engine_admits_as_many_requests_per_step_as_a_static_one_of_i
     assert stats.steps == len(elastic) and stats.step_requests == sum(elastic)
 
 
-def finished(manager_cb: Any, ids: list[str], handle: Any) -> dict[str, list[int]]:
-    """Each request's generated tokens, once every one of ``ids`` has finished without an error (60 s at most)."""
-    results: dict[str, list[int]] = {}
-    deadline = time.monotonic() + 60
-    while len(results) < len(ids):
-        assert time.monotonic() < deadline, f"requests did not finish: {handle.stats}"
-        got = manager_cb.get_result(timeout=1)
-        if got is not None and got.is_finished():
-            assert got.error is None, got.error
-            results[got.request_id] = list(got.generated_tokens)
-    return results
-
-
 def test_other_models_warm_pools_are_room_the_engine_admits_by(model: Any, spawn_allocator: Any,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """An 8 MiB budget (4 pages): the engine's padding sectors on one page (two sectors of it free), another
@@ -125,16 +110,14 @@ def test_other_models_warm_pools_are_room_the_engine_admits_by(model: Any, spawn
     free sectors only), and two requests of three sectors each are admitted and served with the pool's pages."""
     prompts = random_prompts(2, seed=9, min_len=600, max_len=600)  # 3 blocks each, one prefill chunk each
     with budget_engine(monkeypatch, model, "pool-asker", 8) as (handle, manager_cb):
-        donor = budget_donor(spawn_allocator, "pool-donor")
-        send(donor, "m.free(held)")
-        donor_snap = kc.snapshot("pool-donor")
-        assert donor_snap.pages_reserved == 3 and donor_snap.mapped_bytes == 6 * MIB  # the budget is full
+        pooled_donor(spawn_allocator, "pool-donor")
+        assert kc.snapshot("pool-donor").mapped_bytes == 6 * MIB  # the budget is full
         manager = handle.manager
         assert manager is not None
         # Two free sectors of its own, and the other model's three pages of four sectors.
         assert manager.schedulable_blocks() == 2 + 3 * 4
         ids = manager_cb.add_requests(prompts, max_new_tokens=8)
-        results = finished(manager_cb, ids, handle)
+        results = finished(manager_cb, ids)
         assert all(len(tokens) == 8 for tokens in results.values())
         given = kc.snapshot("pool-donor").pressure
         assert given.given_reserved > 0 and given.gave_total >= 2 * MIB  # the pages came from its warm pool
@@ -149,11 +132,9 @@ def test_a_running_request_waits_for_a_warm_pool_the_budget_can_give_instead_of_
     and both finish."""
     prompts = random_prompts(2, seed=5, min_len=240, max_len=250)  # one sector each; the 256th token needs another
     with budget_engine(monkeypatch, model, "grow-asker", 24) as (handle, manager_cb):
-        donor = budget_donor(spawn_allocator, "grow-donor")
-        send(donor, "m.free(held)")
-        assert kc.snapshot("grow-donor").pages_reserved == 3  # the budget is full
+        pooled_donor(spawn_allocator, "grow-donor")  # the budget is full
         ids = manager_cb.add_requests(prompts, max_new_tokens=24)
-        results = finished(manager_cb, ids, handle)
+        results = finished(manager_cb, ids)
         assert all(len(tokens) == 24 for tokens in results.values())
         given = kc.snapshot("grow-donor").pressure
         assert given is not None and given.given_reserved > 0  # the growth was served by its warm pool

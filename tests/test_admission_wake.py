@@ -14,7 +14,6 @@ the room handler once the budget's room grew.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -22,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from budget_engine import MIB, budget_donor, budget_engine  # noqa: E402
+from budget_engine import MIB, budget_donor, budget_engine, finished  # noqa: E402
 from conftest import send, wait_for  # noqa: E402
 from test_plugin_transformers_cb import needs_cb  # noqa: E402
 
@@ -56,14 +55,9 @@ class CountedEvent(threading.Event):
         return woke
 
 
-def finished(manager_cb: Any, rid: str, seconds: float) -> Any:
-    """The request ``rid``'s result once it has finished (``seconds`` at most)."""
-    got = None
-    deadline = time.monotonic() + seconds
-    while got is None or not got.is_finished():
-        assert time.monotonic() < deadline, "the request never ran"
-        got = manager_cb.get_result(rid, timeout=1)
-    return got
+def held_back(handle: Any) -> None:
+    """Wait until the engine's request is held back for room: three sectors wanted, the budget refusing them."""
+    wait_for(lambda: handle.stats.refused["budget"] >= 3, what="the request to be held back for room")
 
 
 def test_an_engine_held_back_for_room_wakes_when_a_reclaim_brings_it(model: Any, spawn_allocator: Any,
@@ -76,13 +70,12 @@ def test_an_engine_held_back_for_room_wakes_when_a_reclaim_brings_it(model: Any,
         send(donor, "assert held is not None")
         rid = manager_cb.add_request(prompt, max_new_tokens=NEW_TOKENS)
         # Held back: three sectors wanted, two free, the budget full; the loop polls meanwhile.
-        wait_for(lambda: handle.stats.refused["budget"] >= 3, what="the request to be held back for room")
+        held_back(handle)
         assert handle.stats.steps == 0 and sum(1 for woke, _ in event.waits if not woke) >= 2
         # The other model's blocks go to its warm pool: the budget is as full as before, the engine's reclaim
         # takes a page of that pool and the engine maps it.
         send(donor, "m.free(held)")
-        got = finished(manager_cb, rid, 60)
-        assert got.error is None and len(got.generated_tokens) == NEW_TOKENS
+        assert len(finished(manager_cb, [rid])[rid]) == NEW_TOKENS
         assert kc.snapshot("room-asker").pressure.took_total >= 2 * MIB
         # The pass that admitted it came right after a wake-up (the event set), not after a 0.1 s poll ran out.
         before_first_step = [woke for woke, steps in event.waits if steps == 0]
@@ -111,7 +104,7 @@ def test_an_engine_held_back_for_room_wakes_when_another_model_gives_memory_back
                 send(donor, "m.free(held)")
                 assert kc.snapshot(f"room-giver-{how}").pages_reserved == 3
             rid = manager_cb.add_request(prompt, max_new_tokens=NEW_TOKENS)
-            wait_for(lambda: handle.stats.refused["budget"] >= 3, what="the request to be held back for room")
+            held_back(handle)
             wait_for(lambda: kc.snapshot(name).pressure.wanted_bytes > 0,
                      what="the engine to publish what it waits for")
             assert handle.stats.steps == 0
@@ -125,8 +118,7 @@ def test_an_engine_held_back_for_room_wakes_when_another_model_gives_memory_back
                 request_trim(f"room-giver-{how}")
             else:
                 send(donor, "m.close()")
-            got = finished(manager_cb, rid, 120)
-            assert got.error is None and len(got.generated_tokens) == NEW_TOKENS
+            assert len(finished(manager_cb, [rid], 120)[rid]) == NEW_TOKENS
             assert manager.room_wakes > wakes
             after = [woke for woke, steps in event.waits[waits:] if steps == 0]
             assert after and all(after), event.waits[waits:]

@@ -30,6 +30,20 @@ async def confirmed(pilot: Pilot, app: KvtopApp, key: str) -> None:
     await pilot.press("y")
 
 
+def refuses_readonly(key: str, refusal: str) -> None:
+    """A read-only kvtop, m1 on screen: ``key`` opens no confirm dialog and ``refusal`` reaches the event log."""
+    readonly = KvtopApp(LiveSource(), interval=0.2, readonly=True)
+
+    async def refused(pilot: Pilot) -> None:
+        await until(pilot, lambda: seen(readonly, "m1"), "m1 on screen")
+        await pilot.press(key)
+        await pilot.pause(0.1)
+        assert not isinstance(readonly.screen, ConfirmScreen)
+        await until(pilot, lambda: log_has(readonly, refusal), "the refusal in the log")
+
+    drive(readonly, refused)
+
+
 def test_t_then_y_trims_the_selected_model(spawn_allocator) -> None:
     proc = spawn_allocator("m1", script="ids = m.alloc(20)\n")
     send(proc, "m.try_to_reserve(40)")  # maps 5 more pages up front: reserved, empty
@@ -332,16 +346,7 @@ def test_c_then_y_compacts_the_selected_model_and_readonly_refuses(spawn_allocat
     before = read_model("m1")
     assert before.pages_inuse == 4 and before.blocks_cached == 8
 
-    readonly = KvtopApp(LiveSource(), interval=0.2, readonly=True)
-
-    async def refused(pilot: Pilot) -> None:
-        await until(pilot, lambda: seen(readonly, "m1"), "m1 on screen")
-        await pilot.press("c")
-        await pilot.pause(0.1)
-        assert not isinstance(readonly.screen, ConfirmScreen)
-        await until(pilot, lambda: log_has(readonly, "read-only: compact is disabled"), "the refusal in the log")
-
-    drive(readonly, refused)
+    refuses_readonly("c", "read-only: compact is disabled")
     assert read_model("m1").compaction.acked_seq == 0  # type: ignore[union-attr]
 
     app = KvtopApp(LiveSource(), interval=0.2)
@@ -378,16 +383,7 @@ def test_w_then_y_puts_the_selected_model_to_sleep_and_wakes_it(spawn_allocator)
     before = read_model("m1")
     assert before.mapped_bytes > 0 and before.sleep is not None and before.sleep.state == "awake"
 
-    readonly = KvtopApp(LiveSource(), interval=0.2, readonly=True)
-
-    async def refused(pilot: Pilot) -> None:
-        await until(pilot, lambda: seen(readonly, "m1"), "m1 on screen")
-        await pilot.press("w")
-        await pilot.pause(0.1)
-        assert not isinstance(readonly.screen, ConfirmScreen)
-        await until(pilot, lambda: log_has(readonly, "read-only: sleep/wake is disabled"), "the refusal in the log")
-
-    drive(readonly, refused)
+    refuses_readonly("w", "read-only: sleep/wake is disabled")
     assert read_model("m1").sleep.acked_revision == 0  # type: ignore[union-attr]
 
     app = KvtopApp(LiveSource(), interval=0.2)

@@ -13,8 +13,10 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import pytest
+from fake_cuda import FakeDriver, run_probes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +24,7 @@ from kvcached_core import BackendError, BackendUnavailable, KVCacheManager
 from kvcached_core.backends import Geometry, cuda_native
 from kvcached_core.backends.cuda import (
     CudaBackend,
+    _load_driver,
     block_spec,
     range_spec,
     runs,
@@ -55,6 +58,9 @@ def gpu_missing() -> str | None:
 GPU_MISSING = gpu_missing()
 needs_gpu = pytest.mark.skipif(GPU_MISSING is not None, reason=f"needs an NVIDIA GPU: {GPU_MISSING}")
 LAYOUTS = pytest.mark.parametrize("layout", ["layer", "page"])
+# Real models' pages are seldom a power of two (transformers' Llama-3.2-3B: 28 MiB, Qwen2.5-7B: 14 MiB), and the
+# driver takes only power-of-two reserve alignments (tests/test_model_shapes.py has the shapes on the fake driver).
+PAGE_SIZES = pytest.mark.parametrize("page_mib", [2, 14, 28])
 # The native loop (the extension built at install, the default) and cuda-python alone.
 PATHS = pytest.mark.parametrize("native", ["1", "0"], ids=["native-loop", "cuda-python"])
 
@@ -181,14 +187,16 @@ def cuda_manager(name: str, **kwargs) -> KVCacheManager:
 
 @pytest.mark.gpu
 @needs_gpu
+@PAGE_SIZES
 @LAYOUTS
 @PATHS
-def test_write_and_read_back_every_layer_through_torch(layout, native, monkeypatch) -> None:
+def test_write_and_read_back_every_layer_through_torch(layout, native, page_mib, monkeypatch) -> None:
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("KVCACHED_CUDA_LAYOUT", layout)
     monkeypatch.setenv("KVCACHED_CUDA_NATIVE", "0" if native == "0" else "1")
     monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")  # map on demand only: no background mapping races
-    with cuda_manager(f"rw-{layout}") as m:
+    page = page_mib * MiB
+    with cuda_manager(f"rw-{layout}-{page_mib}", page_size=page, block_bytes=page // 8) as m:  # 8 blocks a page
         assert m.backend.layout == layout
         on_path(m.backend, native)
         views = tensor_views(m, dtype=torch.int32)
@@ -251,11 +259,12 @@ def test_views_take_a_dtype_and_block_shape(layout) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
+@PAGE_SIZES
 @LAYOUTS
 @PATHS
-def test_pool_reuses_handles_and_trim_pool_releases_beyond_keep(layout, native) -> None:
-    b = on_path(CudaBackend(Geometry(2 * MiB, 8, 2, 2), layout=layout, pool_pages=4, native=native_mode(native)),
-                native)
+def test_pool_reuses_handles_and_trim_pool_releases_beyond_keep(layout, native, page_mib) -> None:
+    b = on_path(CudaBackend(Geometry(page_mib * MiB, 8, 2, 2), layout=layout, pool_pages=4,
+                            native=native_mode(native)), native)
     try:
         per_page = b.slices
         assert b.map_pages([0, 1, 2, 3]) == [0, 1, 2, 3]
@@ -331,6 +340,21 @@ def test_driver_errors_name_the_call_and_leave_nothing_half_mapped(native) -> No
         b.close()
     with pytest.raises(BackendError, match="granularity"):
         CudaBackend(Geometry(MiB // 2, 2, 1, 1))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_the_fake_driver_refuses_what_this_driver_refuses() -> None:
+    """The CPU tests hold the backend to tests/fake_cuda.py's rules; the same probes (reserve alignments, sizes
+    off the granularity, a non-zero map offset, double maps, unmaps and access of unmapped memory...) must succeed
+    and fail alike here and on the fake. Error codes may differ: a difference is a warning."""
+    real = run_probes(_load_driver())
+    fake = run_probes(FakeDriver())
+    assert {k: v == 0 for k, v in real.items()} == {k: v == 0 for k, v in fake.items()}, (real, fake)
+    assert real["reserve aligned to 28 MiB"] != 0 and real["reserve aligned to 8 MiB"] == 0
+    differ = {k: (real[k], fake[k]) for k in real if real[k] != fake[k]}
+    if differ:
+        warnings.warn(f"the fake refuses with other codes than this driver (real, fake): {differ}", stacklevel=1)
 
 
 @pytest.mark.gpu

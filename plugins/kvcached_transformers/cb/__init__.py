@@ -10,7 +10,9 @@ working as they are; a model passed to :func:`install` gets its cache's memory f
     handle.close()
 
 The model then shows in ``kvctl list`` and kvtop from its first batch until ``close``; ``kvctl limit``,
-``trim``, ``sleep``/``wake`` and reclaims between models act on it (see :mod:`.loop`). Supported
+``trim``, ``sleep``/``wake`` and reclaims between models act on it (see :mod:`.loop`). Its attention buffers follow
+what each batch reads, not the capacity (:mod:`.window`); on a GPU its working memory is registered with the allocator
+(:mod:`.working`). Supported
 transformers: :data:`.seams.SUPPORTED` (others are refused in one line, :class:`UnsupportedTransformers`).
 """
 
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from .loop import LoopControl, Traffic
     from .paged import KvcachedPagedAttentionCache
     from .stats import AdmissionStats
+    from .working import WorkingMemory
 
 _ATTR = "_kvcached_cb"  # the model attribute that holds its CBInstall
 _context = threading.local()  # the install whose cache is being built on this thread
@@ -56,6 +59,7 @@ class CBInstall:
         self.loops: list[LoopControl] = []
         self.caches: list[KvcachedPagedAttentionCache] = []
         self._traffic: tuple[KVCacheManager, Traffic] | None = None  # the counters of the open allocator
+        self.working: WorkingMemory | None = None  # on a GPU, from the first cache on
 
     def manager_for(self, cache: KvcachedPagedAttentionCache, num_sectors: int, device: torch.device) -> KVCacheManager:
         """The allocator for a cache of ``num_sectors`` sectors on ``device``; the one already open when it fits."""
@@ -79,6 +83,8 @@ class CBInstall:
         return self.manager
 
     def attach(self, cb_manager: Any, processor: Any) -> None:
+        import torch
+
         from .loop import LoopControl, Traffic
         from .paged import KvcachedPagedAttentionCache
 
@@ -93,7 +99,12 @@ class CBInstall:
             self.caches.append(cache)
         if self._traffic is None or self._traffic[0] is not cache.kv_manager:
             self._traffic = (cache.kv_manager, Traffic())
-        self.loops.append(LoopControl(cb_manager, processor, self._traffic[1]))
+        device = torch.device(cache.device)
+        if self.working is None and device.type == "cuda":
+            from .working import WorkingMemory
+
+            self.working = WorkingMemory(device)
+        self.loops.append(LoopControl(cb_manager, processor, self._traffic[1], self.working))
 
     def loop_ended(self, processor: Any) -> None:
         for lc in self.loops:
@@ -119,6 +130,13 @@ class CBInstall:
 
         traffic = self._traffic
         return traffic[1].admission.copy() if traffic is not None else AdmissionStats()
+
+    @property
+    def working_memory(self) -> tuple[int, int] | None:
+        """On a GPU, the engine's working memory ``(peak, now)`` in bytes since its first cache (:mod:`.working`), as
+        registered with the allocator at every step (``KVCacheManager.register_working_memory``); None on CPU or
+        before the first batch."""
+        return None if self.working is None else self.working.figures()
 
     @property
     def segment(self) -> str | None:

@@ -15,7 +15,10 @@ changes the cache runs there, never from kvcached's poller thread:
   requests wait until memory comes back (a limit raised, another model's requests ending).
 - a request held back for room wakes the idle loop when room comes (kvcached's room handler sets the event the
   loop waits on for 0.1 s): the refill thread mapped pages, another model answered a reclaim.
-- traffic (running, waiting, finished, tokens, offloads) is published for kvtop and kvctl whenever it changes.
+- traffic (running, waiting, finished, tokens, offloads) is published for kvtop and kvctl whenever it changes, and on
+  a GPU the engine's working memory (:mod:`.working`) whenever torch's figures change.
+- the attention buffers follow each batch's reads (:mod:`.window`): fitted before the batch's tensors are built
+  (``ContinuousBatchingIOs.prepare_batch_tensors``), back to one sector while the loop is idle.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from kvcached_core.engines import LIMIT_DEFERRED
 
 from .paged import KvcachedPagedAttentionCache
 from .stats import AdmissionStats
+from .working import WorkingMemory
 
 log = logging.getLogger("kvcached_transformers.cb")
 
@@ -52,7 +56,7 @@ class Traffic:
 class LoopControl:
     """Wraps one processor's ``prepare_next_batch``, ``schedule_batch``, ``finish_request`` and ``offload_requests``."""
 
-    def __init__(self, cb_manager: Any, processor: Any, traffic: Traffic) -> None:
+    def __init__(self, cb_manager: Any, processor: Any, traffic: Traffic, working: WorkingMemory | None = None) -> None:
         cache = processor.cache
         assert isinstance(cache, KvcachedPagedAttentionCache)
         self.cache = cache
@@ -65,6 +69,7 @@ class LoopControl:
         self.draining = False
         self.asleep = False
         self.traffic = traffic
+        self.working = working
         self._published: tuple[int, ...] = ()
         self._publish_due = 0.0  # when a step whose figures did not change publishes again
         self._nothing_scheduled = False
@@ -79,6 +84,10 @@ class LoopControl:
         self.scheduler.schedule_batch = self.schedule_batch
         self.scheduler.finish_request = self.finish_request
         offloader.offload_requests = self.offload_requests
+        self.io = processor.inputs_and_outputs
+        if cache.window is not None:
+            self._prepare_tensors = self.io.prepare_batch_tensors
+            self.io.prepare_batch_tensors = self.prepare_batch_tensors
         self.attach_handlers()
         self.manager.set_evict_handler(self.evict_asked)
 
@@ -127,17 +136,31 @@ class LoopControl:
                 self._waiting_logged = True
         if self.draining:
             self._finish_drain()
+        window = self.cache.window
+        if not ready and window is not None and self._counts() == (0, 0):
+            window.idle(self.io)
         self._publish(stepped=ready)
         return ready
 
-    def schedule_batch(self, *args: Any, **kwargs: Any) -> Any:
-        """One scheduling pass: kvcached's room asked once for it, and its admissions counted (``Traffic.admission``)."""
+    def prepare_batch_tensors(self, requests_in_batch: Any, logits_processors: Any, use_decode_fast_path: bool,
+                              num_q_tokens: int, max_kv_read: int, use_padding: bool) -> None:
+        """The window fitted to the batch's reads, then transformers builds the batch's tensors in it."""
+        window = self.cache.window
+        assert window is not None
+        window.fit(self.io, max_kv_read)
+        self._prepare_tensors(requests_in_batch=requests_in_batch, logits_processors=logits_processors,
+                              use_decode_fast_path=use_decode_fast_path, num_q_tokens=num_q_tokens,
+                              max_kv_read=max_kv_read, use_padding=use_padding)
+
+    def schedule_batch(self, token_budget: int, cache_budget: int) -> Any:
+        """One scheduling pass: kvcached's room asked once for it, and its admissions counted (``Traffic.admission``).
+        The cached tokens a batch may read are the cache's capacity (``cache_budget`` is the window: see .window)."""
         cache, scheduler = self.cache, self.scheduler
         active, waiting = scheduler.active_requests, scheduler.waiting_requests
         admitting = bool(waiting) or any(s.status.name != "DECODING" for s in active.values())
         cache.begin_pass(active, admitting)
         try:
-            result = self._schedule(*args, **kwargs)
+            result = self._schedule(token_budget, cache.read_budget if cache.window is not None else cache_budget)
         finally:
             cache.end_pass()
         deferred = cache.deferred
@@ -199,6 +222,8 @@ class LoopControl:
         if self.scheduler.active_requests:
             return  # running requests finish first; their last step calls here again
         self.cache.release_all()
+        if self.cache.window is not None:
+            self.cache.window.idle(self.io)  # asleep, the attention buffers are one sector's too
         released = self.manager.sleep.ready()
         self.draining, self.asleep = False, True
         self._publish(stepped=False)
@@ -218,7 +243,10 @@ class LoopControl:
         return sum(-(-len(s.remaining_prefill_tokens) // per_sector) for s in self.scheduler.waiting_requests.values())
 
     def _publish(self, *, stepped: bool) -> None:
-        """Traffic into the segment when it changed (a publish counts as activity: an idle loop publishes nothing)."""
+        """Traffic into the segment when it changed (a publish counts as activity: an idle loop publishes nothing);
+        the working memory too, when its figures changed."""
+        if self.working is not None and not self.manager._closed:
+            self.working.publish(self.manager)
         running, waiting = self._counts()
         t = self.traffic
         figures = (running, waiting, t.finished, t.offloads)

@@ -16,7 +16,9 @@ padding tokens read (zeros) and write. Here:
 - a new request is admitted beside the growth running requests can still need (:meth:`~KvcachedPagedAttentionCache.
   growth_reserve`), and transformers' FIFO safety margin is taken over what the model holds plus what it may take,
   not over its whole address space (:meth:`~KvcachedPagedAttentionCache.compute_free_capacity`);
-- the two trash sectors are any two kvcached blocks (zeroed), the allocators' trash indices point at them.
+- the two trash sectors are any two kvcached blocks (zeroed), the allocators' trash indices point at them;
+- the attention buffers transformers sizes by the capacity (for an elastic model, the whole budget it shares) follow
+  what each batch reads instead (:mod:`.window`).
 
 The upstream ``__init__`` sizes the cache unchanged over a ``meta`` tensor (no memory); then the
 allocators are registered again over the kvcached view.
@@ -38,6 +40,8 @@ from kvcached_core import KVCacheManager
 from kvcached_core.settings import settings
 
 from ..pools import page_rows
+from .window import ReadWindow
+from .window import applies as window_applies
 
 if TYPE_CHECKING:
     from . import CBInstall
@@ -142,6 +146,12 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
             raise ValueError("kvcached's continuous batching serves one process, not tensor parallelism")
         super().__init__(device="meta", **kwargs)  # upstream sizing and allocators, no memory
         self.device = device
+        # The batch's read budget stays the capacity; the attention buffers follow the reads (see .window).
+        self.read_budget = self.max_tokens_read
+        self.window = ReadWindow(self.read_budget, self.tokens_per_sector_full) if window_applies(
+            kwargs["continuous_batching_config"]) else None
+        if self.window is not None:
+            self.max_tokens_read = self.window.tokens  # what transformers sizes its attention buffers by
         self.install = install
         total_sectors = self.num_sectors + 2
         self.kv_manager = manager = install.manager_for(self, total_sectors, device)

@@ -18,6 +18,10 @@ Seams (module ``continuous_api`` unless named):
 - ``cache_allocators``: ``CachePool`` (sector and block bookkeeping), ``CacheAllocator.register_cache_tensor``
   and its trash indices.
 - ``offloading_manager.OffloadingManager.offload_requests(self)``.
+- ``scheduler.Scheduler.schedule_batch(self, token_budget, cache_budget)``: the read budget passed is the capacity.
+- ``input_outputs.ContinuousBatchingIOs.prepare_batch_tensors``, and the ``attention_mask`` and
+  ``read_index_storage`` buffers it fills (sized by ``PagedAttentionCache.max_tokens_read``): the read window
+  (:mod:`.window`).
 """
 
 from __future__ import annotations
@@ -72,8 +76,16 @@ _SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("cache_allocators", "CacheAllocator.needs_new_sectors", ("request_id", "past_length", "query_length")),
     ("cache_allocators", "CacheAllocator.allocate_cache_to_request", ("request_id", "past_length", "query_length")),
     ("offloading_manager", "OffloadingManager.offload_requests", ()),
+    ("scheduler", "Scheduler.schedule_batch", ("token_budget", "cache_budget")),
+    ("input_outputs", "ContinuousBatchingIOs.prepare_batch_tensors", ("requests_in_batch", "logits_processors",
+                                                                      "use_decode_fast_path", "num_q_tokens",
+                                                                      "max_kv_read", "use_padding")),
 )
-_ATTRIBUTES = ("read_trash_index", "sentinel_index", "write_trash_index")  # set by _after_cache_tensor_init
+# (module, class, attributes its source must set): the allocators' trash indices, the IO buffers the window resizes
+_ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("cache_allocators.cache_allocator", "CacheAllocator", ("read_trash_index", "sentinel_index", "write_trash_index")),
+    ("input_outputs", "ContinuousBatchingIOs", ("attention_mask", "read_index_storage", "write_index_storage")),
+)
 
 
 def check_seams() -> None:
@@ -94,11 +106,11 @@ def check_seams() -> None:
             if found[:len(params)] != list(params):
                 raise UnsupportedTransformers(f"transformers' {where} takes {found}, expected {list(params)} first; "
                                               f"supported: {supported_text()}")
-    source = inspect.getsource(import_module(f"{base}.cache_allocators.cache_allocator").CacheAllocator)
-    missing = [name for name in _ATTRIBUTES if f"self.{name} =" not in source]
-    if missing:
-        raise UnsupportedTransformers(f"transformers' CacheAllocator no longer sets {missing}; "
-                                      f"supported: {supported_text()}")
+    for module_name, cls, names in _ATTRIBUTES:
+        source = inspect.getsource(getattr(import_module(f"{base}.{module_name}"), cls))
+        missing = [name for name in names if f"self.{name} =" not in source]
+        if missing:
+            raise UnsupportedTransformers(f"transformers' {cls} no longer sets {missing}; supported: {supported_text()}")
 
 
 def check() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -50,23 +51,29 @@ def trim_all(manager: KVCacheManager, worker) -> None:
         time.sleep(0.05)
 
 
+@pytest.fixture
+def socket_path() -> Iterator[str]:
+    """A rank socket's path in a short-lived folder of its own (a Unix socket's path is at most 107 bytes, so not
+    under pytest's longer tmp_path), removed with what is in it when the test ends."""
+    with tempfile.TemporaryDirectory(prefix="kvc-vllm-test-") as folder:
+        yield os.path.join(folder, "rank0.sock")
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @BACKENDS
-def test_blocks_the_scheduler_hands_out_are_mapped_in_the_worker_views(device: str) -> None:
+def test_blocks_the_scheduler_hands_out_are_mapped_in_the_worker_views(device: str, socket_path: str) -> None:
     layout = KVLayout(LAYERS, num_blocks=320, block_bytes=BLOCK_BYTES, block_tokens=BLOCK_TOKENS, page_size=2 * MiB)
     assert layout.blocks_per_page == 32 and layout.geometry.num_pages == 10
-    sockets = tempfile.mkdtemp(prefix="kvc-vllm-test-")
-    path = os.path.join(sockets, "rank0.sock")
     torch_device = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
-    worker = start_worker(path, 0, layout, torch_device)
+    worker = start_worker(socket_path, 0, layout, torch_device)
     manager = KVCacheManager("vllm-worker-test", num_blocks=layout.num_blocks, block_bytes=BLOCK_BYTES,
                              num_layers=layout.num_layers, num_kv_buffers=1, page_size=layout.page_size,
                              backend="host" if device == "cpu" else "cuda", engine="vllm",
-                             block_tokens=BLOCK_TOKENS, tp_world=1, tp_workers=[path])
+                             block_tokens=BLOCK_TOKENS, tp_world=1, tp_workers=[socket_path])
     try:
         caches = views(worker, layout, device)
         bundle = layout.page_size * layout.num_layers
@@ -95,15 +102,14 @@ PINNED = {"cpu": set(), "cuda": {0}}
 
 
 @BACKENDS
-def test_block_0_is_readable_before_the_scheduler_exists(device: str) -> None:
+def test_block_0_is_readable_before_the_scheduler_exists(device: str, socket_path: str) -> None:
     """vLLM's warm-up and CUDA-graph capture run kernels over block 0 (every block table's padding) before the
     EngineCore's scheduler exists: on a GPU its page is mapped by the worker at start and kept, so they read
     memory, not an unmapped address (a fault that kills the engine; on the old code the worker mapped
     nothing before the scheduler attached). On the host an unmapped page reads as zeros: nothing is pinned."""
     layout = KVLayout(LAYERS, num_blocks=320, block_bytes=BLOCK_BYTES, block_tokens=BLOCK_TOKENS, page_size=2 * MiB)
-    path = os.path.join(tempfile.mkdtemp(prefix="kvc-vllm-test-"), "rank0.sock")
     torch_device = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
-    worker = start_worker(path, 0, layout, torch_device)
+    worker = start_worker(socket_path, 0, layout, torch_device)
     try:
         assert worker.mapped == PINNED[device]
         for layer, cache in enumerate(views(worker, layout, device)):  # a warm-up's writes and reads of block 0
@@ -116,13 +122,12 @@ def test_block_0_is_readable_before_the_scheduler_exists(device: str) -> None:
     assert not worker.mapped
 
 
-def test_worker_rss_follows_the_pages_the_scheduler_maps() -> None:
+def test_worker_rss_follows_the_pages_the_scheduler_maps(socket_path: str) -> None:
     layout = KVLayout(LAYERS, num_blocks=640, block_bytes=BLOCK_BYTES, block_tokens=BLOCK_TOKENS, page_size=2 * MiB)
-    path = os.path.join(tempfile.mkdtemp(prefix="kvc-vllm-test-"), "rank0.sock")
-    worker = start_worker(path, 0, layout, torch.device("cpu"))
+    worker = start_worker(socket_path, 0, layout, torch.device("cpu"))
     manager = KVCacheManager("vllm-rss-test", num_blocks=layout.num_blocks, block_bytes=BLOCK_BYTES,
                              num_layers=layout.num_layers, num_kv_buffers=1, page_size=layout.page_size,
-                             backend="host", engine="vllm", block_tokens=BLOCK_TOKENS, tp_world=1, tp_workers=[path])
+                             backend="host", engine="vllm", block_tokens=BLOCK_TOKENS, tp_world=1, tp_workers=[socket_path])
     try:
         views(worker, layout, "cpu")  # the views alone commit nothing
         manager.trim()

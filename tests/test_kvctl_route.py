@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import signal
 import socket
 import socketserver
 import subprocess
@@ -280,6 +281,22 @@ def test_kvctl_route_on_a_busy_port_fails_in_one_line(shm_dir):
     assert proc.returncode == 1
     assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in err
     assert len(err.strip().splitlines()) == 1 and out == ""
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)], ids=["ctrl_c", "sigterm"])
+def test_ctrl_c_ends_the_router_with_130_and_sigterm_with_0(sig, code, shm_dir, procs):
+    """As docs/kvctl.md's exit codes say, and as watch, demo and record end. Started as from a terminal (default
+    signal dispositions, its own process group: also when the test run ignores SIGINT, a background job), the
+    signal sent to the whole group as a terminal's Ctrl-C is."""
+    proc = procs.start([sys.executable, "-m", "kvtop.cli", "route", "--listen", "127.0.0.1:0"], env=child_env(),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr.readline().startswith("kvctl route: serving http://127.0.0.1:")
+    wait_for(lambda: list(shm_dir.glob(".kvroute.*")), what="the router's figures file")
+    os.killpg(proc.pid, sig)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == code, err
+    assert out == "" and "Traceback" not in err
+    assert not list(shm_dir.glob(".kvroute.*"))  # it cleaned up as it ended
 
 
 def test_the_router_drops_a_client_that_trickles_its_request_head(router):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -136,7 +137,7 @@ def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float, max_i
     With --max-in-flight, a request beyond N waits at the router; a freed place goes to the model
     of highest policy priority, then to the request of lowest "priority" field (which goes on to
     the engine: vLLM's --scheduling-policy priority reads it), then to the earliest. Runs until
-    Ctrl-C or SIGTERM.
+    Ctrl-C (exit 130) or SIGTERM (exit 0).
 
     \b
     Examples:
@@ -162,8 +163,10 @@ def route_cmd(listen: tuple[str, int], rescan: float, wake_timeout: float, max_i
         click.echo(startup_report(url, directory, bool(key)), err=True)
 
     try:
-        serve(host, port, rescan_s=rescan, wake_timeout_s=wake_timeout, max_in_flight=max_in_flight, api_key=key,
-              ready=ready)
+        stopped_by = serve(host, port, rescan_s=rescan, wake_timeout_s=wake_timeout, max_in_flight=max_in_flight,
+                           api_key=key, ready=ready)
     except OSError as exc:
         reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else (exc.strerror or str(exc))
         raise Failure(f"cannot serve on {host}:{port}: {reason}") from None
+    if stopped_by == signal.SIGINT:  # Ctrl-C ends it as it ends every kvctl command (exit 130); SIGTERM: exit 0
+        raise KeyboardInterrupt

@@ -370,16 +370,17 @@ STARTUP_ASK_S = 2.0  # how long the first report waits for the engines' served i
 
 
 def serve(host: str, port: int, shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout_s: float = 60.0,
-          max_in_flight: int = 0, api_key: str = "", ready: Callable[[str, Directory], None] | None = None) -> None:
+          max_in_flight: int = 0, api_key: str = "", ready: Callable[[str, Directory], None] | None = None) -> int:
     """Listen on ``host:port`` until SIGINT or SIGTERM, with :func:`kvtop.serve.aioserve.serve`'s limits (a bounded
     request head and wait for it: the wait stops while a request is answered, so a long streamed answer or a slow
     engine is never cut); ``ready`` gets the URL once listening (port 0: the one the system chose) and the models
-    found then. OSError when the address cannot be bound."""
-    asyncio.run(_serve(host, port, shm_dir, rescan_s, wake_timeout_s, max_in_flight, api_key, ready))
+    found then. Returns the signal that stopped it (kvctl's exit code tells SIGINT from SIGTERM). OSError when
+    the address cannot be bound."""
+    return asyncio.run(_serve(host, port, shm_dir, rescan_s, wake_timeout_s, max_in_flight, api_key, ready))
 
 
 async def _serve(host: str, port: int, shm_dir: Path | None, rescan_s: float, wake_timeout_s: float,
-                 max_in_flight: int, api_key: str, ready: Callable[[str, Directory], None] | None) -> None:
+                 max_in_flight: int, api_key: str, ready: Callable[[str, Directory], None] | None) -> int:
     app = make_app(shm_dir, rescan_s=rescan_s, wake_timeout_s=wake_timeout_s, max_in_flight=max_in_flight,
                    api_key=api_key)
     served = await aioserve.serve(app, host, port)  # the limits every server of kvtop keeps (aioserve)
@@ -391,10 +392,15 @@ async def _serve(host: str, port: int, shm_dir: Path | None, rescan_s: float, wa
         if ready is not None:
             await app[DIRECTORY].asked(STARTUP_ASK_S)
             ready(f"http://{shown}:{bound[1]}", app[DIRECTORY])
-        stop = asyncio.Event()
+        stopped: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def stop(sig: int) -> None:
+            if not stopped.done():  # the first signal says how it ended
+                stopped.set_result(sig)
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+            loop.add_signal_handler(sig, stop, sig)
+        return await stopped
     finally:
         await served.close()

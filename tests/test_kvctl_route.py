@@ -92,6 +92,29 @@ def test_unknown_model_and_bad_bodies_get_openai_errors(router, spawn_allocator)
     assert status == 400 and body["error"]["code"] == "model_required"
 
 
+@pytest.mark.parametrize(("method", "path", "status", "code", "allow"), [
+    ("GET", "/nope", 404, "not_found", None),
+    ("POST", "/v2/completions", 404, "not_found", None),
+    ("GET", "/v1/completions", 405, "method_not_allowed", "POST"),
+    ("DELETE", "/health", 405, "method_not_allowed", "GET,HEAD"),
+    ("PUT", "/v1/models", 405, "method_not_allowed", "GET,HEAD,POST"),
+], ids=["unknown-path", "unknown-version", "get-completions", "delete-health", "put-models"])
+def test_a_wrong_path_or_method_gets_openai_error_json(router, method, path, status, code, allow):
+    """Every answer of an OpenAI-compatible endpoint is OpenAI's error object, with the right status; aiohttp's own
+    answer was plain text (``404: Not Found``), which an OpenAI client cannot read."""
+    req = urllib.request.Request(router + path, method=method, data=b"{}" if method in ("POST", "PUT") else None)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=30)
+    answer = refused.value
+    assert answer.code == status
+    assert answer.headers["Content-Type"].startswith("application/json")
+    assert answer.headers.get("Allow") == allow
+    body = json.load(answer)
+    assert list(body) == ["error"] and sorted(body["error"]) == ["code", "message", "param", "type"]
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == code
+    assert body["error"]["param"] is None and f"({method} {path})" in body["error"]["message"]
+
+
 def test_an_engine_that_cannot_be_reached_or_is_gone_is_a_503_with_the_reason(router, spawn_allocator):
     port = closed_port()
     proc = spawn_allocator("m1", script=f"m.publish_endpoint('http://127.0.0.1:{port}')\n")

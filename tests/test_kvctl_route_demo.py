@@ -151,6 +151,25 @@ def test_route_over_the_demo_lists_its_models_and_answers_a_completion(fleet, ro
     assert call(url + "/health") == (200, "ok")
 
 
+def test_a_demo_model_answers_a_wrong_path_or_method_in_openai_error_json(fleet, route):
+    """Through the router (a POST /v1/... naming a model goes on to its engine) and at the model's own endpoint."""
+    url, _ = route()
+    endpoint = snapshot(LLAMA).endpoint
+    assert endpoint is not None
+    for target, method, body, status in ((url + "/v1/embeddings", "POST", {"model": LLAMA, "input": "hi"}, 404),
+                                         (endpoint + "/v1/nope", "GET", None, 404),
+                                         (endpoint + "/v1/completions", "GET", None, 405)):
+        req = urllib.request.Request(target, method=method, headers={"Content-Type": "application/json"},
+                                     data=None if body is None else json.dumps(body).encode())
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=60)
+        assert refused.value.code == status, target
+        assert refused.value.headers["Content-Type"].startswith("application/json"), target
+        error = json.load(refused.value)["error"]
+        assert sorted(error) == ["code", "message", "param", "type"] and error["code"] == status, target
+        assert error["message"].startswith(("Invalid URL (", "Invalid method (")), error
+
+
 def test_a_sleeping_demo_model_is_woken_by_a_request(fleet, route):
     url, _ = route()
     sleep_model(LLAMA)

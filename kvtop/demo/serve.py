@@ -56,6 +56,26 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
                              status=status)
 
 
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own refusals (no such path, a method the path does not take) in OpenAI's error shape, as every
+    other answer of the server."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        where = f"{request.method} {request.path}"
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            response = _error(405, f"Invalid method ({where}): {request.path} takes "
+                              f"{', '.join(sorted(exc.allowed_methods))}")
+            response.headers["Allow"] = exc.headers.get("Allow", "")
+            return response
+        if isinstance(exc, web.HTTPNotFound):
+            return _error(404, f"Invalid URL ({where})", "NotFoundError")
+        return _error(exc.status, f"{exc.reason} ({where})")
+
+
 class DemoEngine(Protocol):
     """What the server needs of its demo model (kvtop.demo.DemoEngine): its allocator, and a request's blocks."""
 
@@ -113,7 +133,7 @@ class DemoServer:
         return self
 
     async def _listen(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[_openai_errors])
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_post("/v1/completions", self._completions)

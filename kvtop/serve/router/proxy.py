@@ -61,6 +61,29 @@ def _passed(headers: object) -> dict[str, str]:
 
 
 @web.middleware
+async def openai_errors(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """aiohttp's own refusals (a path no route serves, a method its route does not take, a body past the size
+    limit) in OpenAI's error shape, as every other answer of the router: an OpenAI client reads ``error``."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        where = f"{request.method} {request.path}"
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            response = error(405, f"Invalid method ({where}): {request.path} takes {allowed}",
+                             "invalid_request_error", "method_not_allowed")
+            response.headers["Allow"] = exc.headers.get("Allow", allowed)
+            return response
+        if isinstance(exc, web.HTTPNotFound):
+            return error(404, f"Invalid URL ({where}): this router serves GET /v1/models, POST /v1/... naming a "
+                         "model, GET /kvcached/figures and GET /health", "invalid_request_error", "not_found")
+        return error(exc.status, f"{exc.reason} ({where}): {exc.text}" if exc.text else f"{exc.reason} ({where})",
+                     "invalid_request_error", exc.reason.lower().replace(" ", "_"))
+
+
+@web.middleware
 async def authorized(request: web.Request, handler: Callable) -> web.StreamResponse:
     """With an API key, a request without ``Authorization: Bearer KEY`` is answered 401 before it is handled;
     ``/health`` stays open. The key is compared in constant time."""
@@ -325,7 +348,7 @@ def make_app(shm_dir: Path | None = None, *, rescan_s: float = 1.0, wake_timeout
     """The router: models from the segments in ``shm_dir`` (None: KVCACHED_SHM_DIR), rescanned every ``rescan_s``;
     at most ``max_in_flight`` requests at a time to the engines of one device (0: no limit); with ``api_key``,
     only requests that carry it (``/health`` aside)."""
-    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[authorized])
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[openai_errors, authorized])
     app[API_KEY] = api_key.encode()
     app[LISTENING] = asyncio.Event()
     app[ADMISSION] = Admission(max_in_flight)

@@ -344,7 +344,7 @@ def _device_budget(raw: Raw, done: dict[str, Any]) -> DeviceBudget | None:
         return None
     percent = value.endswith("%")
     try:
-        parsed = parse_size(value, percent_of=100 * 2**20 if percent else None)  # checks a percentage's range too
+        parsed = parse_size(value, percent_of=100 * 2**20)  # checks a percentage's range too
     except SizeError as exc:
         raise ConfigError(f"KVCACHED_DEVICE_BUDGET: {exc}") from None
     if percent:

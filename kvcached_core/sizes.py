@@ -28,7 +28,7 @@ def parse_size(text: str, *, percent_of: int | None = None, allow_none: bool = F
 
     Binary units for bare letters (``4G`` = 4 GiB), SI for ``GB``; a number needs a unit (``4B``
     for bytes: a bare ``4`` is refused); ``30%`` needs ``percent_of`` and must lie in (0, 100];
-    ``none`` (with ``allow_none``) returns None.
+    ``none`` (with ``allow_none``) returns None. A refusal suggests only forms this call accepts.
     """
     if not isinstance(text, str) or not text.strip():
         raise SizeError("empty size")
@@ -49,7 +49,7 @@ def parse_size(text: str, *, percent_of: int | None = None, allow_none: bool = F
         raise SizeError(f"{raw!r}: a size cannot be negative")
     match = _SIZE_RE.match(raw)
     if not match:
-        raise SizeError(f"{raw!r} is not a size (try 512MiB, 4G, 1.5GiB, 30% or none)")
+        raise SizeError(f"{raw!r} is not a size (try {_accepted(percent_of is not None, allow_none)})")
     number, unit = match.groups()
     if not unit:  # a bare number is a forgotten unit far more often than a byte count
         in_bytes = f"; {raw}B for bytes" if number.isdigit() else ""
@@ -61,6 +61,12 @@ def parse_size(text: str, *, percent_of: int | None = None, allow_none: bool = F
     if value > MAX_LIMIT_BYTES:
         raise SizeError(f"{raw!r} is beyond the largest size a segment holds (2^63-1 bytes, 8 EiB)")
     return value
+
+
+def _accepted(percent: bool, none: bool) -> str:
+    """Examples of the forms a call of :func:`parse_size` accepts: a percentage and ``none`` only where it takes them."""
+    forms = ["512MiB", "4G", "1.5GiB", *(["30%"] if percent else []), *(["none"] if none else [])]
+    return f"{', '.join(forms[:-1])} or {forms[-1]}"
 
 
 def percent(part: float, base: float | None) -> float | None:

@@ -86,12 +86,14 @@ class SizeSpec:
 
 
 class SizeParamType(click.ParamType):
-    """``512MiB``, ``4G``, ``1.5GiB``, ``30%`` or (when allowed) ``none``; bad input is a usage error."""
+    """``512MiB``, ``4G``, ``1.5GiB`` and, when allowed, ``30%`` (of a capacity known later) and ``none``; bad input
+    is a usage error, which suggests only what the option takes."""
 
     name = "size"
 
-    def __init__(self, allow_none: bool = True) -> None:
+    def __init__(self, allow_none: bool = True, allow_percent: bool = True) -> None:
         self.allow_none = allow_none
+        self.allow_percent = allow_percent
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> SizeSpec:
         if isinstance(value, SizeSpec):
@@ -99,12 +101,11 @@ class SizeParamType(click.ParamType):
         from kvcached_core import SizeError, parse_size
 
         text = str(value)
-        try:
-            percent = text.strip().endswith("%")
-            parsed = parse_size(text, percent_of=10**6 if percent else None, allow_none=self.allow_none)
+        try:  # a percentage is kept as parts per 10**6 until its capacity is known
+            parsed = parse_size(text, percent_of=10**6 if self.allow_percent else None, allow_none=self.allow_none)
         except SizeError as exc:
             self.fail(str(exc), param, ctx)
-        return SizeSpec(text.strip(), parsed, percent)
+        return SizeSpec(text.strip(), parsed, text.strip().endswith("%"))
 
 
 SIZE = SizeParamType()

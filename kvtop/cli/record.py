@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from kvtop.cli import SIZE, ExitCode, Failure, SizeSpec
+from kvtop.cli import ExitCode, Failure, SizeParamType, SizeSpec
 from kvtop.cli.common import warn
 
 _SECONDS = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?$")
@@ -47,7 +47,7 @@ def default_directory() -> Path:
                    "Default: $XDG_STATE_HOME/kvtop/record (~/.local/state/kvtop/record).")
 @click.option("--interval", type=Seconds(), default="1s", show_default=True, help="Time between samples.")
 @click.option("--duration", type=Seconds(), default=None, help="Stop after this long (default: until stopped).")
-@click.option("--max-size", "max_size", type=SIZE, default=None, metavar="SIZE",
+@click.option("--max-size", "max_size", type=SizeParamType(allow_percent=False), default=None, metavar="SIZE",
               help="Drop the oldest day files while the recording is larger (1GiB, 500MB); never today's.")
 @click.option("--no-gpus", "no_gpus", is_flag=True, help="Do not ask NVML for the GPUs' memory.")
 def record_cmd(out: Path | None, interval: float, duration: float | None, max_size: SizeSpec | None,
@@ -71,11 +71,7 @@ def record_cmd(out: Path | None, interval: float, duration: float | None, max_si
     from kvtop.record.recorder import Recorder, RecordWriteError
 
     directory = out if out is not None else default_directory()
-    limit = None
-    if max_size is not None:
-        if max_size.percent:
-            raise click.BadParameter("a percentage of nothing: give bytes (1GiB) or none", param_hint="'--max-size'")
-        limit = max_size.value
+    limit = None if max_size is None else max_size.value
     problem = shm_dir_problem()
     if problem:
         raise Failure(problem)

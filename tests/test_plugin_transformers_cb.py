@@ -253,6 +253,27 @@ def test_tokens_equal_plain_continuous_batching_on_the_cuda_backend(prompts: lis
 
 
 @needs_cb
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_working_memory_is_registered_with_the_allocator_on_the_gpu(prompts: list[list[int]]) -> None:
+    """torch's peak beside the weights (the attention window, activations, logits) reaches the segment, where the
+    device's budget keeps what the engine does not hold yet free."""
+    from kvcached_core.segment import layout
+
+    gpu = tiny_llama(seed=3, layers=2, hidden_size=256, heads=8, kv_heads=4, intermediate_size=512, device="cuda")
+    with installed(gpu, "cb-working") as handle:
+        assert handle.working_memory is None  # nothing measured before the first batch
+        run(gpu, prompts)
+        manager = handle.manager
+        assert manager is not None and handle.working_memory is not None
+        peak, now = handle.working_memory
+        assert 0 <= now <= peak and peak > 0
+        raw = manager.segment.path.read_bytes()
+        registered = [layout.U64.unpack_from(raw, off)[0] for off in (layout.WORKING_PEAK_OFF, layout.WORKING_NOW_OFF)]
+        # Registered at every scheduling pass: at least the first batch's, at most what torch measured since.
+        assert 0 < registered[0] <= peak and registered[1] <= registered[0], (registered, peak, now)
+
+
+@needs_cb
 def test_a_request_the_limit_cannot_hold_waits_until_the_limit_is_lifted(model: Any) -> None:
     """Three blocks for one request, the padding blocks beside it, under a one-page limit (4 blocks): plain
     transformers would fail every request ("No requests can be scheduled and no requests can be offloaded");

@@ -44,6 +44,7 @@ class Seen:
     mask: int = 0
     read_index: int = 0
     keys: int = 0
+    reads: int = 0  # cached tokens one batch read (keys less queries: every request's past, summed)
     calls: int = 0
 
 
@@ -62,6 +63,7 @@ def watched(implementation: str) -> Iterator[Seen]:
         for index in kwargs.get("read_index") or ():
             seen.read_index = max(seen.read_index, index.untyped_storage().nbytes())
         seen.keys = max(seen.keys, key.untyped_storage().nbytes())
+        seen.reads = max(seen.reads, key.shape[-2] - query.shape[-2])
         return original(module, query, key, value, attention_mask, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[implementation] = spy
@@ -90,9 +92,10 @@ def run(model: Any, prompts: list[list[int]], num_blocks: int | None) -> list[li
     return [list(r.generated_tokens) for r in out.values()]
 
 
-def on_kvcached(model: Any, prompts: list[list[int]], name: str, num_blocks: int) -> list[list[int]]:
+def on_kvcached(model: Any, prompts: list[list[int]], name: str, num_blocks: int,
+                max_read_tokens: int | None = None) -> list[list[int]]:
     """The trace on kvcached with ``num_blocks`` of address space (``install``'s, as an elastic engine is given)."""
-    with cb.install(model, name=name, num_blocks=num_blocks):
+    with cb.install(model, name=name, num_blocks=num_blocks, max_read_tokens=max_read_tokens):
         return run(model, prompts, None)
 
 
@@ -168,6 +171,34 @@ def test_the_window_follows_a_long_read_and_goes_back_when_idle(model: Any) -> N
             assert io.read_index_storage.size(-1) == PAGE_TOKENS + MAX_BATCH_TOKENS
         finally:
             manager_cb.stop(block=True, timeout=30)
+
+
+def test_max_read_tokens_bounds_what_one_batch_reads(model: Any, prompts: list[list[int]],
+                                                     static: tuple[list[list[int]], Seen]) -> None:
+    """Eight requests decoding together read up to about 400 cached tokens a batch; under a read budget of 128 the
+    batches read at most that (the rest wait a step), and the tokens stay."""
+    assert static[1].reads > 128
+    with watched(model.config._attn_implementation) as capped:
+        tokens = on_kvcached(model, prompts, "tcb-capped", 3 * SHARE, max_read_tokens=128)
+    assert tokens == static[0]
+    assert 0 < capped.reads <= 128 and capped.mask <= MAX_BATCH_TOKENS * (PAGE_TOKENS + MAX_BATCH_TOKENS) * 4, capped
+
+
+def test_a_request_that_alone_reads_past_max_read_tokens_still_runs(model: Any, prompts: list[list[int]],
+                                                                     static: tuple[list[list[int]], Seen]) -> None:
+    long_prompt = random_prompts(1, seed=9, min_len=700, max_len=700)
+    trace = [*prompts[:3], *long_prompt]
+    reference = run(model, trace, SHARE)
+    with watched(model.config._attn_implementation) as capped:
+        tokens = on_kvcached(model, trace, "tcb-long", 3 * SHARE, max_read_tokens=64)
+    assert tokens == reference
+    assert 700 <= capped.reads <= 700 + NEW_TOKENS, capped  # the long one's read is the budget
+
+
+def test_max_read_tokens_is_a_positive_whole_number(model: Any) -> None:
+    for bad in (0, -5, 2.5, True, "64"):
+        with pytest.raises(ValueError, match="max_read_tokens must be a positive integer"):
+            cb.install(model, name="tcb-bad", max_read_tokens=bad)
 
 
 def test_the_window_is_off_where_transformers_keeps_its_buffers() -> None:

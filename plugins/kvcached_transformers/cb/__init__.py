@@ -47,13 +47,15 @@ class CBInstall:
     """One model's continuous batching on kvcached: its allocator (kept across batches) and the live loop."""
 
     def __init__(self, model: Any, *, name: str | None, num_blocks: int | None, min_bytes: int | None,
-                 priority: int | None) -> None:
-        if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks <= 0):
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+                 priority: int | None, max_read_tokens: int | None = None) -> None:
+        for label, value in (("num_blocks", num_blocks), ("max_read_tokens", max_read_tokens)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{label} must be a positive integer, got {value!r}")
         self.model = model
         self.label = str(getattr(model.config, "name_or_path", "") or type(model).__name__)
         self.name = name
         self.num_blocks = num_blocks
+        self.max_read_tokens = max_read_tokens
         self.min_bytes, self.priority = min_bytes, priority
         self.manager: KVCacheManager | None = None
         self.loops: list[LoopControl] = []
@@ -162,33 +164,37 @@ class CBInstall:
 
 
 def install(model: Any, *, name: str | None = None, num_blocks: int | None = None, min_bytes: int | None = None,
-            priority: int | None = None) -> CBInstall:
+            priority: int | None = None, max_read_tokens: int | None = None) -> CBInstall:
     """Put ``model``'s continuous batching cache on kvcached; returns the handle (``close()`` to undo).
 
     ``name``: the segment's name (default: from the model's name). ``num_blocks``: the cache's capacity in
     transformers' blocks of ``page_size`` tokens (``ContinuousBatchingConfig.num_blocks``, used when the config
     leaves it unset): address space, mapped only as requests use it. ``min_bytes``/``priority``: the memory
-    policy between models (``kvctl policy``). Raises :class:`UnsupportedTransformers` outside :data:`SUPPORTED`.
+    policy between models (``kvctl policy``). ``max_read_tokens``: the most cached tokens one batch reads (default: the
+    capacity, as transformers), which bounds the attention's working memory whatever the model holds; a request that
+    alone reads more still runs, in a batch of its own reads (:mod:`.window`). Raises :class:`UnsupportedTransformers`
+    outside :data:`SUPPORTED`.
     """
     check()
     _patch()
     previous = getattr(model, _ATTR, None)
     if isinstance(previous, CBInstall):
         previous.close()
-    handle = CBInstall(model, name=name, num_blocks=num_blocks, min_bytes=min_bytes, priority=priority)
+    handle = CBInstall(model, name=name, num_blocks=num_blocks, min_bytes=min_bytes, priority=priority,
+                       max_read_tokens=max_read_tokens)
     setattr(model, _ATTR, handle)
     _INSTALLS.append(handle)
     return handle
 
 
-def install_all(*, num_blocks: int | None = None) -> None:
+def install_all(*, num_blocks: int | None = None, max_read_tokens: int | None = None) -> None:
     """Every model whose continuous batching starts from now on in this process goes on kvcached (its segment named
     after the model), as :func:`install` would; for code that loads the model itself, such as ``transformers serve``
     (docs/engines.md gives the command line)."""
     global _every_model
     check()
     _patch()
-    _every_model = {"num_blocks": num_blocks}
+    _every_model = {"num_blocks": num_blocks, "max_read_tokens": max_read_tokens}
 
 
 def uninstall_all() -> None:

@@ -70,6 +70,7 @@ class LoopControl:
         self.asleep = False
         self.traffic = traffic
         self.working = working
+        self._read_budget = cache.read_budget  # the cached tokens the batch being built may read
         self._published: tuple[int, ...] = ()
         self._publish_due = 0.0  # when a step whose figures did not change publishes again
         self._nothing_scheduled = False
@@ -147,20 +148,22 @@ class LoopControl:
         """The window fitted to the batch's reads, then transformers builds the batch's tensors in it."""
         window = self.cache.window
         assert window is not None
-        window.fit(self.io, max_kv_read)
+        window.fit(self.io, max_kv_read, self._read_budget)
         self._prepare_tensors(requests_in_batch=requests_in_batch, logits_processors=logits_processors,
                               use_decode_fast_path=use_decode_fast_path, num_q_tokens=num_q_tokens,
                               max_kv_read=max_kv_read, use_padding=use_padding)
 
     def schedule_batch(self, token_budget: int, cache_budget: int) -> Any:
         """One scheduling pass: kvcached's room asked once for it, and its admissions counted (``Traffic.admission``).
-        The cached tokens a batch may read are the cache's capacity (``cache_budget`` is the window: see .window)."""
+        The cached tokens the batch may read: ``KvcachedPagedAttentionCache.pass_read_budget`` (``cache_budget``, what
+        transformers passes, is the window's size: see .window)."""
         cache, scheduler = self.cache, self.scheduler
         active, waiting = scheduler.active_requests, scheduler.waiting_requests
         admitting = bool(waiting) or any(s.status.name != "DECODING" for s in active.values())
+        self._read_budget = cache.pass_read_budget(scheduler)
         cache.begin_pass(active, admitting)
         try:
-            result = self._schedule(token_budget, cache.read_budget if cache.window is not None else cache_budget)
+            result = self._schedule(token_budget, self._read_budget)
         finally:
             cache.end_pass()
         deferred = cache.deferred

@@ -146,8 +146,10 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
             raise ValueError("kvcached's continuous batching serves one process, not tensor parallelism")
         super().__init__(device="meta", **kwargs)  # upstream sizing and allocators, no memory
         self.device = device
-        # The batch's read budget stays the capacity; the attention buffers follow the reads (see .window).
+        # The batch's read budget is the capacity (or the install's max_read_tokens); the attention buffers follow the
+        # reads (see .window).
         self.read_budget = self.max_tokens_read
+        self.read_cap = install.max_read_tokens
         self.window = ReadWindow(self.read_budget, self.tokens_per_sector_full) if window_applies(
             kwargs["continuous_batching_config"]) else None
         if self.window is not None:
@@ -294,6 +296,15 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
                 reserve += -(-short // allocator.blocks_per_sector)
         self._reserve = reserve
         return reserve
+
+    def pass_read_budget(self, scheduler: Any) -> int:
+        """The cached tokens the next batch may read: the capacity, or ``max_read_tokens`` where the install sets it
+        but at least the longest read of one waiting or running request (each can always run, if alone)."""
+        if self.read_cap is None:
+            return self.read_budget
+        states = [*scheduler.active_requests.values(), *scheduler.waiting_requests.values()]
+        longest = max((state.current_len() for state in states), default=0)
+        return min(self.read_budget, max(self.read_cap, longest))
 
     @staticmethod
     def page_size_for(bytes_per_sector: int) -> int:

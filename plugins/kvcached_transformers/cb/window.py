@@ -8,16 +8,21 @@ On kvcached the capacity is address space (for an elastic model the whole budget
 grow with the budget, not with what the model does. Here N is the *window*:
 
 - the buffers start at one sector's tokens; before a batch's tensors are built, a batch that reads more than the
-  window grows it to :data:`GROWTH` times its read (whole sectors, at most the capacity), and one that reads less than
-  :data:`SHRINK_BELOW` of it shrinks it the same way; an idle loop shrinks it back to one sector. The new buffers are
-  fully reset (mask at the dtype's minimum, indices at the trash sector), as transformers leaves unused parts;
+  window grows it to :data:`GROWTH` times its read (whole sectors, at most the capacity and the batch's read budget),
+  and one that reads less than :data:`SHRINK_BELOW` of it shrinks it the same way; an idle or sleeping loop shrinks it
+  back to one sector. The new buffers are fully reset (mask at the dtype's minimum, indices at the trash sector), as
+  transformers leaves unused parts;
 - the scheduler's per-batch read budget stays the capacity, so batches are those of the path without a window, and
   the attention sees the same inputs (``[q, q + kv]``, read by the same indices): the same tokens.
 
-So every attention input is bounded by the tokens the batch reads, which are the tokens its requests hold (a block
-shared by several requests is read once per request, as transformers does). The buffers are replaced only between
-batches; CUDA graphs, ``torch.compile`` and async batching keep references to them (and pad reads to the capacity),
-so with any of these on, the window is off and transformers' sizing stays (:func:`applies`).
+So every attention input (the mask, the indices, the keys and values read, and sdpa's copy of them per query head)
+is bounded by the tokens the batch reads, which are the tokens its requests hold (a block shared by several requests
+is read once per request, as transformers does). ``install(max_read_tokens=)`` bounds the reads themselves: the
+batch's read budget is then that (at least the longest read of one request, which may run alone), so the working
+memory is that of a static cache of that size however much the model holds; requests past the budget wait for the
+next batch. The buffers are replaced only between batches; CUDA graphs, ``torch.compile`` and async batching keep
+references to them (and pad reads to the capacity), so with any of these on, the window is off and transformers'
+sizing stays (:func:`applies`).
 """
 
 from __future__ import annotations
@@ -50,22 +55,24 @@ class ReadWindow:
         self.peak = self.tokens  # the largest window so far
         self.resizes = 0
 
-    def size_for(self, kv_read: int) -> int:
+    def size_for(self, kv_read: int, budget: int | None = None) -> int:
         """The window for a batch that reads ``kv_read`` cached tokens: GROWTH times it in whole steps, at least one
-        step, at most the capacity."""
+        step, at most the capacity and the whole steps that hold ``budget`` (the most a batch may read now)."""
+        most = self.capacity if budget is None else min(self.capacity, ceil(budget / self.step) * self.step)
         steps = max(1, ceil(ceil(kv_read * GROWTH) / self.step))
-        return min(self.capacity, steps * self.step)
+        return max(min(most, steps * self.step), min(self.capacity, kv_read))
 
-    def wanted(self, kv_read: int) -> int | None:
+    def wanted(self, kv_read: int, budget: int | None = None) -> int | None:
         """The new window before a batch of ``kv_read``, or None to keep this one."""
         if kv_read <= self.tokens and kv_read >= self.tokens * SHRINK_BELOW:
             return None
-        size = self.size_for(kv_read)
+        size = self.size_for(kv_read, budget)
         return None if size == self.tokens else size
 
-    def fit(self, io: Any, kv_read: int) -> None:
-        """Before a batch's tensors are built (``ContinuousBatchingIOs.prepare_batch_tensors``): the window it needs."""
-        size = self.wanted(kv_read)
+    def fit(self, io: Any, kv_read: int, budget: int | None = None) -> None:
+        """Before a batch's tensors are built (``ContinuousBatchingIOs.prepare_batch_tensors``): the window it needs
+        (``budget``: the most the batch could read, see :meth:`size_for`)."""
+        size = self.wanted(kv_read, budget)
         if size is not None:
             self.resize(io, size)
 

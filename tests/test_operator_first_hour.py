@@ -236,7 +236,8 @@ def serving(name: str) -> bool:
 
 def test_a_demo_model_sleeps_as_kvctl_asks_and_wakes_on_kvctl_wake_or_a_request(shm_dir: Path) -> None:
     """The first model a newcomer steers can sleep: it drains, frees every block, unmaps every page, and
-    serves again after kvctl wake, or by itself when its next request comes (its next burst)."""
+    serves again after kvctl wake, or when a request reaches it through its endpoint (as the README's tour does
+    with curl); its own simulated users never wake it."""
     from kvtop.demo.fleet import DemoFleet
 
     with DemoFleet(models=1) as fleet:
@@ -255,7 +256,13 @@ def test_a_demo_model_sleeps_as_kvctl_asks_and_wakes_on_kvctl_wake_or_a_request(
 
         done = kvctl("sleep", "demo-llama", "--now", "--wait")  # running requests preempted
         assert done.exit_code == 0 and ": asleep, released " in done.stdout, (done.stdout, done.stderr)
-        wait_for(lambda: serving(name), 90, "the next request to wake it")
+        endpoint = demo_model(name).endpoint
+        assert endpoint is not None
+        request = urllib.request.Request(endpoint + "/v1/completions", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": name, "prompt": "hi", "max_tokens": 2}).encode())
+        with urllib.request.urlopen(request, timeout=60) as answer:  # the request wakes it, then is answered
+            assert answer.status == 200
+        wait_for(lambda: serving(name), 90, "its traffic back after the request woke it")
         assert demo_model(name).sleep.acked_revision == 3  # type: ignore[union-attr]  # no wake was asked
 
 

@@ -119,6 +119,26 @@ def _run(m: ModelSnapshot, action: str, after_idle: float | None | bool, wait: b
     return out
 
 
+def _still_asleep(name: str, out: dict) -> None:
+    """An ``asleep`` answer read once more just before it is printed, so kvctl never says asleep of a model that is
+    awake again: one a request woke since (its acknowledged revision still ours) is marked woken, as when the
+    model is read awake at once; one a later controller's request moved is marked superseded."""
+    from kvcached_core import snapshot
+
+    if out["state"] != "asleep" or out.get("superseded"):
+        return
+    try:
+        info = snapshot(name, with_pages=False).sleep
+    except (ModelNotFound, OSError, ValueError):
+        return  # gone meanwhile: the answer stands as the model gave it
+    if info is None or info.state == "asleep":
+        return
+    if info.acked_revision > out["revision"]:
+        out.update(superseded=True, superseded_by=info.acked_revision, state=info.state)
+    else:
+        out.update(state="awake", woken=True)
+
+
 def _already(m: ModelSnapshot, out: dict, state: str) -> bool:
     """Whether the request found the model ``state`` already and changed nothing (marks ``out``): it was so when
     read, no other controller's request was pending or came since (the model took ours as the next revision),
@@ -181,6 +201,7 @@ def sleep_cmd(ctx: click.Context, model: str | None, now: bool, after_idle: floa
         _answer(out, _policy_text(m.name, out), as_json)
         return
     out = _run(m, "sleep_now" if now else "sleep", False, until_done, seconds)
+    _still_asleep(m.name, out)
     if _already(m, out, "asleep"):
         text = f"{m.name}: already asleep (nothing changed)"
     elif out.get("superseded"):

@@ -7,8 +7,9 @@ go to the prefix cache. Memory is real (host backend), so sizes are kept small.
 
 Each model can sleep (``kvctl sleep``, kvtop's ``w``): it stops admitting requests, lets the
 running ones finish (``--now``: preempts them), drops its prefix cache, frees every block and
-calls ``ready()``, so every page is unmapped. It wakes on ``kvctl wake`` or on its next request:
-the simulated users of a sleeping model come back with its next burst of traffic.
+calls ``ready()``, so every page is unmapped. It stays asleep until ``kvctl wake`` or a request
+through its endpoint (the router, curl) wakes it, as a serving engine does: its simulated users
+wait while it sleeps, whatever phase its traffic is in, and come back once it is awake.
 
 Each model also serves a toy OpenAI-compatible endpoint on 127.0.0.1 (:mod:`kvtop.demo.serve`) and
 publishes its address in its segment, as a real engine does, so ``kvctl route`` serves the demo too; its
@@ -83,9 +84,7 @@ class DemoEngine:
         arrivals = self.rng.randint(0, {"burst": 3, "steady": 1, "idle": 0}[phase])
         with self.lock:
             self._take_sleep_request()
-            if self.asleep and arrivals and phase == "burst":
-                self._wake_for_request()
-            if not (self.draining or self.asleep):
+            if not (self.draining or self.asleep):  # asleep, the simulated users wait: only a served request wakes it
                 for _ in range(arrivals):
                     if len(self.running) < self.max_running:
                         self._admit()
@@ -104,7 +103,7 @@ class DemoEngine:
 
     def _wake_for_request(self) -> None:
         self.manager.sleep.wake()  # a request for a sleeping model wakes it, as in a serving engine
-        self.asleep = self.draining = False
+        self.asleep = self.draining = False  # and its simulated users come back
 
     def _take_sleep_request(self) -> None:
         while self.asked:

@@ -201,6 +201,23 @@ def test_max_read_tokens_is_a_positive_whole_number(model: Any) -> None:
             cb.install(model, name="tcb-bad", max_read_tokens=bad)
 
 
+def test_the_window_grows_at_once_and_shrinks_after_a_run_of_small_reads() -> None:
+    from kvcached_transformers.cb.window import SHRINK_AFTER, ReadWindow
+
+    window = ReadWindow(capacity=64 * PAGE_TOKENS, step=PAGE_TOKENS)
+    assert window.tokens == PAGE_TOKENS and window.wanted(PAGE_TOKENS) is None
+    assert window.wanted(1000) == 5 * PAGE_TOKENS  # 1.25 x 1000 in whole sectors
+    assert window.wanted(1000, budget=1000) == 4 * PAGE_TOKENS  # never past the batch's budget (whole sectors)
+    assert window.wanted(10**6) == 64 * PAGE_TOKENS  # nor the capacity
+    window.tokens = 16 * PAGE_TOKENS
+    for _ in range(SHRINK_AFTER - 1):
+        assert window.wanted(100) is None  # a few small batches (decodes between prefills) keep it
+    assert window.wanted(2000) is None  # one that needs it restarts the count
+    for _ in range(SHRINK_AFTER - 1):
+        assert window.wanted(100) is None
+    assert window.wanted(100) == PAGE_TOKENS
+
+
 def test_the_window_is_off_where_transformers_keeps_its_buffers() -> None:
     """CUDA graphs, compile and async batching hold the buffers (and pad reads to the capacity): transformers'
     sizing stays there."""

@@ -148,7 +148,8 @@ class LoopControl:
         """The window fitted to the batch's reads, then transformers builds the batch's tensors in it."""
         window = self.cache.window
         assert window is not None
-        window.fit(self.io, max_kv_read, self._read_budget)
+        if not use_decode_fast_path:  # (the fast path reads through its block table)
+            window.fit(self.io, max_kv_read, self._read_budget)
         self._prepare_tensors(requests_in_batch=requests_in_batch, logits_processors=logits_processors,
                               use_decode_fast_path=use_decode_fast_path, num_q_tokens=num_q_tokens,
                               max_kv_read=max_kv_read, use_padding=use_padding)

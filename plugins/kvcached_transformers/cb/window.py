@@ -9,8 +9,9 @@ grow with the budget, not with what the model does. Here N is the *window*:
 
 - the buffers start at one sector's tokens; before a batch's tensors are built, a batch that reads more than the
   window grows it to :data:`GROWTH` times its read (whole sectors, at most the capacity and the batch's read budget),
-  and one that reads less than :data:`SHRINK_BELOW` of it shrinks it the same way; an idle or sleeping loop shrinks it
-  back to one sector. The new buffers are fully reset (mask at the dtype's minimum, indices at the trash sector), as
+  and :data:`SHRINK_AFTER` batches in a row that read less than :data:`SHRINK_BELOW` of it shrink it the same way; an
+  idle or sleeping loop shrinks it back to one sector (a batch of the decode fast path reads through its block table,
+  not these buffers, and leaves the window as it is). The new buffers are fully reset (mask at the dtype's minimum, indices at the trash sector), as
   transformers leaves unused parts;
 - the scheduler's per-batch read budget stays the capacity, so batches are those of the path without a window, and
   the attention sees the same inputs (``[q, q + kv]``, read by the same indices): the same tokens.
@@ -33,7 +34,8 @@ from typing import Any
 import torch
 
 GROWTH = 1.25  # a window grown (or shrunk) for a read holds this many times it: fewer resizes while reads grow
-SHRINK_BELOW = 0.25  # a read under this share of the window shrinks it
+SHRINK_BELOW = 0.25  # reads under this share of the window shrink it...
+SHRINK_AFTER = 16  # ...after this many batches in a row (on a GPU a resize empties torch's cache: not every step)
 
 
 def applies(cb_config: Any) -> bool:
@@ -54,6 +56,7 @@ class ReadWindow:
         self.tokens = min(capacity, step)
         self.peak = self.tokens  # the largest window so far
         self.resizes = 0
+        self._small = 0  # batches in a row that read under SHRINK_BELOW of the window
 
     def size_for(self, kv_read: int, budget: int | None = None) -> int:
         """The window for a batch that reads ``kv_read`` cached tokens: GROWTH times it in whole steps, at least one
@@ -64,7 +67,9 @@ class ReadWindow:
 
     def wanted(self, kv_read: int, budget: int | None = None) -> int | None:
         """The new window before a batch of ``kv_read``, or None to keep this one."""
-        if kv_read <= self.tokens and kv_read >= self.tokens * SHRINK_BELOW:
+        small = kv_read < self.tokens * SHRINK_BELOW
+        self._small = self._small + 1 if small else 0
+        if kv_read <= self.tokens and self._small < SHRINK_AFTER:
             return None
         size = self.size_for(kv_read, budget)
         return None if size == self.tokens else size
@@ -105,6 +110,7 @@ class ReadWindow:
         self.tokens = tokens
         self.peak = max(self.peak, tokens)
         self.resizes += 1
+        self._small = 0
 
 
 def _filled(shape: tuple[int, ...], value: float, dtype: torch.dtype, device: torch.device,

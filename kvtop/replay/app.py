@@ -24,7 +24,7 @@ from textual.worker import get_current_worker
 from kvtop.frames.history import History
 from kvtop.frames.source import Frame
 from kvtop.record.reading import RecordedEvent, Recording
-from kvtop.replay.source import LogUpdate, ReplayClock, ReplaySource, format_moment, parse_moment
+from kvtop.replay.source import EVENT_FILTERS, LogUpdate, ReplayClock, ReplaySource, format_moment, parse_moment
 from kvtop.screen.actions import REPLAY, bindings
 from kvtop.screen.dashboard import KvtopApp
 from kvtop.screen.messages import PollFailed
@@ -73,6 +73,7 @@ class ReplayApp(KvtopApp):
         self._problems_said = 0
         self.history_complete = False  # the history behind the frame shown is all there (not only that frame)
         self._drawn = threading.Event()  # set once a frame posted without its history is on screen
+        self.event_filter = 0  # what n / N stop at: an index into EVENT_FILTERS (e moves it on)
 
     def compose_bars(self) -> ComposeResult:
         yield TimeBar(id="timebar")
@@ -208,18 +209,23 @@ class ReplayApp(KvtopApp):
         self.push_screen(JumpScreen(parse, format_moment, span), chosen)
 
     def action_replay_event(self, direction: int) -> None:
-        self._find_event(self.shown, direction)
+        self._find_event(self.shown, direction, EVENT_FILTERS[self.event_filter][1])
+
+    def action_replay_events(self) -> None:
+        self.event_filter = (self.event_filter + 1) % len(EVENT_FILTERS)
+        self.notify(f"n / N stop at {EVENT_FILTERS[self.event_filter][0]} (e: the next choice)", markup=False)
 
     @work(thread=True, exclusive=True, group="seek", exit_on_error=False)
-    def _find_event(self, shown: float, direction: int) -> None:
-        """Off the UI thread: the recording's next (or previous) event of interest, then the clock goes there."""
-        found = self.replay.event_near(shown, direction)
+    def _find_event(self, shown: float, direction: int, kinds: tuple[str, ...] | None) -> None:
+        """Off the UI thread: the recording's next (or previous) event of those chosen, then the clock goes there."""
+        found = self.replay.event_near(shown, direction, kinds)
         self.call_from_thread(self._at_event, found, direction)
 
     def _at_event(self, event: RecordedEvent | None, direction: int) -> None:
         if event is None:
-            self._say_once(f"no {'later' if direction > 0 else 'earlier'} event: a limit deferred, a reclaim "
-                           "or a model going stale")
+            chosen = EVENT_FILTERS[self.event_filter][0]
+            what = "event" if chosen == EVENT_FILTERS[0][0] else f"event of {chosen} (e: other kinds)"
+            self._say_once(f"no {'later' if direction > 0 else 'earlier'} {what}")
             return
         self.clock.pause()  # held there, to be looked at
         self.clock.seek(event.at)

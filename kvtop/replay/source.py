@@ -14,7 +14,7 @@ import bisect
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -23,12 +23,23 @@ from kvcached_core import ControlError, ModelSnapshot
 from kvtop.frames.events import Event
 from kvtop.frames.history import DEPTH, History
 from kvtop.frames.source import Frame
-from kvtop.record.reading import LIMIT_DEFERRED, RECLAIM, STALE, RecordedEvent, Recording
+from kvtop.record import reading as R
+from kvtop.record.reading import RecordedEvent, Recording
 
 SPEEDS = (1, 2, 5, 10, 30, 60, 120, 300, 600)
 REFUSED = "replay: actions that change models are off"
-# What "jump to the next event" stops at: a limit deferred, a reclaim, a model going stale.
-JUMP_KINDS = (LIMIT_DEFERRED, RECLAIM, STALE)
+# What n / N stop at, one choice after another (e): every event the log shows, or the events of some kinds.
+# Each recorded kind (kvtop.record.reading.EVENT_KINDS) is in exactly one of the narrower choices.
+EVENT_FILTERS: tuple[tuple[str, tuple[str, ...] | None], ...] = (
+    ("every event", None),
+    ("limits", (R.LIMIT_DEFERRED, R.LIMIT_APPLIED, R.LIMIT_CONFLICT, R.LIMIT)),
+    ("trims", (R.TRIM,)),
+    ("sleeps and wakes", (R.SLEEP, R.WAKE)),
+    ("reclaims", (R.RECLAIM,)),
+    ("policies", (R.POLICY,)),
+    ("models coming, going, stale or late", (R.START, R.APPEARED, R.STALE, R.LIVE, R.LATE, R.GONE)),
+    ("problem files", (R.PROBLEM,)),
+)
 TICK_S = 0.1  # while playing, the poller reads at most this often (a 600x replay skips samples between reads)
 LOG_LINES = 1000  # as many lines as the event log keeps
 LOG_WINDOW_S = 600.0  # a seek reads the events this far back first, then further while the log is not full
@@ -261,15 +272,16 @@ class ReplaySource:
         with self.lock:
             return self.recording.events(t0, t1)
 
-    def event_near(self, t: float, direction: int) -> RecordedEvent | None:
-        """The first event of :data:`JUMP_KINDS` after ``t`` (``direction`` 1), or the last one before it (-1)."""
+    def event_near(self, t: float, direction: int, kinds: Collection[str] | None = None) -> RecordedEvent | None:
+        """The first event after ``t`` (``direction`` 1), or the last one before it (-1): of any kind the log shows,
+        or of ``kinds`` when given."""
         if direction > 0:
             with self.lock:
-                return self.recording.next_event_after(t, JUMP_KINDS)
+                return self.recording.next_event_after(t, kinds)
         start, window = self.recording.start, LOG_WINDOW_S
         while True:
             since = max(start, t - window)
-            found = [e for e in self._events(since, t) if e.at < t and e.kind in JUMP_KINDS]
+            found = [e for e in self._events(since, t) if e.at < t and (kinds is None or e.kind in kinds)]
             if found or since <= start:
                 return found[-1] if found else None
             window *= 8

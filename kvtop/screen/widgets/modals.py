@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from rich.cells import cell_len
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -381,27 +382,31 @@ class HelpScreen(_InfoScreen):
         self.readonly = readonly
 
     def compose(self) -> ComposeResult:
+        # A key column is as wide as its widest key and never gives way: a long description wraps instead.
         keys = Table.grid(padding=(0, 1))
         half = -(-len(self.keys) // 2)
-        for _ in range(2):
-            keys.add_column(style="bold cyan", no_wrap=True)
-            keys.add_column(no_wrap=True)
+        key_width = max((cell_len(k) for k, _ in self.keys), default=0)
+        for column in range(2):
+            keys.add_column(style="bold cyan", no_wrap=True, min_width=key_width)
+            keys.add_column(ratio=1)
+            if column == 0:
+                keys.add_column(width=1)  # the gutter between the halves
         left, right = self.keys[:half], self.keys[half:] + [("", "")] * (2 * half - len(self.keys))
         for (k1, d1), (k2, d2) in zip(left, right, strict=True):
-            keys.add_row(k1, d1 + "   ", k2, d2)
+            keys.add_row(Text(k1), Text(d1), "", Text(k2), Text(d2))
         legend = Text()
         for state, label in LEGEND:
             legend.append(GLYPHS[state], style=STATE_STYLES[state])
             legend.append(f" {label}   ")
         terms = Table.grid(padding=(0, 1))
-        terms.add_column(style="bold", no_wrap=True)
-        terms.add_column()
+        terms.add_column(style="bold", no_wrap=True, min_width=max(cell_len(term) for term, _ in TERMS))
+        terms.add_column(ratio=1)
         for term, meaning in TERMS:
             terms.add_row(term, meaning)
         with VerticalScroll(id="dialog"):
             yield Label("kvtop — keys" + ("  (read-only: trim, compact, sleep/wake, limit and policy are disabled)" if self.readonly else ""),
                         id="question")
-            yield Static(keys)
+            yield Static(keys, id="keys")
             yield Label("page map", classes="section")
             yield Static(legend)
             yield Static(terms, classes="section")

@@ -43,7 +43,7 @@ class Seen:
 
     mask: int = 0
     read_index: int = 0
-    keys: int = 0
+    keys: int = 0  # the keys attended over (the values are as many)
     reads: int = 0  # cached tokens one batch read (keys less queries: every request's past, summed)
     calls: int = 0
 
@@ -60,10 +60,14 @@ def watched(implementation: str) -> Iterator[Seen]:
         seen.calls += 1
         if attention_mask is not None:
             seen.mask = max(seen.mask, attention_mask.untyped_storage().nbytes())
-        for index in kwargs.get("read_index") or ():
+        indices = kwargs.get("read_index") or ()
+        for index in indices:
             seen.read_index = max(seen.read_index, index.untyped_storage().nbytes())
-        seen.keys = max(seen.keys, key.untyped_storage().nbytes())
-        seen.reads = max(seen.reads, key.shape[-2] - query.shape[-2])
+        # The keys attended over: read from the cache before this call (transformers 5.2x), or inside it (5.19, whose
+        # read indices name them, the new tokens' included).
+        keys = max(key.shape[-2], *(index.numel() for index in indices))
+        seen.keys = max(seen.keys, keys * key.shape[1] * key.shape[-1] * key.element_size())
+        seen.reads = max(seen.reads, keys - query.shape[-2])
         return original(module, query, key, value, attention_mask, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[implementation] = spy

@@ -67,8 +67,10 @@ def watched(implementation: str) -> Iterator[Seen]:
     def spy(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
         if attention_mask is not None:
             seen.mask_bytes = max(seen.mask_bytes, attention_mask.untyped_storage().nbytes())
-        seen.kv_read_bytes = max(seen.kv_read_bytes, 2 * key.numel() * key.element_size())
-        seen.most_read_tokens = max(seen.most_read_tokens, key.shape[-2] - query.shape[-2])
+        # The keys attended over: read before this call (transformers 5.2x) or inside it (5.19: its read indices).
+        keys = max(key.shape[-2], *(index.numel() for index in kwargs.get("read_index") or ()))
+        seen.kv_read_bytes = max(seen.kv_read_bytes, 2 * keys * key.shape[1] * key.shape[-1] * key.element_size())
+        seen.most_read_tokens = max(seen.most_read_tokens, keys - query.shape[-2])
         return original(module, query, key, value, attention_mask, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[implementation] = spy

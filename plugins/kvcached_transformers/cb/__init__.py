@@ -84,9 +84,14 @@ class CBInstall:
         )
         return self.manager
 
-    def attach(self, cb_manager: Any, processor: Any) -> None:
-        import torch
+    def measure_working_memory(self, device: torch.device) -> None:
+        """From the first cache on a GPU on, the engine's working memory is measured (:mod:`.working`)."""
+        if self.working is None and device.type == "cuda":
+            from .working import WorkingMemory
 
+            self.working = WorkingMemory(device)
+
+    def attach(self, cb_manager: Any, processor: Any) -> None:
         from .loop import LoopControl, Traffic
         from .paged import KvcachedPagedAttentionCache
 
@@ -101,11 +106,6 @@ class CBInstall:
             self.caches.append(cache)
         if self._traffic is None or self._traffic[0] is not cache.kv_manager:
             self._traffic = (cache.kv_manager, Traffic())
-        device = torch.device(cache.device)
-        if self.working is None and device.type == "cuda":
-            from .working import WorkingMemory
-
-            self.working = WorkingMemory(device)
         self.loops.append(LoopControl(cb_manager, processor, self._traffic[1], self.working))
 
     def loop_ended(self, processor: Any) -> None:

@@ -155,6 +155,7 @@ class KvcachedPagedAttentionCache(PagedAttentionCache):
         if self.window is not None:
             self.max_tokens_read = self.window.tokens  # what transformers sizes its attention buffers by
         self.install = install
+        install.measure_working_memory(device)  # from before transformers allocates this cache's buffers
         total_sectors = self.num_sectors + 2
         self.kv_manager = manager = install.manager_for(self, total_sectors, device)
         rows = page_rows(manager, 0, 0, device)

@@ -17,7 +17,8 @@ read (their bytes), and the most cached tokens one batch read. Two traces: ``fit
 share at once) and ``saturated`` (they need the whole budget; a static engine runs them in waves). One JSON line per
 run, then a table of each configuration's working memory over static's.
 
-On a GPU (torch and transformers >=5.19; about 1 minute on an H100)::
+On a GPU (torch and a transformers the plugin serves, ``kvcached_transformers.cb.seams.SUPPORTED``; exit code 2
+with one line otherwise, or without a GPU)::
 
     PYTHONPATH=.:plugins python benchmarks/probes/tcb_working_memory.py
 
@@ -214,6 +215,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if not cpu and not torch.cuda.is_available():
         print("tcb_working_memory: no CUDA device (use --device cpu for the attention inputs alone)", file=sys.stderr)
+        return 2
+    from kvcached_transformers.cb.seams import UnsupportedTransformers, check
+
+    try:
+        check()
+    except UnsupportedTransformers as exc:
+        print(f"tcb_working_memory: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     model = build(shape, args.device)

@@ -14,6 +14,8 @@ plain vLLM object where the plugin does not apply (another pool, a profiling run
   never fit under the limit end with ``length`` (:mod:`.fit`).
 - ``KVCacheManager.take_kv_cache_block_copies``, ``Scheduler.schedule`` / ``update_from_output`` /
   ``has_requests``: compaction rounds ride on the steps' block copies (:mod:`.compact`).
+- ``Executor.determine_available_memory``: each worker answers the span the shared budget, the headroom
+  and its peers leave, and its measured working memory is registered with the allocator (:mod:`.available`).
 - ``GPUModelRunner.initialize_kv_cache_tensors`` / ``allocate_kv_cache``: the worker's KV
   tensors lie over a :class:`kvcached_core.tp.TPWorker`'s memory.
 - ``setup_server`` (the API server): the address it binds is published in the model's segment (:mod:`.endpoint`).
@@ -30,7 +32,7 @@ from typing import Any
 
 from kvcached_core.engines import ENGINE_LINGER_S
 
-from . import endpoint
+from . import available, endpoint
 from .seams import check_vllm
 
 log = logging.getLogger("kvcached_vllm")
@@ -51,6 +53,7 @@ def install() -> None:
     _patch_scheduler()
     _patch_engine_shutdown()
     _patch_worker()
+    available.install()
     endpoint.install()
     atexit.register(_close_all)
     _installed = True
@@ -391,6 +394,7 @@ def _build_manager(vllm_config: Any, kv_cache_config: Any) -> Any:
         refill_linger_s=ENGINE_LINGER_S,
     )
     _MANAGERS.append(manager)
+    available.register(manager, vllm_config)
     log.info("kvcached: segment %r (%d blocks of %d tokens, %d per %d MiB page, %d layer ranges; %s)", manager.name,
              layout.num_blocks, layout.block_tokens, layout.blocks_per_page, layout.page_size >> 20,
              layout.num_layers, layout.describe())

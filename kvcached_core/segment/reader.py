@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..settings import settings
 from . import layout as L
-from . import liveness
+from . import liveness, stuck
 from .liveness import AliveCheck, AliveMemo, judge, writer_alive
 from .names import SEGMENT_PREFIX, InvalidName, segment_path
 from .pgroups import GroupJudge
@@ -53,7 +53,11 @@ class SegmentCorrupt(ValueError):
 
 
 class PublishUnfinished(SegmentCorrupt):
-    """The sequence stayed odd: the writer stopped (or died) in the middle of a publish."""
+    """The sequence stayed odd: the writer stopped (or died) in the middle of a publish; ``raw``: the last copy."""
+
+    def __init__(self, message: str, raw: bytes = b"") -> None:
+        super().__init__(message)
+        self.raw = raw
 
 
 class HeaderOverwritten(SegmentCorrupt):
@@ -140,14 +144,15 @@ class _HeaderChanged(Exception):
 
 
 def _consistent_copy(fd: int, header: dict, with_pages: bool,
-                     kept: _Open | None = None) -> tuple[dict, array | None, bytes, Words]:
+                     kept: _Open | None = None, stuck_seq: int = -1) -> tuple[dict, array | None, bytes, Words]:
     """Copy counters (and the page map) until one copy passes the seqlock and both checksums, and its
     sealed blocks (COMPACT, TRAFFIC, SLEEP) their own (see :func:`.sealed.read_words`).
 
     With ``kept`` (a file kept open since its header was parsed), a copy whose header differs
     raises :class:`_HeaderChanged` (the file may have been written over since), and counters
     byte-identical to the last ones checked for it (sequence and checksum included) are not
-    checked and decoded again.
+    checked and decoded again. A first copy whose sequence is ``stuck_seq`` (the odd one its writer
+    was found stopped at by an earlier read) raises :class:`PublishUnfinished` at once.
     """
     header_raw = kept.header_raw if kept is not None else None
     pages_total = header["pages_total"]
@@ -167,8 +172,9 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool,
         seq = L.U64.unpack_from(raw, L.SEQ_OFF)[0]
         seqs_seen.add(seq)
         if seq & 1:
-            if attempt == DEAD_WRITER_CHECK and seqs_seen == {seq} and not writer_alive(header, raw):
-                raise PublishUnfinished(f"a publish never finished (sequence {seq} stayed odd)")
+            if (seq == stuck_seq and attempt == 0) or \
+                    (attempt == DEAD_WRITER_CHECK and seqs_seen == {seq} and not writer_alive(header, raw)):
+                raise PublishUnfinished(f"a publish never finished (sequence {seq} stayed odd)", raw)
             _backoff(attempt)
             continue
         if os.pread(fd, 8, L.SEQ_OFF) != raw[L.SEQ_OFF:L.SEQ_OFF + 8]:
@@ -217,16 +223,16 @@ def _consistent_copy(fd: int, header: dict, with_pages: bool,
     if len(seqs_seen) == 1:  # nobody is writing, yet no copy checks out
         seq = seqs_seen.pop()
         if seq & 1:
-            raise PublishUnfinished(f"a publish never finished (sequence {seq} stayed odd)")
+            raise PublishUnfinished(f"a publish never finished (sequence {seq} stayed odd)", raw)
         raise SegmentCorrupt("checksum mismatch in a quiet segment")
     raise BlockingIOError("no consistent copy after retries: the writer is very busy")
 
 
-def _unpublished_counters() -> dict:
-    counters = dict.fromkeys(L.COUNTER_FIELDS, 0)
-    counters["effective_limit"] = -1
-    counters["requested_limit"] = -1
-    return counters
+_unpublished_counters = stuck.unpublished_counters
+
+
+def _page_map_bytes(fd: int, header: dict) -> bytes:
+    return os.pread(fd, 4 * header["pages_total"], L.PAGE_MAP_OFF)
 
 
 def _rank_bytes(fd: int, header: dict, body: bytes) -> bytes:
@@ -247,10 +253,10 @@ def _rank_bytes(fd: int, header: dict, body: bytes) -> bytes:
 class _Open:
     """A segment file opened for reading, with what its header said once it was checked."""
 
-    __slots__ = ("counted", "fd", "fields", "header", "header_raw", "ino", "keep", "static", "words")
+    __slots__ = ("counted", "dev", "fd", "fields", "header", "header_raw", "ino", "keep", "static", "words")
 
-    def __init__(self, fd: int, ino: int, keep: bool) -> None:
-        self.fd, self.ino, self.keep = fd, ino, keep
+    def __init__(self, fd: int, ino: int, keep: bool, dev: int = -1) -> None:
+        self.fd, self.ino, self.keep, self.dev = fd, ino, keep, dev
         self.header: dict | None = None
         self.header_raw = b""
         self.static: dict = {}  # the snapshot fields the header fixes
@@ -274,7 +280,12 @@ class _Open:
         except BaseException:
             os.close(fd)
             raise
-        return cls(fd, st.st_ino, st.st_ino == ino and st.st_dev == dev)
+        return cls(fd, st.st_ino, st.st_ino == ino and st.st_dev == dev, st.st_dev)
+
+    @property
+    def identity(self) -> tuple[int, int, bytes]:
+        """Which file this is, for what a reader remembers of it (segment/stuck.py): device, inode, header bytes."""
+        return self.dev, self.ino, self.header_raw
 
     def check_header(self, path: str) -> dict:
         """Parse and check the header (once; again after :meth:`forget`)."""
@@ -324,25 +335,34 @@ def _read(file: _Open, path: str, with_pages: bool, now_ns: int | None, alive: A
     header = file.check_header(path)
     if not fresh and not with_pages and not os.pread(fd, 1, L.total_size(header["pages_total"], header["ranks_max"]) - 1):
         raise SegmentCorrupt("file shorter than its header says")  # cut since it was kept (a copy with the map sees it)
+    now_ns = now_ns or time.time_ns()
+    figures_ns = 0  # the figures are this read's
     try:
         # A header parsed just now is compared by the copy only when the file was kept open since.
-        counters, pages, body, words = _consistent_copy(fd, header, with_pages, None if fresh else file)
+        counters, pages, body, words = _consistent_copy(fd, header, with_pages, None if fresh else file,
+                                                        stuck.stuck_seq(path, file.identity))
+        stuck.remember(path, file.identity, counters, pages, words, now_ns)
     except _HeaderChanged:
         file.forget()
         return _read(file, path, with_pages, now_ns, alive)  # parsed afresh: no second comparison
     except PublishUnfinished as exc:
-        if writer_alive(header, os.pread(fd, L.PAGE_MAP_OFF, 0)):
-            raise BlockingIOError(f"{exc}: its writer (pid {header['pid']}) is alive but stuck") from None
-        # The writer died mid-publish: whatever it counted is no longer held. Show it stale and empty.
-        counters = _unpublished_counters()
-        body = os.pread(fd, L.total_size(header["pages_total"], header["ranks_max"]) if with_pages
-                        else L.PAGE_MAP_OFF, 0)
-        pages = array("I", bytes(4 * header["pages_total"])) if with_pages else None
-        words = read_words(body, header, counters, None)
+        body = exc.raw
+        if writer_alive(header, body):
+            # Stopped inside a publish (SIGSTOP, a debugger): it still holds its memory. Its last known figures.
+            held = stuck.held(path, file.identity, header, body, with_pages, lambda: _page_map_bytes(fd, header))
+            if held is None:
+                raise BlockingIOError(f"{exc}: its writer (pid {header['pid']}) is alive but stuck") from None
+            counters, pages, words, figures_ns = held.counters, held.pages, held.words, held.figures_ns
+        else:
+            # The writer died mid-publish: whatever it counted is no longer held. Show it stale and empty.
+            counters = _unpublished_counters()
+            body = os.pread(fd, L.total_size(header["pages_total"], header["ranks_max"]) if with_pages
+                            else L.PAGE_MAP_OFF, 0)
+            pages = array("I", bytes(4 * header["pages_total"])) if with_pages else None
+            words = read_words(body, header, counters, None)
     rank_raw = _rank_bytes(fd, header, body) if header["tp_world"] > 1 else b""
     control = L.CONTROL.unpack_from(body, L.CONTROL_OFF)  # limit, revision, check, trim_seq
     heartbeat = L.U64.unpack_from(body, L.HEARTBEAT_OFF)[0]
-    now_ns = now_ns or time.time_ns()
     verdict = judge(header["pid"], header["start_time"], header["pid_ns"], heartbeat, now_ns, alive=alive)
     status = "live" if verdict.alive and not counters["closing"] else "stale"
     ranks: tuple[RankInfo, ...] = ()
@@ -367,7 +387,7 @@ def _read(file: _Open, path: str, with_pages: bool, now_ns: int | None, alive: A
     values.update(
         status=status, limit_status=limit_status, requested_limit=None if requested < 0 else requested,
         limit_revision=revision, trim_seq=control[3], heartbeat_ns=heartbeat, read_ns=now_ns,
-        late=status == "live" and verdict.late, ranks=ranks, pages=pages,
+        late=status == "live" and (verdict.late or figures_ns != 0), figures_ns=figures_ns, ranks=ranks, pages=pages,
         traffic=None if words.traffic is None else Traffic(*words.traffic, now_ns),
         sleep=words.sleep, compaction=words.compaction, pressure=words.pressure, endpoint=words.endpoint,
         groups=words.groups,

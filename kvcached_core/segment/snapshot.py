@@ -210,7 +210,11 @@ class ModelSnapshot:
     device_capacity: int = 0
     legacy_reserved: int = 0  # upstream rows carry their prealloc bytes here
     legacy: bool = False  # an upstream kvcached segment: bytes only, no page map (status legacy or stale)
-    late: bool = False  # live, but its heartbeat is late: the process exists and is stopped or overloaded
+    late: bool = False  # live, but its heartbeat is late or it stays inside a publish: stopped or overloaded
+    # 0: the figures are this read's. Else its writer stays inside a publish (the process runs: stopped, or a
+    # debugger), no consistent copy can be had, and the figures shown are the last known: when they were true
+    # (segment/stuck.py says which copy gave them).
+    figures_ns: int = 0
     pid_ns: int = 0  # the writer's pid namespace (0: not recorded); pid means nothing outside it
     traffic: Traffic | None = None  # None: the engine publishes no traffic figures (never invented zeros)
     sleep: SleepInfo | None = None  # None: unknown (upstream segments)
@@ -294,6 +298,11 @@ class ModelSnapshot:
             return self.sleep.state
         return "shrinking" if self.shrinking else "live"
 
+    @property
+    def figures_age_s(self) -> float | None:
+        """How old the figures shown are (see ``figures_ns``); None while they are this read's."""
+        return None if not self.figures_ns else max(0.0, (self.read_ns - self.figures_ns) / 1e9)
+
     def page_entries(self) -> array:
         """The raw page map (see :mod:`kvcached_core.segment.layout`); empty when not read."""
         return self.pages if self.pages is not None else array("I")
@@ -313,6 +322,7 @@ class ModelSnapshot:
             "name": self.name, "model": self.model, "engine": self.engine, "backend": self.backend,
             "pid": self.pid, "device": self.device, "status": self.status, "legacy": self.legacy,
             "late": self.late,
+            "figures_age_s": None if self.figures_age_s is None else round(self.figures_age_s, 3),
             "page_size": self.page_size, "bundle_bytes": self.bundle_bytes,
             "pages_total": self.pages_total, "pages_inuse": self.pages_inuse,
             "pages_reserved": self.pages_reserved, "pages_free": self.pages_free,

@@ -23,6 +23,8 @@ def list_cmd(as_json: bool, gpu: int | None, show_all: bool) -> None:
     warning line on stderr for each file in the segment directory that is not a usable segment
     (24-byte files that only look like upstream's struct too). Without --all, a warning line
     still names each segment of a running model that cannot be read (its header overwritten).
+    A model whose process stays inside a publish (stopped, or held by a debugger) shows as late
+    with its last known figures, and a warning line says how old they are.
 
     \b
     Examples:
@@ -46,6 +48,10 @@ def list_cmd(as_json: bool, gpu: int | None, show_all: bool) -> None:
     from kvtop.text import textfmt as T  # text only: --json never pays for it
 
     T.print_table(T.LIST_COLUMNS, [T.list_row(m) for m in found.models])
+    for m in found.models:  # a process stopped inside a publish still holds its memory: its figures are its last
+        if m.figures_age_s is not None:
+            warn(f"{m.name}: late: its process (pid {m.pid}) stays inside a publish (stopped, or held by a "
+                 f"debugger); its figures are the last known, {m.figures_age_s:.1f} s old")
 
 
 def _router_figures(name: str) -> dict | None:

@@ -124,8 +124,13 @@ def under_pressure(m: ModelSnapshot) -> bool:
 
 
 def status_cell(m: ModelSnapshot) -> Text:
+    """The model's status; a late model whose process stays inside a publish also says how old its figures are."""
     status = m.display_status
     text = Text(status, style=STATUS_STYLES.get(status, ""))
+    age = m.figures_age_s
+    if age is not None:
+        text.append(f" {age:.0f}s" if age < 100 else f" {age / 60:.0f}m" if age < 6000 else f" {age / 3600:.0f}h",
+                    style="yellow")
     if under_pressure(m):
         text.append(f" {PRESSURE_MARK}", style="bold yellow")
     return text

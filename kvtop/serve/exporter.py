@@ -119,6 +119,9 @@ class KVCachedCollector(Collector):
         frees = CounterMetricFamily(f"{PREFIX}_frees", "free() calls since the allocator started.",
                                     labels=MODEL_LABELS)
         age = gauge("heartbeat_age_seconds", "Seconds since the allocator's last heartbeat.")
+        figures_age = gauge("figures_age_seconds", "How old the model's figures are: 0 while they are read now; "
+                            "else its process stays inside a publish (stopped: the model is late) and they are "
+                            "its last known.")
         rank_labels = ("model", "rank", "device", "pid", "host")
         rank_mapped = GaugeMetricFamily(f"{PREFIX}_rank_mapped_bytes",
                                         "Bytes one tensor-parallel rank has mapped for its shard of the model.",
@@ -180,6 +183,7 @@ class KVCachedCollector(Collector):
                 alloc_rate.add_metric(labels, rates[0])
                 free_rate.add_metric(labels, rates[1])
             age.add_metric(labels, max(0.0, (m.read_ns - m.heartbeat_ns) / 1e9))
+            figures_age.add_metric(labels, m.figures_age_s or 0.0)
             stale.add_metric(labels, 1 if m.status == "stale" else 0)
             if m.traffic is not None:
                 running.add_metric(labels, m.traffic.running)
@@ -206,7 +210,8 @@ class KVCachedCollector(Collector):
                 rank_up.add_metric(rank_row, 1 if r.alive else 0)
         self._forget_vanished(models)
         return [info, mapped, held, pinned, reserved, cached, capacity, limit, requested, status, waste,
-                pages, alloc_rate, free_rate, allocs, frees, age, stale, rank_mapped, rank_up, running, waiting, idle,
+                pages, alloc_rate, free_rate, allocs, frees, age, figures_age, stale, rank_mapped, rank_up, running,
+                waiting, idle,
                 *(family for _, family in traffic_counters), sleep_state, after_idle, slept, *pressure.families(),
                 group_blocks, group_pages]
 

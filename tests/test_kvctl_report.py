@@ -4,7 +4,8 @@ The script (one recording for the module): a budget of 26 MiB shared by two mode
 (256 KiB pages, 2 layers, K and V; 4 blocks a page). ``idle``, in a child process, fills it (cached blocks
 and its warm pool); ``busy``, in this process, takes 10 pages, which only a reclaim from ``idle`` can give;
 then a 4 MiB limit below what ``busy`` uses (deferred, held for several samples, applied when its blocks
-are freed); then a sleep and a wake. A :class:`~kvtop.record.recorder.Recorder` samples every 0.1 s in a
+are freed); then a sleep and a wake request; a second sleep, woken by the engine itself (as a request reaching
+it wakes it); then a trim of the pages ``busy`` freed into its warm pool, and the limit lifted. A :class:`~kvtop.record.recorder.Recorder` samples every 0.1 s in a
 thread meanwhile, and a watcher reads the segments every few milliseconds for the largest mapped figure
 seen live. Each state is held until the recorder has sampled it, so the truth is known to within one
 sample interval.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -31,8 +33,9 @@ from test_docs_reference import assert_documented, flatten, key_table
 import kvcached_core as kc
 from kvcached_core import KVCacheManager, request_limit
 from kvcached_core.control import request_sleep
+from kvtop.frames.events import CONTROLLER_WAKE, REQUEST_WAKE
 from kvtop.record.recorder import Recorder
-from kvtop.record.report import model_report, moment, percentile
+from kvtop.record.report import CANNOT_SLEEP, NO_TRAFFIC, model_report, moment, percentile
 
 MiB = 1 << 20
 INTERVAL = 0.1
@@ -59,7 +62,12 @@ class Script:
     interval: float = INTERVAL
     peak_live: dict[str, int] = field(default_factory=dict)
     deferred: tuple[float, float] = (0.0, 0.0)  # busy's limit: acknowledged deferred, seen applied
-    asleep: tuple[float, float] = (0.0, 0.0)  # busy: seen asleep, seen awake
+    in_use_at_limit: int = 0  # busy's pinned bytes when the limit was asked
+    asleep: tuple[float, float] = (0.0, 0.0)  # busy: seen asleep, seen awake (a wake request)
+    asleep_again: tuple[float, float] = (0.0, 0.0)  # busy's second sleep: seen asleep, seen awake (woken by its engine)
+    slept_bytes: int = 0  # what busy's sleep released, as its answer said
+    trimmed: tuple[float, int] = (0.0, 0)  # busy's trim: when it was answered, the bytes it returned
+    lifted_at: float = 0.0  # busy's limit lifted (acknowledged)
     reclaimed_by: float = 0.0  # every reclaim was counted by then
     final: dict[str, kc.ModelSnapshot] = field(default_factory=dict)
     sample_times: list[float] = field(default_factory=list)
@@ -168,6 +176,7 @@ def run_script(shm: Path, out: Path) -> Script:
             sampler.samples_after(settled, 3)
 
             # a limit below what busy uses: deferred until its blocks are freed
+            script.in_use_at_limit = live("busy", shm).pinned_bytes
             ack = request_limit("busy", 4 * MiB, wait=10)
             deferred_at = time.time()
             assert ack.status == "deferred", ack
@@ -179,12 +188,38 @@ def run_script(shm: Path, out: Path) -> Script:
             sampler.samples_after(script.deferred[1], 3)
 
             # a sleep and a wake
-            assert request_sleep("busy", "sleep", wait=10, until_done=True).status == "asleep"
+            slept = request_sleep("busy", "sleep", wait=10, until_done=True)
+            assert slept.status == "asleep", slept
             slept_at = time.time()
+            script.slept_bytes = slept.bytes_returned
             sampler.samples_after(slept_at, 8)
             request_sleep("busy", "wake", wait=10, until_done=True)
             script.asleep = (slept_at, time.time())
             sampler.samples_after(script.asleep[1], 3)
+
+            # a second sleep, woken by the engine as by a request reaching it: no wake request, no revision
+            again = request_sleep("busy", "sleep", wait=10, until_done=True)
+            assert again.status == "asleep" and again.bytes_returned == 0, again  # nothing mapped since the wake
+            slept_at = time.time()
+            sampler.samples_after(slept_at, 5)
+            m.sleep.wake()
+            wait_for(lambda: live("busy", shm).sleep.state == "awake", what="busy woken by its engine")
+            script.asleep_again = (slept_at, time.time())
+            sampler.samples_after(script.asleep_again[1], 3)
+
+            # a trim of the pages busy freed into its warm pool
+            m.free(take(m, 8))
+            wait_for(lambda: live("busy", shm).pages_reserved >= 2, what="busy's freed pages in its warm pool")
+            sampler.samples_after(time.time(), 2)
+            trim = kc.request_trim("busy", wait=10)
+            assert trim.status == "trimmed" and trim.bytes_returned >= 2 * MiB, trim
+            script.trimmed = (time.time(), trim.bytes_returned)
+            sampler.samples_after(script.trimmed[0], 3)
+
+            # the limit lifted: applied at once
+            assert request_limit("busy", None, wait=10).status == "none"
+            script.lifted_at = time.time()
+            sampler.samples_after(script.lifted_at, 3)
 
             script.final = {name: live(name, shm) for name in ("busy", "idle")}
             sampler.samples_after(time.time(), 2)  # the final counters are in the recording
@@ -258,14 +293,101 @@ def test_the_figures_are_what_the_script_did(script: Script) -> None:
     truth = script.deferred[1] - script.deferred[0]
     slack = 2 * script.largest_gap(*script.deferred) + 0.05
     assert abs(busy["deferred_s"] - truth) <= slack, (busy["deferred_s"], truth, slack)
-    truth = script.asleep[1] - script.asleep[0]
-    slack = 2 * script.largest_gap(*script.asleep) + 0.05
+    truth = script.asleep[1] - script.asleep[0] + script.asleep_again[1] - script.asleep_again[0]
+    slack = 2 * script.largest_gap(*script.asleep) + 2 * script.largest_gap(*script.asleep_again) + 0.05
     assert abs(busy["asleep_s"] - truth) <= slack, (busy["asleep_s"], truth, slack)
     assert idle["deferred_s"] == idle["asleep_s"] == 0
 
     # waste and waiting: the donor holds cached blocks (pinned over held known); no engine publishes traffic
     assert idle["waste_mean"] >= 1.0 and idle["waste_max"] >= idle["waste_mean"]
     assert busy["waiting_mean"] is None and busy["waiting_max"] is None
+
+
+def near(at: float | None, truth: float, script: Script) -> bool:
+    """``at`` is the sample that first showed what happened at ``truth``: within a sample interval of it."""
+    slack = script.largest_gap(truth, truth) + 0.05
+    return at is not None and truth - slack <= at <= truth + slack
+
+
+def test_limits_trims_and_sleeps_are_what_the_script_did(script: Script) -> None:
+    code, doc, err = report(str(script.recording))
+    assert code == 0 and err == "", err
+    busy, idle = by_name(doc)["busy"], by_name(doc)["idle"]
+    final = script.final["busy"]
+
+    # the 4 MiB limit: asked below what busy held, deferred until its blocks were freed, applied; then lifted
+    lowered, lifted = busy["limits"]
+    assert (lowered["revision"], lowered["asked_bytes"], lowered["effective_bytes"], lowered["status"]) == \
+        (1, 4 * MiB, 4 * MiB, "deferred")
+    assert lowered["in_use_bytes"] == script.in_use_at_limit == 10 * MiB
+    assert near(lowered["set_at"], script.deferred[0], script) and near(lowered["applied_at"], script.deferred[1],
+                                                                          script)
+    assert lowered["deferred_s"] == busy["deferred_s"] > 0
+    assert (lifted["revision"], lifted["asked_bytes"], lifted["effective_bytes"], lifted["status"]) == \
+        (2, None, None, "none")
+    assert near(lifted["set_at"], script.lifted_at, script) and lifted["applied_at"] == lifted["set_at"]
+    assert lifted["deferred_s"] == 0
+
+    # one trim, the bytes its answer said; the segment's own counters agree
+    assert busy["trims"] == {"count": 1, "bytes": script.trimmed[1]}
+    assert (final.trim_ack_seq, final.trimmed_total) == (1, script.trimmed[1])
+
+    # two sleeps (what the first released, as its answer said; the second had nothing mapped), one woken by a wake
+    # request, one by its engine
+    assert busy["sleeps"] == {"count": 2, "released_bytes": script.slept_bytes, "wakes": 2, "woken_by_request": 1,
+                              "woken_by_controller": 1, "woken_before_asleep": 0}
+    assert script.slept_bytes > 0
+
+    # idle: nothing set, trimmed or slept; what neither can have, and why
+    assert idle["limits"] == [] and idle["trims"] == {"count": 0, "bytes": 0}
+    assert busy["unknown"] == [{"figure": "waiting", "why": NO_TRAFFIC}]
+    assert idle["unknown"] == [{"figure": "sleeps", "why": CANNOT_SLEEP}, {"figure": "waiting", "why": NO_TRAFFIC}]
+
+    # the events themselves: what kvtop's log showed of busy, in order, within the window
+    kinds = [e["kind"] for e in busy["events"]]
+    for kind in ("limit_deferred", "limit_applied", "sleep", "wake", "trim", "limit"):
+        assert kind in kinds, (kind, kinds)
+    assert kinds.index("limit_deferred") < kinds.index("limit_applied") < kinds.index("wake") < kinds.index("trim")
+    assert all(doc["from"] <= e["at"] <= doc["to"] for e in busy["events"])
+    assert [e["text"] for e in busy["events"] if e["kind"] == "wake"] == [f"woken by {CONTROLLER_WAKE}",
+                                                                          f"woken by {REQUEST_WAKE}"]
+    assert any(e["kind"] == "trim" and f"trimmed: {kc.format_bytes(script.trimmed[1])} returned" == e["text"]
+               for e in busy["events"])
+    assert {e["kind"] for e in idle["events"]} >= {"reclaim"}
+
+
+def test_a_limit_set_before_the_window_is_listed_as_such(script: Script) -> None:
+    d0, d1 = script.deferred
+    code, doc, _ = report(str(script.recording), "--from", iso((d0 + d1) / 2), "--to", iso(script.asleep[0]))
+    assert code == 0
+    (limit,) = by_name(doc)["busy"]["limits"]
+    assert (limit["revision"], limit["set_at"], limit["status"], limit["asked_bytes"]) == (1, None, "deferred", 4 * MiB)
+    assert near(limit["applied_at"], d1, script) and 0 < limit["deferred_s"] < d1 - d0
+    story = kvctl("report", str(script.recording), "--from", iso((d0 + d1) / 2), "--to", iso(script.asleep[0]))
+    assert re.search(r"  limit r1: 4\.0 MiB, set before the window, deferred \d+\.\ds \(10\.0 MiB in use\), applied "
+                     r"\d\d:\d\d:\d\d\n", story.stdout), story.stdout
+
+
+def test_the_text_tells_each_models_story(script: Script) -> None:
+    result = kvctl("report", str(script.recording))
+    assert result.exit_code == 0, result.stderr
+    out = result.stdout
+    header = out.splitlines()[1].split()
+    for column in ("LIMITS", "DEFERRED", "TRIMS", "SLEEPS", "ASLEEP", "GAVE", "TOOK"):
+        assert column in header, (column, header)
+    busy_row = next(line for line in out.splitlines() if line.startswith("busy "))
+    assert f"1 ({kc.format_bytes(script.trimmed[1])})" in busy_row and "n/a" in busy_row  # trims; waiting n/a
+    story = out[out.index("\nbusy\n"):]
+    assert re.search(r"  limit r1: 4\.0 MiB, set \d\d:\d\d:\d\d, deferred \d+\.\ds \(10\.0 MiB in use\), "
+                     r"applied \d\d:\d\d:\d\d\n", story), story
+    assert re.search(r"  limit r2: lifted, set \d\d:\d\d:\d\d, applied at once\n", story), story
+    assert f"  trims: 1, {kc.format_bytes(script.trimmed[1])} returned\n" in story
+    assert re.search(rf"  sleeps: 2, asleep \d+\.\ds, {re.escape(kc.format_bytes(script.slept_bytes))} released; "
+                     r"woken 2: 1 by a request, 1 by a wake request\n", story), story
+    assert f"  waiting: n/a: {NO_TRAFFIC}" in story
+    idle = out[out.index("\nidle\n"):]
+    assert "  limits: none\n" in idle and "  trims: none\n" in idle and f"  sleeps: n/a: {CANNOT_SLEEP}" in idle
+    assert "WAITING requests queued in its engine" in " ".join(out.split())  # the columns explained
 
 
 def test_the_report_marks_what_happened_in_order(script: Script) -> None:
@@ -276,7 +398,9 @@ def test_the_report_marks_what_happened_in_order(script: Script) -> None:
     assert busy is not None
     kinds = [mark.kind for mark in busy.marks]
     assert kinds.index("reclaim") < kinds.index("limit deferred") < kinds.index("limit applied") \
-        < kinds.index("sleep") < kinds.index("wake")
+        < kinds.index("sleep") < kinds.index("wake") < kinds.index("trim") < kinds.index("limit set")
+    trim = next(mark.at for mark in busy.marks if mark.kind == "trim")
+    assert near(trim, script.trimmed[0], script)
     deferred = next(mark.at for mark in busy.marks if mark.kind == "limit deferred")
     assert script.deferred[0] - script.largest_gap(*script.deferred) - 0.05 <= deferred \
         <= script.deferred[0] + script.largest_gap(*script.deferred) + 0.05
@@ -295,7 +419,7 @@ def test_the_table(script: Script) -> None:
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[1].split()[:4] == ["MODEL", "SAMPLES", "PEAK", "MEAN"]
-    assert [line.split()[0] for line in lines[2:]] == ["busy", "idle"]
+    assert [line.split()[0] for line in lines[2:4]] == ["busy", "idle"] and lines[4].startswith("LIMITS limits set")
     assert "26.0 MiB" in lines[3]
 
 
@@ -317,7 +441,7 @@ def test_from_and_to_take_iso_and_relative_times(script: Script) -> None:
     assert d0 - gap <= busy["first_at"] and busy["last_at"] <= d1 + gap
 
     # after the sleep: nothing deferred, nothing asleep; relative to the recording's end
-    code, doc, _ = report(str(script.recording), "--from", f"-{doc['recording_end'] - script.asleep[1] - 0.01:.3f}s")
+    code, doc, _ = report(str(script.recording), "--from", f"-{doc['recording_end'] - script.asleep_again[1] - 0.01:.3f}s")
     assert code == 0
     busy = by_name(doc)["busy"]
     assert busy["deferred_s"] == busy["asleep_s"] == 0 and busy["taken"]["count"] == 0
@@ -445,6 +569,14 @@ def test_plot_draws_a_png(script: Script, tmp_path: Path) -> None:
     result = kvctl("report", str(script.recording), "--plot", str(out))
     assert result.exit_code == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    from kvtop.record.reading import Recording
+    from kvtop.record.report_plot import draw
+
+    with Recording.open(script.recording) as rec:
+        busy = model_report("busy", rec.samples_of("busy"), keep_series=True)
+    assert busy is not None
+    marked = draw([busy], tmp_path / "busy.png", "busy")
+    assert set(marked) == {"limit deferred", "limit applied", "limit set", "trim", "reclaim", "sleep", "wake"}
     nowhere = kvctl("report", str(script.recording), "--plot", str(tmp_path / "no" / "such.png"))
     assert nowhere.exit_code == 1 and nowhere.stderr.strip().endswith("cannot write the plot: No such file or directory")
 
@@ -453,3 +585,28 @@ def test_percentiles_are_nearest_rank() -> None:
     values = [0.05, 0.01, 0.04, 0.02, 0.03]
     assert percentile(values, 50) == 0.03 and percentile(values, 99) == 0.05 and percentile([], 50) is None
     assert percentile(list(range(1, 101)), 99) == 99
+
+
+def test_an_upstream_row_says_what_it_cannot_have_and_its_total_is_a_limit() -> None:
+    """A public kvcached segment's row: bytes and a total only. Its new total is a limit (revision 0), applied once
+    it is written; the figures it cannot have are n/a, each with why."""
+    from fakes import fake_model
+
+    from kvtop.record.report import NO_BLOCKS, NO_RECLAIMS, NO_SLEEP_STATE, NO_TRIMS
+    from kvtop.record.report_text import story_lines, table_rows
+
+    GiB = 1 << 30
+    rows = [fake_model("kvcached_vllm_7", legacy=(total, 10 * GiB, 2 * GiB)) for total in (24 * GiB, 20 * GiB)]
+    upstream = model_report("kvcached_vllm_7", [(100.0, rows[0]), (101.0, rows[1])])
+    assert upstream is not None
+    assert [(lim.revision, lim.asked_bytes, lim.set_at, lim.status, lim.applied_at) for lim in upstream.limits] == [
+        (0, 24 * GiB, None, "written", None), (0, 20 * GiB, 101.0, "written", 101.0)]
+    assert upstream.unknown == (("trims", NO_TRIMS), ("sleeps", NO_SLEEP_STATE), ("reclaims", NO_RECLAIMS),
+                                ("waste", NO_BLOCKS), ("waiting", NO_TRAFFIC))
+    (row,) = table_rows([upstream])
+    assert row[6:] == ["n/a"] * 7  # trims, sleeps, asleep, gave, took, waste, waiting
+    story = "\n".join(story_lines(upstream, dated=False))
+    assert "  limit (upstream total): 24.0 GiB, set before the window, applied before the window" in story
+    assert re.search(r"  limit \(upstream total\): 20\.0 GiB, set \d\d:\d\d:\d\d, applied at once", story), story
+    for why in (NO_TRIMS, NO_SLEEP_STATE, NO_RECLAIMS, NO_BLOCKS, NO_TRAFFIC):
+        assert f": n/a: {why}" in story

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from kvcached_core import ModelNotFound, format_bytes
+from kvcached_core import ModelNotFound
 from kvtop.cli import ExitCode, Failure, check_model_name
 from kvtop.cli.common import emit_json, warn
 
@@ -43,18 +43,6 @@ def _when(at: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
 
 
-def _duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{seconds / 60:.1f}m"
-    return f"{seconds / 3600:.1f}h"
-
-
-def _latency(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f}ms"
-
-
 @click.command("report")
 @click.argument("file", type=click.Path(path_type=Path))
 @click.option("--from", "start", type=MomentType(), metavar="TIME",
@@ -69,8 +57,10 @@ def _latency(seconds: float | None) -> str:
               help="Also draw mapped bytes per model over time, events marked, to OUT.png (the plot extra).")
 def report_cmd(file: Path, start: str | None, end: str | None, model: str | None, as_json: bool,
                plot: Path | None) -> None:
-    """Per model over a window of a recording (kvctl record): peak and mean mapped, time with a deferred limit,
-    reclaims given and taken (bytes, count, latency p50/p99), time asleep, waste, requests waiting.
+    """Per model over a window of a recording (kvctl record): peak and mean mapped; each limit set (value, when,
+    deferred for how long, applied when); trims (count, bytes); sleeps and wakes (count, time asleep, what woke
+    it); reclaims given and taken (bytes, count, latency p50/p99); waste; requests waiting. A figure a model
+    cannot have is n/a, with why.
 
     FILE is what kvctl record wrote. A damaged or half-written recording is reported as far as it reads,
     with one line on stderr naming what was skipped, and exit 1.
@@ -81,7 +71,7 @@ def report_cmd(file: Path, start: str | None, end: str | None, model: str | None
       kvctl report rec --from -2h --model llama --json | jq '.models[0].taken'
       kvctl report rec --plot night.png
     """
-    from kvtop.record.report import model_reports, moment, pick_model
+    from kvtop.record.report import model_reports, moment, pick_model, with_events
 
     if plot is not None:
         from kvtop.record.report_plot import matplotlib_problem
@@ -110,6 +100,7 @@ def report_cmd(file: Path, start: str | None, end: str | None, model: str | None
             except ModelNotFound as exc:
                 raise Failure(str(exc)) from None
         reports = model_reports(names, recording.samples(t0, t1, set(names)), keep_series=plot is not None)
+        reports = with_events(reports, recording.events(t0, t1))
         problems = list(recording.problems)
     finally:
         recording.close()
@@ -133,23 +124,15 @@ def report_cmd(file: Path, start: str | None, end: str | None, model: str | None
 
 
 def _print_table(reports: list, t0: float, t1: float) -> None:
+    from kvtop.record.report_text import COLUMNS, LEGEND, duration, story_lines, table_rows
     from kvtop.text import textfmt as T
 
-    title = f"{_when(t0)} to {_when(t1)} ({_duration(t1 - t0)})"
+    title = f"{_when(t0)} to {_when(t1)} ({duration(t1 - t0)})"
     if not reports:
         click.echo(f"{title}: no samples")
         return
-    columns = (T.Column("MODEL"), T.Column("SAMPLES", True), T.Column("PEAK", True), T.Column("MEAN", True),
-               T.Column("DEFERRED", True), T.Column("ASLEEP", True), T.Column("GAVE", True), T.Column("TOOK", True),
-               T.Column("TOOK p50/p99", True), T.Column("WASTE mean/max", True),
-               T.Column("WAITING mean/max", True))
-
-    def reclaims(r: Any) -> str:
-        return f"{r.count} ({format_bytes(r.bytes)})"
-
-    rows = [[r.name, str(r.samples), format_bytes(r.peak_mapped_bytes), format_bytes(r.mean_mapped_bytes),
-             _duration(r.deferred_s), _duration(r.asleep_s), reclaims(r.given), reclaims(r.taken),
-             f"{_latency(r.taken.p50_s)}/{_latency(r.taken.p99_s)}",
-             "-" if r.waste_mean is None else f"{T.fmt_ratio(r.waste_mean)}/{T.fmt_ratio(r.waste_max)}",
-             "-" if r.waiting_mean is None else f"{r.waiting_mean:.1f}/{r.waiting_max}"] for r in reports]
-    T.print_table(columns, rows, title=title)
+    T.print_table(COLUMNS, table_rows(reports), title=title)
+    click.echo("\n".join(LEGEND))
+    dated = time.localtime(t0)[:3] != time.localtime(t1)[:3]  # a window over midnight: dates with the times
+    for report in reports:
+        click.echo("\n" + "\n".join(story_lines(report, dated)))

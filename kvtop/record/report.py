@@ -1,7 +1,9 @@
 """The figures of ``kvctl report``: what each model of a recording did over a window of time.
 
 Every figure comes from the samples' counters (:meth:`Recording.samples`, every model of a sample at
-once, each sample decoded once):
+once, each sample decoded once); only the events listed with a model (:func:`with_events`) are the
+recording's own event rows. Limits, trims, sleeps and wakes are counted by :mod:`kvtop.record.report_events`;
+the rest here:
 
 - a sample's state (its limit deferred, its sleep state) is taken to hold from that sample to the next
   sample of the same model in the window, so each duration is within one sample interval of the truth at
@@ -18,7 +20,9 @@ once, each sample decoded once):
   several reclaims fell in one interval only the last one's latency is known, so the percentiles are over
   the intervals, not the reclaims; they are nearest-rank percentiles.
 
-No click and no drawing here: ``kvtop.cli.report`` prints, ``kvtop.record.plot`` draws.
+A figure a model cannot have (no traffic published, no sleep handler, an upstream segment's) is listed in
+``unknown`` with why, instead of a bare ``-``. No click and no drawing here: ``kvtop.cli.report`` prints (its
+text from ``kvtop.record.report_text``), ``kvtop.record.report_plot`` draws.
 """
 
 from __future__ import annotations
@@ -26,13 +30,26 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from kvcached_core import ModelNotFound, ModelSnapshot
 
+from .reading import RecordedEvent
+from .report_events import Limits, LimitSet, SleepCounter, Sleeps, TrimCounter, Trims
+
 # The marks on a plot, where a sample differs from the one before it.
-MARK_KINDS = ("limit deferred", "limit applied", "reclaim", "sleep", "wake")
+MARK_KINDS = ("limit set", "limit deferred", "limit applied", "trim", "reclaim", "sleep", "wake")
+
+# The figures a model cannot have, and why (the report says so instead of a bare "-").
+NO_TRAFFIC = "its engine publishes no traffic figures (requests running and waiting)"
+NOTHING_HELD = "it held no block in any sample"
+NO_SLEEP_STATE = "an upstream kvcached segment publishes no sleep state"
+CANNOT_SLEEP = "its engine registered no sleep handler: it cannot sleep"
+NO_RECLAIMS = "an upstream kvcached segment publishes no reclaim counters"
+NO_TRIMS = "an upstream kvcached segment cannot be trimmed from outside"
+NO_BLOCKS = "an upstream kvcached segment publishes no blocks"
+UNREADABLE = "its {} read as unknown in every sample (words no allocator writes)"
 
 
 @dataclass(frozen=True)
@@ -86,16 +103,27 @@ class ModelReport:
     waste_max: float | None
     waiting_mean: float | None  # requests its engine had waiting; None: no traffic published
     waiting_max: int | None
+    limits: tuple[LimitSet, ...] = ()
+    trims: Trims = Trims(0, 0)
+    sleeps: Sleeps = Sleeps(0, 0, 0, 0, 0, 0)
+    unknown: tuple[tuple[str, str], ...] = ()  # (figure, why): what this model cannot have
     marks: tuple[Mark, ...] = ()
     series: tuple[tuple[float, int], ...] = field(default=(), repr=False)  # (at, mapped bytes), when asked for
+    events: tuple[RecordedEvent, ...] = ()  # the recorded events of the window (with_events)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "samples": self.samples, "first_at": self.first_at, "last_at": self.last_at,
                 "peak_mapped_bytes": self.peak_mapped_bytes, "mean_mapped_bytes": self.mean_mapped_bytes,
                 "deferred_s": round(self.deferred_s, 3), "asleep_s": round(self.asleep_s, 3),
-                "given": self.given.to_dict(), "taken": self.taken.to_dict(),
+                "limits": [limit.to_dict() for limit in self.limits], "trims": self.trims.to_dict(),
+                "sleeps": self.sleeps.to_dict(), "given": self.given.to_dict(), "taken": self.taken.to_dict(),
                 "waste_mean": _round(self.waste_mean), "waste_max": _round(self.waste_max),
-                "waiting_mean": _round(self.waiting_mean), "waiting_max": self.waiting_max}
+                "waiting_mean": _round(self.waiting_mean), "waiting_max": self.waiting_max,
+                "unknown": [{"figure": figure, "why": why} for figure, why in self.unknown],
+                "events": [{"at": e.at, "kind": e.kind, "level": e.level, "text": e.text} for e in self.events]}
+
+    def why_unknown(self, figure: str) -> str | None:
+        return next((why for name, why in self.unknown if name == figure), None)
 
 
 def _round(value: float | None) -> float | None:
@@ -137,20 +165,24 @@ def _asleep(s: ModelSnapshot) -> bool:
     return s.sleep is not None and s.sleep.state == "asleep"
 
 
-def _marks(prev: ModelSnapshot, cur: ModelSnapshot, at: float, reclaimed: bool) -> Iterator[Mark]:
+def _marks(prev: ModelSnapshot, cur: ModelSnapshot, at: float, *, limit_set: bool, trimmed: bool, reclaimed: bool,
+           slept: bool, woke: bool) -> Iterator[Mark]:
     def mark(kind: str) -> Mark:
         return Mark(at, cur.name, kind, cur.mapped_bytes)
 
-    if cur.limit_status == "deferred" and prev.limit_status != "deferred":
+    if cur.limit_status == "deferred" and (limit_set or prev.limit_status != "deferred"):
         yield mark("limit deferred")
+    elif limit_set:
+        yield mark("limit set")
     elif prev.limit_status == "deferred" and cur.limit_status == "applied":
         yield mark("limit applied")
+    if trimmed:
+        yield mark("trim")
     if reclaimed:
         yield mark("reclaim")
-    if _asleep(cur) and not _asleep(prev):
+    if slept:
         yield mark("sleep")
-    elif not _asleep(cur) and prev.sleep is not None and prev.sleep.state in ("asleep", "draining") \
-            and cur.sleep is not None and cur.sleep.state == "awake":
+    if woke:
         yield mark("wake")
 
 
@@ -168,11 +200,15 @@ class _Figures:
         self.marks: list[Mark] = []
         self.series: list[tuple[float, int]] = []
         self.prev: ModelSnapshot | None = None
+        self.limits, self.trims, self.sleeps = Limits(), TrimCounter(), SleepCounter()
+        self.seen_traffic = self.seen_pressure = self.seen_sleep = self.can_sleep = False
+        self.legacy = True  # until a sample of ours says otherwise
 
     def add(self, at: float, snap: ModelSnapshot) -> None:
         prev = self.prev
         if prev is None:
             self.first_at = at
+            self.limits.first(at, snap)
         else:
             held_for = max(0.0, at - self.last_at)
             if prev.limit_status == "deferred":
@@ -188,7 +224,16 @@ class _Figures:
                 gave = self.given.step((p0.gave_count, p1.gave_count), (p0.gave_total, p1.gave_total),
                                        p1.given_took_s, restarted)
                 reclaimed = reclaimed or gave
-            self.marks.extend(_marks(prev, snap, at, reclaimed))
+            limit_set = self.limits.add(prev, snap, at, held_for)
+            trimmed = self.trims.add(prev, snap)
+            slept, woke = self.sleeps.add(prev, snap)
+            self.marks.extend(_marks(prev, snap, at, limit_set=limit_set, trimmed=trimmed, reclaimed=reclaimed,
+                                     slept=slept, woke=woke))
+        self.seen_traffic |= snap.traffic is not None
+        self.seen_pressure |= snap.pressure is not None
+        self.seen_sleep |= snap.sleep is not None and snap.sleep.state != "unknown"
+        self.can_sleep |= snap.sleep is not None and snap.sleep.capable
+        self.legacy &= snap.legacy
         self.count += 1
         self.last_at = at
         self.peak = max(self.peak, snap.mapped_bytes)
@@ -202,6 +247,24 @@ class _Figures:
             self.series.append((at, snap.mapped_bytes))
         self.prev = snap
 
+    def unknown(self) -> tuple[tuple[str, str], ...]:
+        """The figures this model cannot have over the window, and why."""
+        out: list[tuple[str, str]] = []
+        if self.legacy:
+            out += [("trims", NO_TRIMS), ("sleeps", NO_SLEEP_STATE), ("reclaims", NO_RECLAIMS), ("waste", NO_BLOCKS)]
+        else:
+            if not self.seen_sleep:
+                out.append(("sleeps", UNREADABLE.format("sleep state")))
+            elif not self.can_sleep and not self.sleeps.count:
+                out.append(("sleeps", CANNOT_SLEEP))
+            if not self.seen_pressure:
+                out.append(("reclaims", UNREADABLE.format("reclaim counters")))
+            if not self.wastes:
+                out.append(("waste", NOTHING_HELD))
+        if not self.waiting:
+            out.append(("waiting", NO_TRAFFIC))
+        return tuple(out)
+
     def result(self) -> ModelReport | None:
         if not self.count:
             return None
@@ -211,6 +274,7 @@ class _Figures:
             self.deferred_s, self.asleep_s, self.given.result(), self.taken.result(),
             sum(wastes) / len(wastes) if wastes else None, max(wastes) if wastes else None,
             sum(waiting) / len(waiting) if waiting else None, max(waiting) if waiting else None,
+            self.limits.result(), self.trims.result(), self.sleeps.result(), self.unknown(),
             tuple(self.marks), tuple(self.series))
 
 
@@ -234,6 +298,15 @@ def model_reports(names: Sequence[str], samples: Iterable[tuple[float, Mapping[s
             if one is not None:
                 one.add(at, snap)
     return [r for r in (f.result() for f in figures.values()) if r is not None]
+
+
+def with_events(reports: Sequence[ModelReport], events: Iterable[RecordedEvent]) -> list[ModelReport]:
+    """The reports with each model's recorded events (``Recording.events`` over the window) in them."""
+    by_model: dict[str, list[RecordedEvent]] = {r.name: [] for r in reports}
+    for event in events:
+        if event.model in by_model:
+            by_model[event.model].append(event)
+    return [replace(r, events=tuple(by_model[r.name])) for r in reports]
 
 
 def pick_model(name: str, names: Sequence[str]) -> str:

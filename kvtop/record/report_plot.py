@@ -16,7 +16,7 @@ from typing import Any
 from .report import MARK_KINDS, ModelReport
 
 MISSING = "--plot needs matplotlib, which is not installed: install the plot extra (pip install 'kvtop[plot]')"
-MARKERS = dict(zip(MARK_KINDS, ("v", "^", "D", "s", "o"), strict=True))
+MARKERS = dict(zip(MARK_KINDS, ("P", "v", "^", "X", "D", "s", "o"), strict=True))
 MiB = 1 << 20
 
 
@@ -29,8 +29,9 @@ def matplotlib_problem() -> str | None:
     return None if found else MISSING
 
 
-def draw(reports: Sequence[ModelReport], out: Path, title: str) -> None:
-    """Write a PNG of each report's series (``keep_series=True``) to ``out``, its marks drawn on its line."""
+def draw(reports: Sequence[ModelReport], out: Path, title: str) -> list[str]:
+    """Write a PNG of each report's series (``keep_series=True``) to ``out``, its marks drawn on its line; the
+    kinds of mark drawn (each has a key in the legend)."""
     # imported by name: the extra may be absent where the types are checked
     importlib.import_module("matplotlib").use("Agg")
     plt: Any = importlib.import_module("matplotlib.pyplot")
@@ -65,3 +66,4 @@ def draw(reports: Sequence[ModelReport], out: Path, title: str) -> None:
         fig.savefig(out, format="png")
     finally:
         plt.close(fig)
+    return list(marked)

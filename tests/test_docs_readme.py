@@ -1,5 +1,5 @@
-"""The README against what it promises: at most 12 KB, its two commands those that CI and a newcomer run,
-its picture a screen the snapshot tests draw, and its five-step tour as it runs against the demo."""
+"""The README against what it promises: at most 14 KiB, its two commands those that CI and a newcomer run,
+its pictures screens the snapshot tests draw, and its five-step tour as it runs against the demo."""
 
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ def blocks(text: str, kind: str) -> list[str]:
 
 
 def test_the_readme_reads_in_five_minutes() -> None:
-    assert len(README.read_bytes()) <= 12 * 1024, f"README.md is {len(README.read_bytes())} bytes"
+    # 14 KiB: raised from 12 KiB for the section on replay and report ("What happened at 3 a.m.?"), which the
+    # README lacked and which needs its command block and its screenshot
+    assert len(README.read_bytes()) <= 14 * 1024, f"README.md is {len(README.read_bytes())} bytes"
 
 
 CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
@@ -64,7 +66,10 @@ def test_its_first_command_installs_the_package_alone_and_starts_the_demo() -> N
 
 
 def test_its_picture_is_a_screen_the_snapshot_tests_draw() -> None:
-    picture, *others = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README.read_text())
+    picture, replay, *others = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README.read_text())
+    assert replay == "tests/__snapshots__/test_kvtop_replay/test_replay_screen.svg", replay  # 3 a.m.: the replay
+    assert "def test_replay_screen(" in (ROOT / "tests" / "test_kvtop_replay.py").read_text()
+    assert (ROOT / replay).read_text().startswith("<svg")
     # The other: what `python -m benchmarks multimodel --engine transformers --device cuda` drew on the H200 (the
     # 2-core figures are noise and named by their results file only).
     assert others == ["benchmarks/results/multimodel-transformers-cuda.png"], others

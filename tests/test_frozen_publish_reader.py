@@ -112,3 +112,29 @@ def test_once_found_stopped_the_next_reads_answer_without_waiting(moments, tmp_p
     Path(path).write_bytes(bytes(moved))
     read_segment(path)
     assert len(waits) == reader.READ_RETRIES
+
+
+def test_the_remembered_copy_comes_with_the_sealed_blocks_published_since(shm_dir, tmp_path):
+    """The counters are the copy this process read; the engine's traffic (its own seqlock) is what it published
+    after that copy, before it stopped."""
+    from conftest import configured
+
+    quiet = configured({"KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_IDLE_RETURN_S": "-1"})
+    with kc.KVCacheManager("copy", name="copy", num_blocks=64, block_bytes=8192, num_layers=1, page_size=65536,
+                           settings=quiet) as m:
+        m.alloc(5)
+        m.publish_traffic(1, 0, 0, 10, 0, 0, 1)
+        with m._lock:
+            before = bytearray(m.segment.path.read_bytes())
+        m.publish_traffic(3, 1, 2, 40, 20, 0, 2)
+        m.alloc(2)
+        with m._lock:
+            later = bytearray(m.segment.path.read_bytes())
+    path = write_copy(tmp_path / "d", before)
+    assert read_segment(path).traffic.running == 1  # type: ignore[union-attr]
+    bump_u64(later, L.SEQ_OFF)  # the next publish under way, one counter written
+    later[L.COUNTERS_OFF:L.COUNTERS_OFF + 8] = bytes(8)
+    path.write_bytes(bytes(later))
+    snap = read_segment(path)
+    assert (snap.display_status, snap.blocks_used) == ("late", 5)
+    assert snap.traffic is not None and (snap.traffic.running, snap.traffic.finished) == (3, 2)

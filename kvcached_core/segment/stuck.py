@@ -126,7 +126,7 @@ def held(path: str, key: tuple[int, int, bytes], header: dict, raw: bytes, with_
     the whole file when ``with_pages``); None when none can be known. ``read_map`` reads the page map."""
     seq = L.U64.unpack_from(raw, L.SEQ_OFF)[0]
     last = _MEMORY.copy(path, key)
-    result = _before(raw, header, seq, with_pages, last) or _remembered(last, with_pages) \
+    result = _before(raw, header, seq, with_pages, last) or _remembered(last, raw, header, with_pages) \
         or _in_progress(raw, header, with_pages, read_map)
     if result is not None:
         _MEMORY.put_stuck(path, key, seq)
@@ -163,11 +163,15 @@ def _before(raw: bytes, header: dict, seq: int, with_pages: bool, last: Consiste
     return Held(counters, pages if with_pages else None, read_words(raw, header, counters, None), true_at)
 
 
-def _remembered(last: Consistent | None, with_pages: bool) -> Held | None:
-    """2: the last consistent copy this process read of the file."""
+def _remembered(last: Consistent | None, raw: bytes, header: dict, with_pages: bool) -> Held | None:
+    """2: the last consistent copy this process read of the file; its sealed blocks as the file holds them where
+    each is whole (their own seqlocks: the engine's traffic may have been published since that copy), else as that
+    copy had them."""
     if last is None:
         return None
-    return Held(last.counters, last.pages if with_pages else None, last.words, last.read_ns)
+    words = read_words(raw, header, last.counters, None)
+    return Held(last.counters, last.pages if with_pages else None, words if words.whole else last.words,
+                last.read_ns)
 
 
 def _in_progress(raw: bytes, header: dict, with_pages: bool, read_map: Callable[[], bytes]) -> Held | None:

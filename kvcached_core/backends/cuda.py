@@ -29,6 +29,7 @@ while the engine's thread keeps allocating. torch is optional: :meth:`CudaBacken
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -38,12 +39,14 @@ from typing import Any
 from .. import native
 from ..settings import CUDA_LAYOUTS, Settings
 from ..settings import settings as process_settings
+from ..sizes import format_bytes
 from .base import Backend, BackendError, BackendUnavailable, Geometry
 from .cuda_mapping import PageMapping, runs
 from .cuda_native import NATIVE_ENV, NativeVmm
 from .cuda_native import load as load_native
-from .ledger import BUDGET_MAX_AGE_S, CapacityLedger
+from .ledger import BUDGET_MAX_AGE_S, CapacityLedger, DeviceScan
 
+log = logging.getLogger(__name__)
 LAYOUTS = CUDA_LAYOUTS
 LAYOUT_ENV = "KVCACHED_CUDA_LAYOUT"
 POOL_ENV = "KVCACHED_CUDA_POOL_PAGES"
@@ -152,6 +155,25 @@ def _shape_as(tensor: Any, dtype: Any, shape: Sequence[int] | None) -> Any:
 
 
 # -- the driver -------------------------------------------------------------------------------------
+_warned: set[tuple[int, int, int]] = set()  # (device, budget, headroom) said once per process
+
+
+def _warn_unreachable(device: int, budget: int | None, total: int, headroom: int) -> None:
+    """One warning line per process when a device budget is more than the device can give KV (its memory less
+    the headroom; growth then stops at the device's room, before the budget), or the headroom is all of it."""
+    if headroom < total and (budget is None or budget <= total - headroom) or (device, budget or 0, headroom) in _warned:
+        return
+    _warned.add((device, budget or 0, headroom))
+    if headroom >= total:
+        log.warning("kvcached: the headroom of device %d (%s, KVCACHED_DEVICE_HEADROOM) is all of its %s: no KV page "
+                    "can be mapped there", device, format_bytes(headroom), format_bytes(total))
+        return
+    log.warning("kvcached: the KV budget of device %d (%s, KVCACHED_DEVICE_BUDGET) is more than the device can give "
+                "(%s total - %s headroom = %s): growth stops where the device's free memory less the headroom and "
+                "the engines' working memory ends", device, format_bytes(budget), format_bytes(total),
+                format_bytes(headroom), format_bytes(total - headroom))
+
+
 RESERVE_ALIGNMENT_CAP = 1 << 30  # no need to align a range beyond 1 GiB: maps only need the granularity
 
 
@@ -229,6 +251,7 @@ class CudaBackend(PageMapping, Backend):
         self._async_error = None
         self._set_claimed: Callable[[int], None] | None = None
         self.ledger: CapacityLedger | None = None  # the device budget, when one is set (see _setup)
+        self._scan: DeviceScan | None = None  # the device's segments: the budget's ledger, else a scan alone
         self._budget_lock = threading.Lock()  # a claim and the map it allows are one step (refill vs alloc)
         self._budget_arg = budget_bytes
         self.headroom = 0  # bytes of the device a growth leaves free (KVCACHED_DEVICE_HEADROOM, see _setup)
@@ -293,8 +316,12 @@ class CudaBackend(PageMapping, Backend):
         budget, configured = self._budget_arg, self.settings.device_budget
         if budget is None and configured is not None:
             budget = configured.of(int(self._total))
+        total = int(self._total)
+        _warn_unreachable(self.device, budget, total, self.headroom)
         if budget is not None:
-            self.ledger = CapacityLedger(budget, self.settings.shm_dir, backend=self.name, device=self.device)
+            self.ledger = CapacityLedger(budget, self.settings.shm_dir, backend=self.name, device=self.device,
+                                         working_max=total)
+        self._scan = self.ledger or DeviceScan(total, self.settings.shm_dir, backend=self.name, device=self.device)
         align = reserve_alignment(g.page_size, int(self.granularity))
         with self._context():
             self._va = int(self._check("cuMemAddressReserve", d.cuMemAddressReserve(self.va_bytes, align, 0, 0)))
@@ -336,25 +363,50 @@ class CudaBackend(PageMapping, Backend):
         elif self._set_claimed is not None:
             self._set_claimed(self.held_bytes())
 
+    def _growth(self, pages: list[int], count: int) -> int:
+        """Device memory that backing ``pages[:count]`` takes: a page still mapped (its deferred unmap not run)
+        costs nothing, and pooled handles are used before new ones."""
+        new = sum(1 for p in pages[:count] if p not in self._mapped)
+        return max(0, new * self.slices - len(self._pool)) * self.slice_bytes
+
     def _fit_budget(self, pages: list[int]) -> list[int]:
         """The prefix of ``pages`` the device budget lets this backend back, claimed (all, else one at a time).
-
-        A page still mapped (its deferred unmap not run) costs nothing; pooled handles are used before
-        new ones. A shorter answer is a miss, as the driver's out-of-memory is.
-        """
+        A shorter answer is a miss, as the driver's out-of-memory is."""
         ledger = self.ledger
         assert ledger is not None
-        held, pooled, slices, size = self.held_bytes(), len(self._pool), self.slices, self.slice_bytes
-
-        def held_after(count: int) -> int:
-            new = sum(1 for p in pages[:count] if p not in self._mapped)
-            return held + max(0, new * slices - pooled) * size
-
-        if ledger.claim_total(held_after(len(pages))):
+        held = self.held_bytes()
+        if ledger.claim_total(held + self._growth(pages, len(pages))):
             return pages
         count = 0
-        while count < len(pages) and ledger.claim_total(held_after(count + 1)):
+        while count < len(pages) and ledger.claim_total(held + self._growth(pages, count + 1)):
             count += 1
+        return pages[:count]
+
+    def device_room(self, max_age_s: float = 0.0) -> int:
+        """What a growth may take of the device now: its free memory (every process's use counted) less the
+        headroom and the working memory the engines on it registered and do not hold yet (the others' counted at
+        most ``max_age_s`` ago); negative when the device is already short."""
+        with self._context():
+            free, _total = self._check("cuMemGetInfo", self._d.cuMemGetInfo())
+        assert self._scan is not None
+        return int(free) - self.headroom - self._scan.working_bytes(max_age_s)
+
+    def _fit_device(self, pages: list[int], max_age_s: float) -> list[int]:
+        """The prefix of ``pages`` whose growth leaves the device its headroom and the engines' working memory
+        (``KVCACHED_DEVICE_HEADROOM``, :meth:`KVCacheManager.register_working_memory`; the others' counted at most
+        ``max_age_s`` ago): a shorter answer is a miss, as the budget's is. Pages on their way back are waited
+        for once before a page is refused."""
+        if not pages:
+            return pages
+        room = self.device_room(max_age_s)
+        if self._growth(pages, len(pages)) <= room:
+            return pages
+        if self._pending or self._busy:  # memory is on its way back: finish the deferred unmaps, then count again
+            self._drain()
+            room = self.device_room()
+        count = len(pages)
+        while count and self._growth(pages, count) > room:
+            count -= 1
         return pages[:count]
 
     # -- Backend ---------------------------------------------------------------------------------
@@ -365,10 +417,11 @@ class CudaBackend(PageMapping, Backend):
         """
         pages = list(pages)
         self._check_pages(pages)
-        if self.ledger is None:
-            return self._map_claimed(pages)
         with self._budget_lock:
-            return self._map_claimed(self._fit_budget(pages))
+            if self.ledger is None:
+                return self._map_claimed(self._fit_device(pages, 0.0))
+            # Under a budget every claim scans the device's segments: the last one's working figure is fresh enough.
+            return self._map_claimed(self._fit_budget(self._fit_device(pages, BUDGET_MAX_AGE_S)))
 
     def _map_claimed(self, pages: list[int]) -> list[int]:
         if not pages:
@@ -436,20 +489,21 @@ class CudaBackend(PageMapping, Backend):
         return self.ledger.capacity if self.ledger is not None else int(self._total)
 
     def free_bytes(self) -> int:
-        """Free device memory (all processes) plus what our pool holds and could map without asking;
-        under a device budget, no more than the budget leaves."""
-        with self._context():
-            free, _total = self._check("cuMemGetInfo", self._d.cuMemGetInfo())
+        """What a growth may take of the device (:meth:`device_room`) plus what our pool holds and could map
+        without asking; under a device budget, no more than the budget leaves."""
+        free = max(0, self.device_room())
         ours = self.pooled_bytes() + self.returning_bytes()
         if self.ledger is not None:
-            free = min(free, self.ledger.free_bytes())
-        return int(free) + ours
+            free = min(free, self.ledger.free_bytes(BUDGET_MAX_AGE_S))
+        return free + ours
 
     def budget_free_bytes(self) -> int | None:
-        """Under a device budget: what it leaves, plus what our pool and deferred unmaps could map again."""
+        """Under a device budget: what it leaves, and no more than the device's room (:meth:`device_room`), plus
+        what our pool and deferred unmaps could map again."""
         if self.ledger is None:
             return None
-        return self.ledger.free_bytes(BUDGET_MAX_AGE_S) + self.pooled_bytes() + self.returning_bytes()
+        free = min(self.ledger.free_bytes(BUDGET_MAX_AGE_S), max(0, self.device_room(BUDGET_MAX_AGE_S)))
+        return free + self.pooled_bytes() + self.returning_bytes()
 
     def pooled_bytes(self) -> int:
         """Unmapped physical handles kept for regrowth."""

@@ -4,7 +4,9 @@ Each allocator records the bytes it holds in its own segment (the LIVENESS block
 word); a process that wants more records the larger claim first, then sums the claims of the
 other live segments of the same backend and device, and backs off if they exceed the budget.
 The same scan counts the others' warm pools a reclaim could take (:meth:`CapacityLedger.takeable_bytes`),
-which admission counts as room.
+which admission counts as room, and the working memory the engines registered and do not hold yet
+(:meth:`DeviceScan.working_bytes`), which the CUDA backend keeps free beside its headroom, with or without a
+budget (a :class:`DeviceScan` alone then).
 
 The host backend's budget is ``KVCACHED_HOST_CAPACITY``; the CUDA backend's is
 ``KVCACHED_DEVICE_BUDGET`` when set (without it the driver's own out-of-memory is the budget).
@@ -65,83 +67,81 @@ def _flock_within(fd: int, wait: float) -> bool:
             time.sleep(0.001)
 
 
-class CapacityLedger:
-    """Shares one budget of ``capacity`` bytes between the allocators of ``backend`` (on ``device``).
+class DeviceScan:
+    """What the live allocators of ``backend`` (on ``device``) publish, counted in one scan of the segment directory:
+    the others' claims (bounded by ``capacity``), the others' warm pools a reclaim can take, and the working memory
+    the engines of every one of them, this process's too, still need (:func:`_outstanding`, no more than
+    ``working_max`` each). Kept for the readers of the figures; :meth:`working_bytes` is what the CUDA backend's
+    headroom keeps free beside its own (``KVCACHED_DEVICE_HEADROOM``).
 
     ``device`` None counts every device of the backend (the host backend: one machine's RAM).
     """
 
     def __init__(self, capacity: int, directory: Path | None = None, *, backend: str = "host",
-                 device: int | None = None) -> None:
+                 device: int | None = None, working_max: int | None = None) -> None:
         self.capacity = capacity
         self.directory = directory or settings().shm_dir
         self.backend = backend
         self.device = device
-        self.claimed = 0
-        # The threads of one process (the refill thread mapping, alloc growing on a miss, an unmap under the
-        # manager's lock) change ``claimed`` one at a time: a claim reads it, scans the others, then sets it,
-        # and a release between the two was lost (the ledger then held more than was mapped, for good).
-        self._mutex = threading.RLock()
-        self._set_claimed: Callable[[int], None] | None = None  # callback into our segment
+        self.working_max = capacity if working_max is None else working_max
         self._own: tuple[int, int] | None = None  # our segment's (st_dev, st_ino): counted as self.claimed
         self._others_cached, self._others_at = 0, float("-inf")  # see free_bytes
         self._takeable_cached = 0  # see takeable_bytes: counted in the same scan
+        self._working_cached = 0  # see working_bytes: counted in the same scan
         self._alive: dict[tuple[int, int, int, int], float] = {}  # a writer found alive: until when it is believed
         self.scans = 0  # directory scans made (every one refreshes the figures free_bytes counts)
-        # Memory went back to the budget since the last waiters() (a plain flag: set by release and settle).
-        self.released = False
-        # Called (no lock of the ledger held) at each release, with whether a wake was already due: the allocator
-        # has the waiters poked (allocator/serving.py).
-        self.on_release: Callable[[bool], None] | None = None
 
-    def bind(self, set_claimed: Callable[[int], None] | None, own_segment: tuple[int, int] | None = None) -> None:
-        self._set_claimed = set_claimed
-        self._own = own_segment
+    def _mine(self, head: dict, st: os.stat_result) -> bool:
+        """Whether a segment is our own (before :meth:`bind` names it: any of this process)."""
+        return (st.st_dev, st.st_ino) == self._own if self._own else head["pid"] == os.getpid()
 
-    def _counts(self, head: dict, st: os.stat_result) -> bool:
-        """Whether a segment with this header shares our budget (and is not our own)."""
-        mine = (st.st_dev, st.st_ino) == self._own if self._own else head["pid"] == os.getpid()
-        if mine or L.decode_text(head["backend"]) != self.backend:
+    def _shares(self, head: dict) -> bool:
+        """Whether a segment with this header is on our budget (its backend and device)."""
+        if L.decode_text(head["backend"]) != self.backend:
             return False
         return self.device is None or head["device"] == self.device
 
-    def _others(self) -> int:
-        """Bytes the other live allocators on this budget claim (see :meth:`_scan`), now; :meth:`free_bytes` counts the
-        figure too."""
-        return self._refresh()
-
     def _refresh(self, waiters: list[int] | None = None) -> int:
-        """One scan, kept for :meth:`free_bytes` and :meth:`takeable_bytes`; the others' claims."""
-        (others, self._takeable_cached), self._others_at = self._scan(waiters), time.monotonic()
+        """One scan, kept for :meth:`free_bytes`, :meth:`takeable_bytes` and :meth:`working_bytes`; the others'
+        claims."""
+        (others, self._takeable_cached, self._working_cached), self._others_at = self._scan(waiters), time.monotonic()
         self._others_cached = others
         return others
 
-    def _scan(self, waiters: list[int] | None = None) -> tuple[int, int]:
-        """Bytes the other live allocators on this budget claim, and of those the bytes of their warm pools a
-        reclaim can take (:func:`_takeable`). Only claims that can be verified count. ``waiters``, when given,
-        receives the wake tokens of the ones that wait for room (:func:`_waits`).
+    def working_bytes(self, max_age_s: float = 0.0) -> int:
+        """The working memory the engines on this budget still need (:func:`_outstanding`, ours included), counted
+        at most ``max_age_s`` ago."""
+        if max_age_s <= 0 or time.monotonic() - self._others_at > max_age_s:
+            self._refresh()
+        return self._working_cached
 
-        A claim counts when its segment is an owner-only regular file, its writer is alive by the
-        one liveness verdict (a process of the file's owner, or a fresh heartbeat across pid
-        namespaces), and it claims no more than the whole capacity (no allocator can).
+    def _scan(self, waiters: list[int] | None = None) -> tuple[int, int, int]:
+        """Bytes the other live allocators on this budget claim, of those the bytes of their warm pools a reclaim can
+        take (:func:`_takeable`), and the working memory every live one's engine still needs (:func:`_outstanding`).
+        Only claims that can be verified count. ``waiters``, when given, receives the wake tokens of the others that
+        wait for room (:func:`_waits`).
+
+        A segment counts when it is an owner-only regular file and its writer is alive by the one liveness verdict
+        (a process of the file's owner, or a fresh heartbeat across pid namespaces); a claim counts when it is no
+        more than the whole capacity (no allocator can hold more).
         """
         self.scans += 1
         try:  # each segment opened relative to the directory's fd: no path built and resolved per segment
             dfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
-            return 0, 0
+            return 0, 0, 0
         try:
             return self._scan_in(dfd, waiters)
         finally:
             os.close(dfd)
 
-    def _scan_in(self, dfd: int, waiters: list[int] | None) -> tuple[int, int]:
+    def _scan_in(self, dfd: int, waiters: list[int] | None) -> tuple[int, int, int]:
         """:meth:`_scan` over the directory open as ``dfd``."""
-        total = takeable = 0
+        total = takeable = working = 0
         try:
             names = os.listdir(dfd)
         except OSError:
-            return 0, 0
+            return 0, 0, 0
         now = time.monotonic()
         for name in names:
             if not name.startswith(SEGMENT_PREFIX):
@@ -160,15 +160,21 @@ class CapacityLedger:
             if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077 or len(raw) < L.PAGE_MAP_OFF or raw[:8] != L.MAGIC:
                 continue
             head = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0), strict=False))
-            if not self._counts(head, st):
+            if not self._shares(head):
                 continue
+            if self._mine(head, st):
+                working += _outstanding(raw, self.working_max)  # our claim is self.claimed; our engine's needs count
+                continue
+            if not self._writer_alive(head, raw, st.st_uid, now):
+                continue
+            working += _outstanding(raw, self.working_max)
             claimed = L.U64.unpack_from(raw, L.CLAIMED_OFF)[0]
-            if claimed <= self.capacity and self._writer_alive(head, raw, st.st_uid, now):
+            if claimed <= self.capacity:
                 total += claimed
                 takeable += min(claimed, _takeable(raw))
                 if waiters is not None and head["wake_token"] and _waits(raw):
                     waiters.append(head["wake_token"])
-        return total, takeable
+        return total, takeable, working
 
     def _writer_alive(self, head: dict, raw: bytes, uid: int, now: float) -> bool:
         """The liveness verdict, a live one kept :data:`ALIVE_KEEP_S` (reading /proc for each segment at every scan
@@ -183,6 +189,34 @@ class CapacityLedger:
             self._alive = {k: t for k, t in self._alive.items() if t > now}
         self._alive[key] = now + ALIVE_KEEP_S
         return True
+
+
+class CapacityLedger(DeviceScan):
+    """Shares one budget of ``capacity`` bytes between the allocators of ``backend`` (on ``device``)."""
+
+    def __init__(self, capacity: int, directory: Path | None = None, *, backend: str = "host",
+                 device: int | None = None, working_max: int | None = None) -> None:
+        super().__init__(capacity, directory, backend=backend, device=device, working_max=working_max)
+        self.claimed = 0
+        # The threads of one process (the refill thread mapping, alloc growing on a miss, an unmap under the
+        # manager's lock) change ``claimed`` one at a time: a claim reads it, scans the others, then sets it,
+        # and a release between the two was lost (the ledger then held more than was mapped, for good).
+        self._mutex = threading.RLock()
+        self._set_claimed: Callable[[int], None] | None = None  # callback into our segment
+        # Memory went back to the budget since the last waiters() (a plain flag: set by release and settle).
+        self.released = False
+        # Called (no lock of the ledger held) at each release, with whether a wake was already due: the allocator
+        # has the waiters poked (allocator/serving.py).
+        self.on_release: Callable[[bool], None] | None = None
+
+    def bind(self, set_claimed: Callable[[int], None] | None, own_segment: tuple[int, int] | None = None) -> None:
+        self._set_claimed = set_claimed
+        self._own = own_segment
+
+    def _others(self) -> int:
+        """Bytes the other live allocators on this budget claim (see :meth:`_scan`), now; :meth:`free_bytes` counts the
+        figure too."""
+        return self._refresh()
 
     def claim(self, nbytes: int) -> bool:
         """Claim ``nbytes`` more; False when the shared budget (or, on the host, the machine's RAM) says no."""
@@ -311,6 +345,13 @@ def _waits(raw: bytes) -> bool:
 
 
 _WANTED_OFF = L.PRESSURE_OFF + 8 + 8 * L.PRESSURE_FIELDS.index("wanted_bytes")  # after the block's sequence
+
+
+def _outstanding(raw: bytes, most: int) -> int:
+    """The working memory one segment's engine registered and does not hold yet (``layout.WORKING_*``: the peak
+    less what its process holds now); 0 for a peak past ``most`` (the device's memory: no engine's can be)."""
+    peak, now = L.U64.unpack_from(raw, L.WORKING_PEAK_OFF)[0], L.U64.unpack_from(raw, L.WORKING_NOW_OFF)[0]
+    return max(0, peak - now) if peak <= most else 0
 
 
 def _takeable(raw: bytes) -> int:

@@ -173,3 +173,23 @@ def test_a_headroom_of_all_the_device_says_so(device, monkeypatch, caplog) -> No
     assert [r.getMessage() for r in caplog.records if r.name == "kvcached_core.backends.cuda"] == [
         "kvcached: the headroom of device 0 (2.0 GiB, KVCACHED_DEVICE_HEADROOM) is all of its 1.0 GiB: no KV page "
         "can be mapped there"]
+
+
+def test_readers_see_the_headroom_and_the_working_memory(device) -> None:
+    with kc.KVCacheManager("m", name="m", **GEOMETRY) as m:
+        m.register_working_memory(3 * GiB // 4, now_bytes=GiB // 4)
+        seen = kc.snapshot("m").to_dict()
+        assert (seen["device_headroom"], seen["working_peak_bytes"], seen["working_now_bytes"]) == (
+            64 * MiB, 3 * GiB // 4, GiB // 4)
+        assert kc.snapshot("m").working_outstanding == GiB // 2
+
+
+def test_a_working_word_no_allocator_writes_reads_as_none(device, shm_dir) -> None:
+    from kvcached_core.segment import layout as L
+
+    with kc.KVCacheManager("m", name="m", **GEOMETRY) as m:
+        m.segment.set_working(1 << 63, 5)  # past what register_working_memory takes: forged or damaged
+        snap = kc.snapshot("m")
+        assert (snap.working_peak, snap.working_now) == (0, 5)
+        assert L.U64.unpack_from((shm_dir / "kvc.m").read_bytes(), L.WORKING_PEAK_OFF)[0] == 1 << 63
+        assert m.alloc(BPP) is not None  # and no growth is held back for it

@@ -307,6 +307,7 @@ class _Open:
                 "pages_total": header["pages_total"], "start_time": header["start_time"],
                 "pid_ns": header["pid_ns"], "tp_world": header["tp_world"],
                 "device_capacity": header["device_capacity"], "legacy_reserved": 0, "legacy": False,
+                "device_headroom": _bytes_word(header["device_headroom"]),
             }
         return self.header
 
@@ -363,6 +364,8 @@ def _read(file: _Open, path: str, with_pages: bool, now_ns: int | None, alive: A
     rank_raw = _rank_bytes(fd, header, body) if header["tp_world"] > 1 else b""
     control = L.CONTROL.unpack_from(body, L.CONTROL_OFF)  # limit, revision, check, trim_seq
     heartbeat = L.U64.unpack_from(body, L.HEARTBEAT_OFF)[0]
+    working = (_bytes_word(L.U64.unpack_from(body, L.WORKING_PEAK_OFF)[0]),
+               _bytes_word(L.U64.unpack_from(body, L.WORKING_NOW_OFF)[0]))
     verdict = judge(header["pid"], header["start_time"], header["pid_ns"], heartbeat, now_ns, alive=alive)
     status = "live" if verdict.alive and not counters["closing"] else "stale"
     ranks: tuple[RankInfo, ...] = ()
@@ -390,9 +393,14 @@ def _read(file: _Open, path: str, with_pages: bool, now_ns: int | None, alive: A
         late=status == "live" and (verdict.late or figures_ns != 0), figures_ns=figures_ns, ranks=ranks, pages=pages,
         traffic=None if words.traffic is None else Traffic(*words.traffic, now_ns),
         sleep=words.sleep, compaction=words.compaction, pressure=words.pressure, endpoint=words.endpoint,
-        groups=words.groups,
+        groups=words.groups, working_peak=working[0], working_now=working[1],
     )
     return model_from_fields(values)
+
+
+def _bytes_word(value: int) -> int:
+    """A byte figure an allocator wrote (at most ``layout.MAX_LIMIT_BYTES``); 0 (none) for one no allocator writes."""
+    return value if value <= L.MAX_LIMIT_BYTES else 0
 
 
 def _counter_fields(file: _Open, counters: dict) -> dict:

@@ -222,6 +222,9 @@ class ModelSnapshot:
     pressure: PressureInfo | None = None  # None: unknown (upstream segments, forged or damaged words)
     endpoint: str | None = None  # the URL its engine serves on; None: none published (or words that cannot be one)
     groups: tuple[KVGroup, ...] | None = None  # its engine's KV cache groups; None: none published (or impossible)
+    device_headroom: int = 0  # bytes of the device its KV growth leaves free (KVCACHED_DEVICE_HEADROOM); 0: none
+    working_peak: int = 0  # its engine's registered working-memory peak (register_working_memory); 0: none
+    working_now: int = 0  # of that peak, what the engine's process holds now
     pages: array | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -283,6 +286,12 @@ class ModelSnapshot:
         return self.pages_total * self.bundle_bytes
 
     @property
+    def working_outstanding(self) -> int:
+        """Working memory its engine registered and does not hold yet: what every CUDA allocator of its device keeps
+        free for it beside the headroom."""
+        return max(0, self.working_peak - self.working_now)
+
+    @property
     def shrinking(self) -> bool:
         return self.limit_status == "deferred"
 
@@ -339,6 +348,8 @@ class ModelSnapshot:
             "trimmed_total": self.trimmed_total, "idle_returned": self.idle_returned,
             "heartbeat_ns": self.heartbeat_ns, "updated_ns": self.updated_ns,
             "tp_world": self.tp_world, "device_capacity": self.device_capacity,
+            "device_headroom": self.device_headroom, "working_peak_bytes": self.working_peak,
+            "working_now_bytes": self.working_now,
             "ranks": [{"rank": r.rank, "device": r.device, "pid": r.pid,
                        "mapped_bytes": r.mapped_bytes, "alive": r.alive} for r in self.ranks],
             "traffic": None if self.traffic is None else self.traffic.to_dict(),

@@ -7,15 +7,14 @@ what bounds the engines of a device together is the shared budget (``KVCACHED_DE
 ``KVCACHED_HOST_CAPACITY``), checked at every growth beside the headroom and the engines' working memory.
 So the span is the most this engine could ever hold beside its peers, not what was free when it started::
 
-    room = total - headroom - weights - working peak - others
+    room = total - headroom - weights - working peak - others - the peers' working memory to come
     span = min(budget, room, vLLM's explicit KV size)
 
 ``others`` is what the device holds beside this engine and kvcached's KV (the peers' weights and the working
-memory they hold, CUDA contexts); the peers' KV is not subtracted: it is the budget's, and a reclaim moves it
-between models. With ``free`` what the device has free now this is ``free + KV held - headroom - (peak - now)``,
-the room the CUDA backend's growth rule leaves this engine, counted as if it held no KV and the peers none
-either. The working memory the peers registered and do not hold yet is not in the segments' snapshots; the
-growth rule keeps it free at every map.
+memory they hold, CUDA contexts); the peers' working memory to come is what they registered and do not hold
+yet. The peers' KV is not subtracted: it is the budget's, and a reclaim moves it between models. With ``free``
+what the device has free now this is ``free + KV held - headroom - (peak - now) - peers' (peak - now)``, the
+room the CUDA backend's growth rule leaves this engine, counted as if it held no KV and the peers none either.
 """
 
 from __future__ import annotations
@@ -61,11 +60,12 @@ class Peers:
 
     count: int
     kv_bytes: int  # KV pages they hold mapped on the device
+    working_outstanding: int  # the working memory they registered and do not hold yet
 
 
 def peers_on(device: Device, directory: Path | None = None) -> Peers:
     """The live kvcached models of ``device``'s backend (of that device for cuda; every one on the host)."""
-    count = kv = 0
+    count = kv = outstanding = 0
     for model in scan(directory=directory, ours_only=True).models:
         if model.status != "live" or model.backend != device.backend:
             continue
@@ -74,7 +74,8 @@ def peers_on(device: Device, directory: Path | None = None) -> Peers:
             continue
         count += 1
         kv += int(model.mapped_bytes * share)
-    return Peers(count, kv)
+        outstanding += model.working_outstanding
+    return Peers(count, kv, outstanding)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ class Plan:
     def room(self) -> int:
         """What the device could give this engine's KV beside every engine's weights and working memory."""
         d = self.device
-        return d.free + self.peers.kv_bytes - self.headroom - self.own.pending
+        peers = self.peers
+        return d.free + peers.kv_bytes - self.headroom - self.own.pending - peers.working_outstanding
 
     @property
     def others(self) -> int:
@@ -116,8 +118,9 @@ class Plan:
         where = "host" if d.backend == "host" else f"{d.backend} {d.index}"
         return (f"kvcached: KV span {_gib(self.span)} ({self.bound}) = min(budget {budget}, room {_gib(self.room)}"
                 f"{cap}); room = {where} total {_gib(d.total)} - headroom {_gib(self.headroom)} - "
-                f"weights {_gib(own.weights)} - working peak {_gib(own.peak)} - others {_gib(self.others)} "
-                f"({self.peers.count} peers; their KV {_gib(self.peers.kv_bytes)} is the budget's)")
+                f"weights {_gib(own.weights)} - working peak {_gib(own.peak)} - others {_gib(self.others)} - "
+                f"peers' working memory to come {_gib(self.peers.working_outstanding)} ({self.peers.count} peers; "
+                f"their KV {_gib(self.peers.kv_bytes)} is the budget's)")
 
 
 def plan(device: Device, own: Working, peers: Peers, *, budget: int | None, headroom: int,

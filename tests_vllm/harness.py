@@ -37,8 +37,10 @@ MAX_MODEL_LEN = 2048
 # float32: greedy tokens must not depend on batch composition (preemption recomputes a request in
 # another batch); bfloat16 near-ties of the random model flip a token now and then.
 DTYPE = "float32"
-# What a server started with --enable-log-requests logs once its API server has passed a request on to its engine.
+# What a server started with --enable-log-requests logs once its API server has passed a request on to its engine,
+# and an abort (a client gone) on to it.
 ADDED = "Added request"
+ABORTED = "Aborted request"
 
 
 def base_env(shm_dir: Path, *, enabled: bool, **extra: str) -> dict[str, str]:
@@ -203,7 +205,8 @@ def engine_stopped(server: Server) -> Iterator[None]:
     theirs is stopped: from then on the engine neither schedules nor publishes, while its API server still takes
     requests and queues them for the engine. A test that must act on a state the engine would soon change
     (holes a compaction should fill, requests a drain must outlast) holds it here, whatever the host's speed.
-    A segment read in the block may meet a publish the stop cut short (BlockingIOError)."""
+    A segment read in the block may meet a publish the stop cut short: it reads late, with its last known figures
+    (its traffic as the engine last published it)."""
     engine = psutil.Process(server.proc.pid).children(recursive=True)
     for proc in engine:
         with contextlib.suppress(psutil.NoSuchProcess):

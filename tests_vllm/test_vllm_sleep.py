@@ -71,22 +71,28 @@ def test_requests_before_during_and_after_a_sleep_match_plain_vllm(
         wait_for(lambda: (t := model(ctl_env).traffic) is not None and (
             t.running == 4 or (t.prompt_tokens - arrived_before >= four and t.waiting == 0 and t.running > 0)),
             every=0.005)
-        asked_at = time.monotonic()
-        # Asked from this process: on a busy host kvctl's own start can take most of the drain, and the
-        # requests below must arrive while it lasts (kvctl sleep is tested below and in tests/).
-        asked = request_sleep(model(ctl_env), "sleep", wait=60)
-        assert asked.status == "draining", asked
         # Requests sent while it drains wait in vLLM's queue: none rejected, none scheduled. The engine is stopped
-        # until its API server has passed both on (its log says so), so the drain cannot end before they reach the
-        # engine: a starved API server once took longer than the running requests' 1148 tokens.
+        # from here until the sleep is asked and its API server has passed both on (its log says so): continued,
+        # the engine takes the sleep (its poller stops new requests being scheduled at once) and the two requests
+        # together, so the drain cannot end before they reach it. Asked after the look above, a starved test once
+        # saw the running requests all done 0.23 s after the sleep was asked, before the two arrived. Asked from
+        # this process (kvctl sleep is tested below and in tests/).
         with engine_stopped(server):
+            asked = request_sleep(model(ctl_env), "sleep", wait=0)
             added = server.log.read_text().count(ADDED)
             during = [pool.submit(server.complete, p, BASELINE_TOKENS) for p in SHORT[2:4]]
             wait_for(lambda: server.log.read_text().count(ADDED) >= added + 2 or any(f.done() for f in during))
-        # They reach vLLM's queue while it drains (or is asleep by then); one that came after the drain
-        # ended would rightly wake the model, and this test would prove nothing: say so.
-        queued = wait_for(lambda: (m := model(ctl_env)).traffic is not None
-                          and (m.traffic.waiting == 2 or m.sleep.state == "awake") and m, every=0.005)
+        asked_at = time.monotonic()
+        assert asked.status == "pending", asked
+        # Once the sleep is taken, they reach vLLM's queue while it drains (or is asleep by then); one that came
+        # after the drain ended would rightly wake the model, and this test would prove nothing: say so.
+        try:
+            queued = wait_for(lambda: (m := model(ctl_env)).traffic is not None
+                              and m.sleep.acked_revision >= asked.revision
+                              and (m.traffic.waiting == 2 or m.sleep.state == "awake") and m, every=0.005)
+        except AssertionError:
+            m = model(ctl_env)
+            pytest.fail(f"the two requests sent while it drained never seen waiting: {m.sleep}, {m.traffic}")
         assert queued.sleep.state != "awake" and queued.traffic is not None and queued.traffic.waiting == 2, (
             f"the drain ended before the requests sent during it arrived ({time.monotonic() - asked_at:.2f} s "
             f"after the sleep was asked; running requests done: {[f.done() for f in running]})")
@@ -129,7 +135,13 @@ def test_sleep_now_preempts_running_requests_which_run_again_after_the_wake(
     server = awake_after
     before = model(ctl_env).traffic or pytest.fail("no traffic published")
     with ThreadPoolExecutor(max_workers=4) as pool:
-        running: list[Future] = [pool.submit(server.complete, p, RUNNING_TOKENS) for p in LONG[6:10]]
+        # Sent with the engine stopped, and continued once its API server has passed all four on (its log says
+        # so): this process, which continues it, then looks at once, from their first step on. Sent to a running
+        # engine, beside a busy loop all four once ran out before a starved look saw them arrived.
+        with engine_stopped(server):
+            added = server.log.read_text().count(ADDED)
+            running: list[Future] = [pool.submit(server.complete, p, RUNNING_TOKENS) for p in LONG[6:10]]
+            wait_for(lambda: server.log.read_text().count(ADDED) >= added + 4)
         # All four running: arrived, none waiting, none finished. True from the last one's scheduling until the
         # first one ends (seconds), however late a reader starved of the CPU looks; running == 4 is the same span,
         # but a gauge a slow reader can miss.

@@ -205,13 +205,19 @@ def sample_fleet(*, gpus: bool = False, big_pages: int = 100_000, steps: int = 6
             fake_model("kvcached_vllm_3311", legacy=(24 * GiB, 10 * GiB, 2 * GiB), engine="vllm", pid=3311),
         )
 
+    def on_gpus(step: int) -> tuple[ModelSnapshot, ...]:
+        """Each allocator keeps 5% of its H200 free; llama's engine registered a working peak it holds half of."""
+        working = {"llama-3-8b": {"working_peak": 8 * GiB, "working_now": 4 * GiB}}
+        return tuple(m if m.legacy else replace(m, device_headroom=7 * GiB, **working.get(m.name, {}))
+                     for m in fleet(step))
+
     gpu_infos: tuple[GpuInfo, ...] = ()
     if gpus:
         gpu_infos = (
             GpuInfo(0, "NVIDIA H200", "GPU-0", 140 * GiB, 100 * GiB, 40 * GiB, {1201: 40 * GiB, 3311: 12 * GiB}),
             GpuInfo(1, "NVIDIA H200", "GPU-1", 140 * GiB, 30 * GiB, 110 * GiB, {1202: 16 * GiB}),
         )
-    return FakeSource([fleet(i) for i in range(steps)], gpus=gpu_infos, host_capacity=capacity)
+    return FakeSource([(on_gpus if gpus else fleet)(i) for i in range(steps)], gpus=gpu_infos, host_capacity=capacity)
 
 
 def step_pressure(steps: int) -> list[tuple[PressureInfo, PressureInfo]]:

@@ -17,11 +17,12 @@ from kvtop.text import textfmt as T
 
 # CSV columns after time and tick: every scalar key of ModelSnapshot.to_dict(), in its order.
 CSV_FIELDS = (
-    "name", "model", "engine", "backend", "pid", "device", "status", "legacy", "late", "page_size",
+    "name", "model", "engine", "backend", "pid", "device", "status", "legacy", "late", "figures_age_s", "page_size",
     "bundle_bytes", "pages_total", "pages_inuse", "pages_reserved", "pages_free", "blocks_per_page", "blocks_used", "blocks_cached",
     "mapped_bytes", "held_bytes", "pinned_bytes", "reserved_bytes", "cached_bytes", "limit_bytes",
     "limit_status", "requested_limit", "limit_revision", "applied_revision", "waste_ratio", "alloc_count",
-    "free_count", "trimmed_total", "idle_returned", "heartbeat_ns", "updated_ns", "tp_world", "device_capacity", "endpoint",
+    "free_count", "trimmed_total", "idle_returned", "heartbeat_ns", "updated_ns", "tp_world", "device_capacity",
+    "device_headroom", "working_peak_bytes", "working_now_bytes", "endpoint",
 )
 # Then the engine's traffic (the "traffic" object of to_dict), empty where the engine publishes none.
 TRAFFIC_FIELDS = ("running", "waiting", "finished", "prompt_tokens", "generated_tokens", "preemptions", "idle_s")

@@ -24,6 +24,7 @@ MODEL_COLOURS = ("dodger_blue1", "dark_orange", "medium_purple1", "spring_green2
 STATE_STYLES = {"free": "grey35", "reserved": "steel_blue1", "cached": "magenta", "low": "yellow",
                 "mid": "chartreuse3", "high": "green3", "full": "bold green1"}
 RESERVED_STYLE, OTHERS_STYLE, FREE_STYLE = "steel_blue1", "grey50", "grey27"
+WORKING_STYLE, HEADROOM_STYLE = "khaki3", "grey42"  # free memory kept from KV (DeviceBar.kept)
 SPARK = "▁▂▃▄▅▆▇█"
 
 # (key, header, width, right-aligned): the width a column's values take (a size: "1023.9 MiB"), so the
@@ -222,6 +223,9 @@ class DeviceBar:
     title: str
     total: int  # 0 when unknown
     parts: tuple[Part, ...]  # stacked from the left; what is left over is free
+    # Free memory that KV growth leaves alone, after the parts: the working memory the engines registered and do not
+    # hold yet, then the headroom (docs/cuda.md#headroom).
+    kept: tuple[Part, ...] = ()
 
     @property
     def taken(self) -> int:
@@ -229,7 +233,8 @@ class DeviceBar:
 
     @property
     def free(self) -> int:
-        return max(0, self.total - self.taken)
+        """What KV could still grow into."""
+        return max(0, self.total - self.taken - sum(p.nbytes for p in self.kept))
 
 
 def _model_parts(models: Sequence[ModelSnapshot], names: Sequence[str],
@@ -259,7 +264,7 @@ def device_bars(frame: Frame) -> list[DeviceBar]:
             if others:
                 parts.append(Part("others", others, OTHERS_STYLE))
         title = f"GPU {gpu.index}" + (f" {gpu.name}" if gpu.name else "")
-        bars.append(DeviceBar(title, gpu.total_bytes or 0, tuple(parts)))
+        bars.append(DeviceBar(title, gpu.total_bytes or 0, tuple(parts), _kept_parts(mine, gpu.index)))
     if not frame.gpus:
         host = [m for m in frame.models if m.backend == "host" and m.status != "stale"]
         parts, reserved = _model_parts(host, names)
@@ -269,6 +274,17 @@ def device_bars(frame: Frame) -> list[DeviceBar]:
     return bars
 
 
+def _kept_parts(models: Sequence[ModelSnapshot], device: int) -> tuple[Part, ...]:
+    """What a device's KV growth leaves free: the working memory its engines registered and do not hold yet, and the
+    largest headroom its allocators keep (each keeps its own ``KVCACHED_DEVICE_HEADROOM``)."""
+    working = sum(m.working_outstanding for m in models if m.device == device)
+    headroom = max((m.device_headroom for m in models), default=0)
+    kept = [Part("working", working, WORKING_STYLE, "░")] if working else []
+    if headroom:
+        kept.append(Part("headroom", headroom, HEADROOM_STYLE, "░"))
+    return tuple(kept)
+
+
 def bar_text(bar: DeviceBar, width: int) -> Text:
     """The stacked bar itself, ``width`` cells (cumulative rounding keeps it exact)."""
     text = Text()
@@ -276,7 +292,7 @@ def bar_text(bar: DeviceBar, width: int) -> Text:
         return text
     total = max(bar.total, bar.taken, 1)
     done = acc = 0
-    for part in bar.parts:
+    for part in (*bar.parts, *bar.kept):
         acc += part.nbytes
         end = min(width, round(acc / total * width))
         if end > done:
@@ -287,7 +303,7 @@ def bar_text(bar: DeviceBar, width: int) -> Text:
 
 
 def device_lines(bar: DeviceBar, width: int) -> list[Text]:
-    """Two lines: title, bar and percentage; then the legend of what the bar holds."""
+    """Two lines: title, bar and percentage; then the legend: what KV growth leaves free, what the bar holds."""
     share = percent(bar.taken, bar.total)
     pct = " capacity N/A" if share is None else f" {share:3.0f}% of {format_bytes(bar.total)}"
     title = Text(bar.title, style="bold")
@@ -297,6 +313,9 @@ def device_lines(bar: DeviceBar, width: int) -> list[Text]:
         line += bar_text(bar, room) + Text(" ")
     line += Text(pct.strip(), style="bold")
     legend = Text()
+    for part in bar.kept:  # first: the device's own figures, never cut off by a long list of models
+        legend.append(f"{part.glyph} ", style=part.style)
+        legend.append(f"{part.label} {format_bytes(part.nbytes)}  ")
     for part in bar.parts:
         legend.append("■ ", style=part.style)
         legend.append(f"{part.label} {format_bytes(part.nbytes)}  ")

@@ -137,6 +137,12 @@ class KVCachedCollector(Collector):
         after_idle = gauge("sleep_after_idle_seconds", "The after-idle sleep policy; absent when there is none.")
         slept = gauge("slept_bytes", "Bytes the model's last sleep released.")
         pressure = PressureFamilies(gauge)
+        headroom = gauge("device_headroom_bytes", "Device bytes the model's KV growth leaves free "
+                         "(KVCACHED_DEVICE_HEADROOM); absent where none (the host backend).")
+        working_peak = gauge("working_peak_bytes", "The engine's registered working-memory peak beside weights and "
+                             "KV (activations, masks, logits); absent when none is registered.")
+        working_now = gauge("working_now_bytes", "Of that peak, what the engine's process holds now; the device's "
+                            "allocators keep the rest free for it.")
         group_blocks = gauge("group_blocks", "Blocks of one of the engine's KV cache groups, by state (active, "
                              "cached); absent for engines that publish no groups.", ("group", "shape", "state"))
         group_pages = gauge("group_pages", "Pages holding any block of one of the engine's KV cache groups.",
@@ -200,6 +206,11 @@ class KVCachedCollector(Collector):
                 if m.sleep.state != "unknown":  # words that cannot be true: no figure, no state is 1
                     slept.add_metric(labels, m.sleep.slept_bytes)
             pressure.add(labels, m)
+            if m.device_headroom:
+                headroom.add_metric(labels, m.device_headroom)
+            if m.working_peak or m.working_now:
+                working_peak.add_metric(labels, m.working_peak)
+                working_now.add_metric(labels, m.working_now)
             for i, g in enumerate(m.groups or ()):
                 group_blocks.add_metric([*labels, str(i), g.label, "active"], g.blocks_active)
                 group_blocks.add_metric([*labels, str(i), g.label, "cached"], g.blocks_cached)
@@ -213,7 +224,7 @@ class KVCachedCollector(Collector):
                 pages, alloc_rate, free_rate, allocs, frees, age, figures_age, stale, rank_mapped, rank_up, running,
                 waiting, idle,
                 *(family for _, family in traffic_counters), sleep_state, after_idle, slept, *pressure.families(),
-                group_blocks, group_pages]
+                headroom, working_peak, working_now, group_blocks, group_pages]
 
     # -- the scan itself and the devices -----------------------------------------------------
     def _scan_families(self, scan: kvcached_core.Scan, seconds: float) -> list[Metric]:

@@ -404,7 +404,8 @@ def test_trim_returns_memory_and_the_driver_and_nvml_agree(monkeypatch) -> None:
         assert abs((free_after - free_before) - freed) < tolerance, (free_before, free_after, freed)
         assert gpu_before.used_bytes is not None and gpu_after.used_bytes is not None
         assert abs((gpu_before.used_bytes - gpu_after.used_bytes) - freed) < tolerance
-        assert abs(gpu_after.free_bytes - free_after) < 512 * MiB  # NVML and cuMemGetInfo see the same device
+        # NVML and cuMemGetInfo see the same device (free_bytes keeps the device's headroom back)
+        assert abs(gpu_after.free_bytes - (free_after + m.backend.headroom_bytes())) < 512 * MiB
 
 
 @pytest.mark.gpu

@@ -45,13 +45,14 @@ def list_cmd(as_json: bool, gpu: int | None, show_all: bool) -> None:
     if not found.models:
         click.echo("no models" + ("" if show_all else " (kvctl list --all also shows stale ones)"))
         return
+    from kvtop.frames.events import stuck_text
     from kvtop.text import textfmt as T  # text only: --json never pays for it
 
     T.print_table(T.LIST_COLUMNS, [T.list_row(m) for m in found.models])
     for m in found.models:  # a process stopped inside a publish still holds its memory: its figures are its last
-        if m.figures_age_s is not None:
-            warn(f"{m.name}: late: its process (pid {m.pid}) stays inside a publish (stopped, or held by a "
-                 f"debugger); its figures are the last known, {m.figures_age_s:.1f} s old")
+        stuck = stuck_text(m)
+        if stuck is not None:
+            warn(f"{m.name}: {stuck}")
 
 
 def _router_figures(name: str) -> dict | None:

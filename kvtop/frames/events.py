@@ -1,7 +1,7 @@
 """What changed between two refreshes, as lines for the event log.
 
 :func:`diff` compares consecutive scans: models appearing, going stale, coming back or
-disappearing; limit revisions acknowledged (applied / deferred / conflict) and deferred limits
+disappearing; going late (a heartbeat that stopped, or a process stopped inside a publish) and on time again; limit revisions acknowledged (applied / deferred / conflict) and deferred limits
 that became applied; trims acknowledged with the bytes they returned; policy revisions (min, priority)
 taken; memory one model gave another
 under pressure (a donor's ``pressure.gave_count`` grew); sleeps and wakes with their cause (a controller's
@@ -141,6 +141,28 @@ def _sleep_event(prev: ModelSnapshot, cur: ModelSnapshot, at: float) -> Event | 
     return None
 
 
+def stuck_text(m: ModelSnapshot) -> str | None:
+    """Why a late model's figures are old (its process stays inside a publish); None while they are read now."""
+    age = m.figures_age_s
+    if age is None:
+        return None
+    return (f"late: its process (pid {m.pid}) stays inside a publish (stopped, or held by a debugger); "
+            f"its figures are the last known, {age:.1f} s old")
+
+
+def _late_event(prev: ModelSnapshot, cur: ModelSnapshot, at: float) -> Event | None:
+    """A live model going late, or on time again, in the words of its kind of late: a heartbeat that stopped, or
+    a process that stays inside a publish (segment/stuck.py: its figures are then the last known). A model whose
+    late turns from one kind to the other is logged again."""
+    stuck, was_stuck = stuck_text(cur), prev.late and prev.figures_age_s is not None
+    if cur.late and (not prev.late or (stuck is not None) != was_stuck):
+        text = stuck or f"late: pid {cur.pid} runs but its heartbeat stopped (stopped or overloaded)"
+        return Event(at, "late", cur.name, text, WARN)
+    if prev.late and not cur.late:
+        return Event(at, "live", cur.name, "publishing again" if was_stuck else "beating again", GOOD)
+    return None
+
+
 def diff(prev: Sequence[ModelSnapshot] | None, cur: Sequence[ModelSnapshot], at: float,
          prev_problems: Sequence[Problem] = (), problems: Sequence[Problem] = ()) -> list[Event]:
     """Events between two scans; ``prev=None`` (the first refresh) gives one summary line."""
@@ -161,11 +183,10 @@ def diff(prev: Sequence[ModelSnapshot] | None, cur: Sequence[ModelSnapshot], at:
                 events.append(Event(at, "stale", name, f"went stale: its process (pid {m.pid}) is gone", WARN))
             elif old.status == "stale" and m.status == "live":
                 events.append(Event(at, "live", name, "live again", GOOD))
-            elif m.status == "live" and m.late and not old.late:
-                events.append(Event(at, "late", name, f"late: pid {m.pid} runs but its heartbeat stopped "
-                                    "(stopped or overloaded)", WARN))
-            elif m.status == "live" and old.late and not m.late:
-                events.append(Event(at, "live", name, "beating again", GOOD))
+            elif m.status == "live":
+                late = _late_event(old, m, at)
+                if late is not None:
+                    events.append(late)
             limit = _limit_event(old, m, at)
             if limit is not None:
                 events.append(limit)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .allocator.manager import KVCacheManager
     from .backends import Geometry
     from .bounds import endpoint_problem
+    from .hostmem import available_ram_bytes, total_ram_bytes
     from .segment.layout import LIMIT_DEFERRED, MAX_GROUPS
     from .segment.names import sanitize
     from .tp import TPWorker
@@ -33,6 +34,7 @@ _EXPORTS = {
     "endpoint_problem": "bounds", "sanitize": "segment.names",
     "LIMIT_DEFERRED": "segment.layout",  # KVCacheManager.limit_status while a lowered limit waits for room
     "MAX_GROUPS": "segment.layout",  # the KV cache groups KVCacheManager.publish_groups takes at most
+    "total_ram_bytes": "hostmem", "available_ram_bytes": "hostmem",  # the host's memory (a CPU engine's device)
 }
 __getattr__, __dir__ = lazy_exports("kvcached_core", _EXPORTS, None, globals(), submodules=False)
 
@@ -145,12 +147,8 @@ def alloc_blocks(manager: KVCacheManager, n: int, *, wait: float = 0.0) -> list[
         time.sleep(min(WAIT_POLL_S, max(0.0, wait - waited)))
 
 
-__all__ = ["GROUP", "EngineEntry", "EngineInfo", "KVCacheExhausted", "alloc_blocks", "installed_engines",
-           "load_engine"]
-
-
 __all__ = [
     "GROUP", "LIMIT_DEFERRED", "MAX_GROUPS", "CompactStep", "CompactTicket", "EngineEntry", "EngineInfo", "Geometry",
-    "KVCacheExhausted", "KVCacheManager", "TPWorker", "alloc_blocks", "endpoint_problem", "installed_engines",
-    "load_engine", "sanitize",
+    "KVCacheExhausted", "KVCacheManager", "TPWorker", "alloc_blocks", "available_ram_bytes", "endpoint_problem",
+    "installed_engines", "load_engine", "sanitize", "total_ram_bytes",
 ]

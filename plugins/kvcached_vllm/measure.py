@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from kvcached_core.engines import available_ram_bytes, total_ram_bytes
+
 from .sizing import Device, Working
 
 T = TypeVar("T")
@@ -21,17 +23,6 @@ def _status_kib(field: str) -> int:
     """A field of /proc/self/status in bytes (0 where it is missing)."""
     try:
         with open(_STATUS, encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _meminfo(field: str) -> int:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
             for line in fh:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
@@ -57,7 +48,7 @@ def host(step: Callable[[], T]) -> tuple[T, Device, Working]:
     result = step()
     after = _status_kib("VmRSS")
     high = _status_kib("VmHWM") if reset else after
-    device = Device("host", 0, _meminfo("MemTotal"), _meminfo("MemAvailable"))
+    device = Device("host", 0, total_ram_bytes(), available_ram_bytes())
     return result, device, Working(before, max(0, high - before), max(0, after - before))
 
 

@@ -5,12 +5,11 @@ GPU: tests/test_cuda_backend.py.)"""
 from __future__ import annotations
 
 import subprocess
-import sys
-import textwrap
 import threading
 
 import pytest
-from conftest import child_env, wait_for
+from conftest import wait_for
+from segment_holder import hold_segment
 
 from kvcached_core.backends.ledger import CapacityLedger, lock_name
 from kvcached_core.settings import ConfigError, DeviceBudget, Settings
@@ -20,22 +19,7 @@ MiB = 1 << 20
 
 def _claimer(name: str, backend: str, device: int, claimed: int) -> subprocess.Popen:
     """A process whose segment (backend, device) claims ``claimed`` bytes, alive until its stdin closes."""
-    code = textwrap.dedent(f"""
-        import sys
-        from kvcached_core.segment.writer import Identity, SegmentWriter
-        ident = Identity(name={name!r}, model="m", engine="test", backend={backend!r}, device={device},
-                         page_size=2 << 20, block_bytes=1 << 16, num_layers=1, num_kv_buffers=2,
-                         blocks_per_page=32, num_blocks=64, pages_total=2)
-        w = SegmentWriter(ident)
-        w.set_claimed({claimed})
-        print("READY", flush=True)
-        sys.stdin.read()
-        w.close()
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            env=child_env(), text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
-    return proc
+    return hold_segment(name, f"set_claimed({claimed})", backend=backend, device=device)
 
 
 @pytest.fixture

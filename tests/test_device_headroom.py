@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 from conftest import child_env
+from segment_holder import hold_segment
 
 import kvcached_core as kc
 from kvcached_core.backends import cuda as cuda_backend
@@ -37,11 +38,12 @@ def device(fake_cuda, shm_dir, monkeypatch):
 
 
 def grow_until_refused(m: kc.KVCacheManager) -> int:
-    """Allocate a page's blocks at a time until alloc answers None; the pages it took."""
+    """Allocate a page's blocks at a time until alloc answers None; the pages it took (tests/test_device_headroom_gpu.py
+    grows a real device's allocators with it too)."""
     pages = 0
-    while m.alloc(BPP) is not None:
+    while m.alloc(m.blocks_per_page) is not None:
         pages += 1
-        assert pages <= 64, "never refused"
+        assert pages * m.blocks_per_page <= m.num_blocks, "never refused"
     return pages
 
 
@@ -97,22 +99,7 @@ def test_an_engines_own_working_memory_is_kept_free(device) -> None:
 
 def _engine_elsewhere(peak: int, now: int) -> subprocess.Popen:
     """Another process's engine on device 0 with its working memory registered, alive until its stdin closes."""
-    code = textwrap.dedent(f"""
-        import sys
-        from kvcached_core.segment.writer import Identity, SegmentWriter
-        ident = Identity(name="elsewhere", model="m", engine="test", backend="cuda", device=0,
-                         page_size=2 << 20, block_bytes=1 << 16, num_layers=1, num_kv_buffers=2,
-                         blocks_per_page=32, num_blocks=64, pages_total=2)
-        w = SegmentWriter(ident)
-        w.set_working({peak}, {now})
-        print("READY", flush=True)
-        sys.stdin.read()
-        w.close()
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            env=child_env(), text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
-    return proc
+    return hold_segment("elsewhere", f"set_working({peak}, {now})")
 
 
 def test_a_live_process_working_memory_holds_back_growth_and_its_exit_releases_it(device) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from test_cuda_backend import needs_gpu
+from test_device_headroom import grow_until_refused
 
 import kvcached_core as kc
 
@@ -70,14 +71,6 @@ def hog(shm_dir, monkeypatch) -> Iterator[Hog]:
 def manager(name: str) -> kc.KVCacheManager:
     return kc.KVCacheManager(name, name=name, num_blocks=256 * BPP, block_bytes=(2 * MiB) // BPP, num_layers=4,
                              page_size=2 * MiB, backend="cuda")
-
-
-def grow_until_refused(m: kc.KVCacheManager) -> int:
-    pages = 0
-    while m.alloc(BPP) is not None:
-        pages += 1
-        assert pages <= 256, "never refused"
-    return pages
 
 
 @pytest.mark.gpu

@@ -1,11 +1,11 @@
 """What changed between two refreshes, as lines for the event log.
 
-:func:`diff` compares consecutive scans: models appearing, going stale, coming back or
-disappearing; going late (a heartbeat that stopped, or a process stopped inside a publish) and on time again; limit revisions acknowledged (applied / deferred / conflict) and deferred limits
-that became applied; trims acknowledged with the bytes they returned; policy revisions (min, priority)
-taken; memory one model gave another
-under pressure (a donor's ``pressure.gave_count`` grew); sleeps and wakes with their cause (a controller's
-request takes a revision, an engine's request does not); new problem files.
+:func:`diff` compares consecutive scans: models appearing, going stale, coming back or disappearing; going
+late (a heartbeat that stopped, or a process stopped inside a publish) and on time again; limit revisions
+acknowledged (applied / deferred / conflict) and deferred limits that became applied; trims acknowledged with
+the bytes they returned; policy revisions (min, priority) taken; memory one model gave another under pressure
+(a donor's ``pressure.gave_count`` grew); sleeps and wakes with their cause (a controller's request takes a
+revision, an engine's request does not); new problem files.
 Each event carries a ``key`` so that an acknowledgement kvtop already reported for its own
 request is not logged twice.
 """

@@ -21,7 +21,7 @@ from typing import Any
 
 from .bounds import PRIORITY_MAX, PRIORITY_MIN, endpoint_problem
 from .hostmem import total_ram_bytes
-from .sizes import NONE_WORDS, SizeError, parse_size
+from .sizes import SizeError, parse_size
 
 MiB = 1024 * 1024
 PAGE_GRAIN = 2 * MiB  # a page size is a whole number of these (the CUDA backend's mapping granularity)
@@ -55,6 +55,7 @@ TP_STRATEGIES = ("sequential", "concurrent")
 HOST_CAPACITY_FRACTION = 0.5  # of RAM, the host backend's budget unless KVCACHED_HOST_CAPACITY says
 _TRISTATE = {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on",
              "0": "off", "off": "off", "false": "off", "no": "off"}
+_HEADROOM_OFF = ("none", "off")  # KVCACHED_DEVICE_HEADROOM's words for 0
 _FRACTION_RE = re.compile(r"^\s*-?(\d+(\.\d*)?|\.\d+)\s*$")  # a bare number: KVCACHED_DEVICE_HEADROOM's fraction
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -79,7 +80,7 @@ VARIABLES: tuple[Var, ...] = (
         shown="none: the driver's out-of-memory"),
     Var("KVCACHED_DEVICE_HEADROOM", "5%", "size",
         "CUDA backend: device memory KV never takes, beside the engines' registered working memory (`5%` or "
-        "`0.05` of the device's memory, `4GiB`; `0` off): a growth that would leave less free is refused as the "
+        "`0.05` of the device's memory, `4GiB`; `0`, `none` or `off`: off): a growth that would leave less free is refused as the "
         "budget refuses one, with or without `KVCACHED_DEVICE_BUDGET` ([cuda.md](cuda.md#headroom))"),
     Var("KVCACHED_MIN", None, "size",
         "a model's memory.min under pressure: bytes never reclaimed from it by another model's refused growth "
@@ -358,7 +359,7 @@ def _device_headroom(raw: Raw, done: dict[str, Any]) -> DeviceHeadroom:
     """A percentage below 100, a fraction below 1 (as a GPU-utilization setting's complement), or a size; 0 is off."""
     name = "KVCACHED_DEVICE_HEADROOM"
     value = _value(raw, name)
-    if value.lower() in NONE_WORDS:
+    if value.lower() in _HEADROOM_OFF:  # not parse_size's "unlimited": no headroom is not an unlimited one
         return DeviceHeadroom(size_bytes=0)
     if value.endswith("%") or _FRACTION_RE.match(value):
         try:

@@ -39,6 +39,7 @@ def test_headroom_setting(raw: str, expected: DeviceHeadroom) -> None:
     ("lots", "is not a size"),
     ("-1GiB", "a size cannot be negative"),
     ("4XB", "unknown unit"),
+    ("unlimited", "'unlimited' is not a size here"),  # a size's word for no limit is not a headroom's for none
 ])
 def test_a_bad_headroom_is_one_error_naming_the_variable(raw: str, words: str) -> None:
     parsed = Settings.from_env({"KVCACHED_DEVICE_HEADROOM": raw})  # refused when used, not before

@@ -43,7 +43,7 @@ MAX_KEPT_OPEN = 256  # files a scan keeps open for the next one; past this many,
 class ModelNotFound(LookupError):
     """No model matches; ``candidates`` holds the names that exist (or that matched ambiguously)."""
 
-    def __init__(self, message: str, candidates: list[str]):
+    def __init__(self, message: str, candidates: list[str]) -> None:
         super().__init__(message)
         self.candidates = candidates
 
@@ -63,7 +63,7 @@ class PublishUnfinished(SegmentCorrupt):
 class HeaderOverwritten(SegmentCorrupt):
     """Our segment with its first 8 bytes replaced (the public kvctl limit writes its total there)."""
 
-    def __init__(self, message: str, writer_alive: bool):
+    def __init__(self, message: str, writer_alive: bool) -> None:
         super().__init__(message)
         self.writer_alive = writer_alive
 

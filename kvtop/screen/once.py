@@ -13,7 +13,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from kvcached_core import ModelNotFound, resolve
+from kvcached_core import ModelNotFound, ModelSnapshot, resolve
 from kvtop.frames.history import History
 from kvtop.frames.source import Frame, Source
 from kvtop.screen.view import (
@@ -58,7 +58,7 @@ def models_table(models: Sequence, history: History | None = None, width: int = 
     return table
 
 
-def page_map(m, width: int, rows: int = MAP_ROWS) -> RenderableType:
+def page_map(m: ModelSnapshot, width: int, rows: int = MAP_ROWS) -> RenderableType:
     """The whole page map folded into ``rows`` lines of ``width`` cells."""
     if m.legacy or m.pages is None:
         return Text("upstream kvcached segment: no page map", style="cyan")

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TextIO
 
 from kvcached_core import Fragmentation, ModelSnapshot, format_bytes
 from kvtop.text.pagemap import GLYPHS, LEGEND, fold, grid_lines
@@ -25,7 +26,7 @@ class Column:
     right: bool = False  # numbers align right
 
 
-def want_rich(stream=None) -> bool:  # any text stream
+def want_rich(stream: TextIO | None = None) -> bool:
     """Rich tables only for a person at a terminal."""
     stream = stream or sys.stdout
     try:

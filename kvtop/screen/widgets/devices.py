@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.console import Group
 from rich.text import Text
+from textual.geometry import Size
 from textual.widget import Widget
 
 from kvtop.frames.source import Frame
@@ -32,5 +33,5 @@ class DevicePanel(Widget):
         width = max(20, self.content_size.width)
         return Group(*(line for bar in self._bars for line in device_lines(bar, width)))
 
-    def get_content_height(self, container, viewport, width: int) -> int:
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         return max(1, 2 * len(self._bars))

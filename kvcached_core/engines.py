@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .allocator.manager import KVCacheManager
     from .backends import Geometry
     from .bounds import endpoint_problem
-    from .hostmem import available_ram_bytes, total_ram_bytes
+    from .hostmem import available_ram_bytes, process_bytes, total_ram_bytes
     from .segment.layout import LIMIT_DEFERRED, MAX_GROUPS
     from .segment.names import sanitize
     from .tp import TPWorker
@@ -34,7 +34,8 @@ _EXPORTS = {
     "endpoint_problem": "bounds", "sanitize": "segment.names",
     "LIMIT_DEFERRED": "segment.layout",  # KVCacheManager.limit_status while a lowered limit waits for room
     "MAX_GROUPS": "segment.layout",  # the KV cache groups KVCacheManager.publish_groups takes at most
-    "total_ram_bytes": "hostmem", "available_ram_bytes": "hostmem",  # the host's memory (a CPU engine's device)
+    # the host's memory (a CPU engine's device) and this process's (its working memory there)
+    "total_ram_bytes": "hostmem", "available_ram_bytes": "hostmem", "process_bytes": "hostmem",
 }
 __getattr__, __dir__ = lazy_exports("kvcached_core", _EXPORTS, None, globals(), submodules=False)
 
@@ -150,5 +151,5 @@ def alloc_blocks(manager: KVCacheManager, n: int, *, wait: float = 0.0) -> list[
 __all__ = [
     "GROUP", "LIMIT_DEFERRED", "MAX_GROUPS", "CompactStep", "CompactTicket", "EngineEntry", "EngineInfo", "Geometry",
     "KVCacheExhausted", "KVCacheManager", "TPWorker", "alloc_blocks", "available_ram_bytes", "endpoint_problem",
-    "installed_engines", "load_engine", "sanitize", "total_ram_bytes",
+    "installed_engines", "load_engine", "process_bytes", "sanitize", "total_ram_bytes",
 ]

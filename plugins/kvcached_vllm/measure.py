@@ -11,24 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvcached_core.engines import available_ram_bytes, total_ram_bytes
+from kvcached_core.engines import available_ram_bytes, process_bytes, total_ram_bytes
 
 from .sizing import Device, Working
 
 T = TypeVar("T")
-_STATUS = "/proc/self/status"
-
-
-def _status_kib(field: str) -> int:
-    """A field of /proc/self/status in bytes (0 where it is missing)."""
-    try:
-        with open(_STATUS, encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _reset_high_water() -> bool:
@@ -43,11 +30,11 @@ def _reset_high_water() -> bool:
 
 def host(step: Callable[[], T]) -> tuple[T, Device, Working]:
     """Run ``step`` and measure the process's memory around it; the host's memory after it."""
-    before = _status_kib("VmRSS")
+    before = process_bytes("VmRSS")
     reset = _reset_high_water()
     result = step()
-    after = _status_kib("VmRSS")
-    high = _status_kib("VmHWM") if reset else after
+    after = process_bytes("VmRSS")
+    high = process_bytes("VmHWM") if reset else after
     device = Device("host", 0, total_ram_bytes(), available_ram_bytes())
     return result, device, Working(before, max(0, high - before), max(0, after - before))
 

@@ -25,8 +25,8 @@ from kvtop.record.schema import APPLICATION_ID, SCHEMA_VERSION, crc, day_files, 
 START = "start"  # the recorder began: the models it found
 APPEARED = "appeared"
 STALE = "stale"  # its process is gone
-LIVE = "live"  # live again, or beating again
-LATE = "late"  # its process runs but does not beat
+LIVE = "live"  # live again, beating or publishing again
+LATE = "late"  # its process runs but does not beat, or stays inside a publish
 GONE = "gone"  # its segment was removed
 LIMIT_APPLIED = "limit_applied"
 LIMIT_DEFERRED = "limit_deferred"

@@ -2,8 +2,8 @@
 
     python -m benchmarks multimodel [--engine vllm|transformers] [--device cpu|cuda] [--shape SHAPE] [--single]
                                     [--pairs N] [--seed N] [--share BLOCKS|SIZE] [--quick] [--duration SEC]
-                                    [--scale small|operator] [--device-memory SIZE] [--screenshot PATH]
-                                    [--out DIR] [--no-write]
+                                    [--scale small|operator] [--model SHAPE] [--device-memory SIZE]
+                                    [--time-limit SEC] [--screenshot PATH] [--out DIR] [--no-write]
 
 Both configurations replay the same trace with the same method (``benchmarks/fair/``, written once; each engine a
 driver): every engine of both configurations up throughout; one discarded warm-up replay per configuration, then
@@ -18,15 +18,25 @@ elastic with a budget equal to one static share, against plain static: the cost 
   model, the peak rate calibrated on a static share in the run;
 - ``--engine vllm`` (``benchmarks/fair/vllm.py``, the default): real vLLM servers on the tiny Llama (CPU).
 
-``--scale operator`` (transformers): the largest Llama shape whose engines of both configurations fit the device at
-once, each static share what is left after weights and activations (``benchmarks/fair/scale.py``; the plan is
-printed before starting; ``--device-memory`` declares the device's size instead of reading it), long-context
-prompts (``benchmarks/fair/longctx.py``); on the saturated shape a third configuration, one plain engine given the
-whole budget. ``--screenshot PATH``: kvtop's screen (SVG, 160x50) saved during the counted elastic runs, once a
-reclaim has happened.
+The peak rate (transformers, ``benchmarks/fair/load.py``): at least twice what one static share serves, and
+high enough that at the peak the KV of the requests in flight reaches twice a share (steady excepted: each model at
+its share's capacity); both figures measured in the run, the rule printed.
+
+``--scale operator`` (transformers): the largest Llama shape (or ``--model``'s) whose engines of both configurations
+fit the device at once, else in turn; each static share what is left of the device's free memory after every
+engine's weights, CUDA context and working-memory peak, measured by a profiling pass at ``max_batch_tokens`` with
+the longest prompts, and the headroom (``KVCACHED_DEVICE_HEADROOM``) (``benchmarks/fair/scale.py``,
+``benchmarks/fair/profile.py``; the plan is printed before the engines start; ``--device-memory`` declares the
+device's size instead of reading it), long-context prompts (``benchmarks/fair/longctx.py``); on the saturated shape
+a third configuration, one plain engine given the whole budget. ``--screenshot PATH``: kvtop's screen (SVG, 160x50)
+saved during the counted elastic runs, once a reclaim has happened (needs textual; nothing else here does).
+
+An engine that dies (at its start, in calibration, in a run) ends the command within seconds with its own error line
+(its log kept and named); every run checks that each request was answered with at least one token.
 
 Results go to ``benchmarks/results/multimodel-<engine>-...{json,md,png}`` (or ``--out``), rewritten after every
-run. Exit status: 0 every request answered, 1 a failure or a request unanswered, 2 bad usage, 130 Ctrl-C.
+run. Exit status: 0 every request answered, 1 a failure (an engine died, a request unanswered), 2 bad usage,
+130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -83,14 +93,22 @@ def parser() -> argparse.ArgumentParser:
                    help="transformers: today's small shares, or operator scale (real model sizes, long prompts)")
     p.add_argument("--device-memory", metavar="SIZE",
                    help="--scale operator: plan for a device of this size (such as 80GiB) instead of the one here")
+    p.add_argument("--model", metavar="SHAPE",
+                   help="--scale operator: this model shape only (such as Llama-3.1-8B) instead of the largest that "
+                        "fits")
+    p.add_argument("--time-limit", type=float, metavar="SEC",
+                   help="no pair starts that would not end within SEC seconds of the command's start (judged by the "
+                        "longest run so far); the report says what was left out")
     p.add_argument("--screenshot", type=Path, metavar="PATH",
-                   help="transformers: save kvtop's screen (SVG, 160x50) during the counted elastic runs")
+                   help="transformers: save kvtop's screen (SVG, 160x50) during the counted elastic runs (needs "
+                        "textual)")
     p.add_argument("--out", type=Path, metavar="DIR", help="write the report here instead of benchmarks/results/")
     p.add_argument("--no-write", action="store_true", help="print the report only")
     p.add_argument("--plot", type=Path, metavar="JSON", help="draw the picture of a written report again")
     p.add_argument("--prefix", choices=sorted(PREFIX), default="on",
                    help="vLLM: prefix caching in both configurations: on (the default), off, or both (one run each)")
-    p.add_argument("--trace", type=Path, help="vLLM: replay this trace file instead")
+    p.add_argument("--trace", type=Path, help="replay this trace file instead (JSON, its 'requests' rows of t, model, "
+                   "prompt_tokens, max_tokens, seed; transformers: no calibration, no rule)")
     p.add_argument("--make-trace", action="store_true", help="vLLM: write the recorded trace again (fixed seed)")
     p.add_argument("--keep-logs", action="store_true", help="vLLM: keep the engines' logs (their folder is printed)")
     return p
@@ -115,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--pairs must be 1 or more")
     if args.duration is not None and not args.duration > 0:
         p.error("--duration must be more than 0 seconds")
+    if args.time_limit is not None and not args.time_limit > 0:
+        p.error("--time-limit must be more than 0 seconds")
     command = " ".join(["python -m benchmarks multimodel", *argv])
     from .fair.run import run
 
@@ -140,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                 p.error("--device-memory goes with --scale operator")
         if args.scale == "operator" and args.share is not None:
             p.error("--share goes with --scale small: operator scale plans its shares")
+        if args.model is not None and args.scale != "operator":
+            p.error("--model goes with --scale operator")
+        if args.screenshot is not None and importlib.util.find_spec("textual") is None:
+            p.error("--screenshot needs textual (kvtop's screen), which is not installed here: leave it out")
         try:
             blocks = share_blocks(args.share, setup.block_bytes)
         except ValueError:
@@ -151,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             driver = tcb.TcbDriver(device=args.device, models=1 if args.single else 3, shape=args.shape,
                                    seed=args.seed, share_blocks=blocks, duration_s=duration, scale=args.scale,
-                                   device_bytes=device_bytes, screenshot=args.screenshot)
+                                   device_bytes=device_bytes, screenshot=args.screenshot, model=args.model,
+                                   trace_file=args.trace)
         except ValueError as exc:
             print(f"multimodel: {exc}", file=sys.stderr)
             return 2
@@ -159,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"multimodel: {exc}", file=sys.stderr)
             return 1
         return run(driver, pairs=args.pairs, seed=args.seed, shape=args.shape, single=args.single,
-                   command=command, stem=stem(args))
+                   command=command, stem=stem(args), time_limit_s=args.time_limit)
     return vllm_main(p, args, command)
 
 
@@ -190,7 +215,7 @@ def vllm_main(p: argparse.ArgumentParser, args: argparse.Namespace, command: str
         if where is not None and not on:
             where = where.with_name(where.name + "-prefix-off")
         code = max(code, run(driver, pairs=args.pairs, seed=args.seed, shape=args.shape, single=args.single,
-                             command=command, stem=where))
+                             command=command, stem=where, time_limit_s=args.time_limit))
         if code == 0 and not args.keep_logs:
             shutil.rmtree(tmp, ignore_errors=True)
         else:

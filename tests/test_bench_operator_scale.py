@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,50 +23,71 @@ H200 = 143771 * MiB  # what an H200 141 GB reports
 SHAPES = {s.name: s for s in scale.GPU_SHAPES}
 
 
-def gpu_plan(device: int) -> scale.Plan:
-    return scale.choose(device, scale.GPU_SHAPES, dtype="bfloat16", activation_bytes=5 * GiB // 2,
-                        margin_bytes=GiB, min_share=4 * GiB)
+W8B = 16_060_522_496  # Llama-3.1-8B's parameters x 2 bytes
+
+
+def measured(weights: int, static: int, elastic: int, *, total: int = H100, context: int = 512 * MiB) -> scale.Measured:
+    return scale.Measured(total, total, context, weights, {"static": static, "elastic": elastic},
+                          "declared for the test", 100)
 
 
 def test_parameters_of_the_public_shapes() -> None:
-    assert SHAPES["Llama-3.1-8B"].params() == 8_030_261_248
+    assert SHAPES["Llama-3.1-8B"].params() * 2 == W8B
     assert SHAPES["Llama-3.2-3B"].params() == 3_212_749_824  # tied embeddings
     assert SHAPES["Llama-3.2-1B"].params() == 1_235_814_400
     assert SHAPES["Llama-3.2-3B"].kv_token_bytes("bfloat16") == 2 * 28 * 8 * 128 * 2  # 112 KiB
 
 
-def test_an_h100_runs_three_3b_shaped_models_both_configurations_at_once() -> None:
-    p = gpu_plan(H100)
-    assert p.shape.name == "Llama-3.2-3B" and p.together and p.engines == 6
-    assert p.weights_bytes == 6_425_499_648  # 3.21 B parameters x 2 bytes
-    assert p.block_bytes == 28 * MiB  # 112 KiB x 256 tokens
-    # by hand: 85,520,809,984 - 1 GiB margin - 6 x (6,425,499,648 + 2.5 GiB) = 29,787,942,912 bytes of KV, in 6
-    # shares of 4,964,657,152 bytes = 169.1 blocks of 28 MiB: 169 blocks, two of them padding
-    assert H100 - GiB - 6 * (6_425_499_648 + 5 * GiB // 2) == 29_787_942_912
-    assert p.share_blocks == 167 and p.share_bytes == 169 * 28 * MiB >= 4 * GiB
-    assert p.budget_bytes == 3 * 169 * 28 * MiB  # 13.86 GiB: elastic's one budget, the shares added up
-    assert p.used_bytes <= H100
-    # 8B-shaped: six engines' weights alone (89.7 GiB) do not fit
-    assert not scale.fits(scale.plan(H100, SHAPES["Llama-3.1-8B"], dtype="bfloat16", activation_bytes=5 * GiB // 2,
-                                     margin_bytes=GiB), 4 * GiB)
+def test_a_plan_places_weights_context_measured_working_memory_and_headroom_then_splits_the_rest() -> None:
+    """Three 8B-shaped models on an H100 in turn, by hand: what is free, less the headroom, less three engines of the
+    larger configuration (weights, context, working peak), split in three shares of whole 32 MiB blocks."""
+    m = measured(W8B, 3 * GiB, 2 * GiB)
+    headroom = int(H100 * 0.05)
+    p = scale.plan(m, SHAPES["Llama-3.1-8B"], dtype="bfloat16", headroom_bytes=headroom, together=False)
+    left = H100 - headroom - 3 * (W8B + 512 * MiB + 3 * GiB)  # static's working peak is the larger
+    assert p.block_bytes == 32 * MiB and p.engines == 3
+    assert p.share_blocks == left // 3 // (32 * MiB) - 2 and p.share_bytes == (p.share_blocks + 2) * 32 * MiB
+    assert p.budget_bytes == 3 * p.share_bytes and p.used_bytes <= H100
+    assert H100 - p.used_bytes < 3 * 32 * MiB  # nothing left that a share's block could use
+    assert scale.fits(p, 4 * GiB)
+    together = scale.plan(m, SHAPES["Llama-3.1-8B"], dtype="bfloat16", headroom_bytes=headroom, together=True)
+    assert not scale.fits(together, 4 * GiB)  # six engines' weights alone are more than the device
+    lines = "\n".join(p.lines())
+    assert "15.0 GiB weights + 512.0 MiB CUDA context + measured working peak (static 3.0 GiB, elastic 2.0 GiB" \
+        in lines, lines
+    assert "(KVCACHED_DEVICE_HEADROOM) kept free" in lines
+    assert "the configurations in turn (both cannot live at once" in lines
+    assert f"a static share {p.share_blocks} blocks of 256 tokens (+2 padding)" in lines
 
 
-def test_an_h200_runs_three_8b_shaped_models_both_configurations_at_once() -> None:
-    p = gpu_plan(H200)
-    assert p.shape.name == "Llama-3.1-8B" and p.together
-    assert p.weights_bytes == 16_060_522_496 and p.block_bytes == 32 * MiB
-    # by hand: 150,754,820,096 - 1 GiB - 6 x (16,060,522,496 + 2.5 GiB) = 37,211,815,936; / 6 / 32 MiB = 184.8
-    assert H200 - GiB - 6 * (16_060_522_496 + 5 * GiB // 2) == 37_211_815_936
-    assert p.share_blocks == 182 and p.share_bytes == 184 * 32 * MiB >= 4 * GiB
-    assert p.budget_bytes == 3 * 184 * 32 * MiB and p.used_bytes <= H200
+def test_choose_measures_only_shapes_whose_weights_leave_room_each_once_and_prefers_both_at_once() -> None:
+    seen: list[str] = []
+
+    def measure(shape: scale.Shape) -> scale.Measured:
+        seen.append(shape.name)
+        return measured(shape.params() * 2, 3 * GiB, 3 * GiB)
+
+    kw = {"free_bytes": H100, "total_bytes": H100, "dtype": "bfloat16", "headroom_bytes": int(H100 * 0.05),
+          "min_share": 4 * GiB}
+    p = scale.choose(scale.GPU_SHAPES, measure, **kw)
+    # 8B: six engines' weights do not fit, so it is not measured for the plans at once; 3B and 1B are, in turn
+    assert seen == ["Llama-3.2-3B", "Llama-3.2-1B"]
+    assert p.shape.name == "Llama-3.2-1B" and p.together
+    seen.clear()
+    p = scale.choose(scale.GPU_SHAPES[:1], measure, **kw)  # one shape asked for (--model)
+    assert seen == ["Llama-3.1-8B"] and p.shape.name == "Llama-3.1-8B" and not p.together
 
 
-def test_a_device_too_small_for_both_at_once_runs_them_in_turn_and_none_fitting_is_refused() -> None:
-    p = gpu_plan(40 * GiB)  # even 1B-shaped: (40 - 1 - 6 x 4.8) / 6 = 1.7 GiB shares, under 4 GiB
-    assert p.shape.name == "Llama-3.2-3B" and not p.together and p.engines == 3
-    assert p.share_bytes >= 4 * GiB and p.used_bytes <= 40 * GiB
+def test_measured_working_memory_can_move_a_plan_in_turn_or_leave_nothing() -> None:
+    def with_working(work: int) -> Callable[[scale.Shape], scale.Measured]:
+        return lambda shape: measured(shape.params() * 2, work, work)
+
+    kw = {"free_bytes": H100, "total_bytes": H100, "dtype": "bfloat16", "headroom_bytes": int(H100 * 0.05),
+          "min_share": 4 * GiB}
+    assert scale.choose(scale.GPU_SHAPES[1:2], with_working(GiB), **kw).together  # 3B: both at once
+    assert not scale.choose(scale.GPU_SHAPES[1:2], with_working(3 * GiB), **kw).together  # in turn
     with pytest.raises(ValueError, match="no model size fits"):
-        gpu_plan(16 * GiB)
+        scale.choose(scale.GPU_SHAPES[:1], with_working(8 * GiB), **kw)
 
 
 def test_the_mix_is_seeded_within_its_ranges_and_in_its_proportions() -> None:
@@ -133,29 +155,45 @@ def test_a_device_nothing_fits_is_one_line() -> None:
         pytest.skip(UNSUPPORTED)
     proc = cli("--device", "cpu", "--scale", "operator", "--device-memory", "16MiB")
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == ["multimodel: no model size fits 16.0 MiB with shares of 4.0 MiB or "
-                                                "more (smallest: tiny Llama)"]
+    assert proc.stderr.strip().splitlines() == ["multimodel: no model size fits 16.0 MiB free with shares of 4.0 MiB "
+                                                "or more beside the weights, the working memory and the headroom "
+                                                "(smallest: tiny Llama)"]
 
 
 @pytest.mark.slow
 def test_operator_scale_on_cpu_prints_its_plan_answers_everything_and_saves_kvtops_screen(tmp_path: Path) -> None:
-    """The saturated shape, one pair: the plan printed first; every run of static, elastic and alone answers every
-    request; the report holds the plan, the limit of sharing and the preemption check; kvtop's screen is an SVG
-    naming the elastic models."""
+    """The saturated shape, one pair: a profiling pass first, then the plan from what it measured; the traffic's rule
+    printed and met (the KV in flight of the busy model reaches two shares); every run of static, elastic and alone
+    answers every request; the report holds the plan, the limit of sharing and the preemption check; kvtop's screen
+    is an SVG naming the elastic models."""
     from test_bench_multimodel_tcb import UNSUPPORTED
 
     if UNSUPPORTED is not None:
         pytest.skip(UNSUPPORTED)
     svg = tmp_path / "kvtop.svg"
     proc = cli("--device", "cpu", "--scale", "operator", "--shape", "saturated", "--pairs", "1", "--duration", "1.5",
-               "--device-memory", "128MiB", "--screenshot", str(svg), "--out", str(tmp_path), timeout=600)
+               "--device-memory", "256MiB", "--screenshot", str(svg), "--out", str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert out.startswith("plan: device 128.0 MiB; 3 x tiny Llama-shaped"), out[:500]
-    assert "both configurations' engines alive at once" in out.splitlines()[0]
+    lines = out.splitlines()
+    assert lines[0].startswith("profiling tiny Llama-shaped engines (a pass at max_batch_tokens 512 with prompts of "
+                               "800 tokens)"), out[:500]
+    assert lines[1].startswith("plan: device 256.0 MiB, 256.0 MiB free; 3 x tiny Llama-shaped"), out[:500]
+    assert "both configurations' engines alive at once" in lines[1]
+    assert "measured working peak (static " in lines[2] and "peak resident memory (VmHWM)" in lines[2]
     rep = json.loads((tmp_path / "multimodel-transformers-cpu-operator-saturated.json").read_text())
-    assert rep["scale"] == "operator" and rep["together"] and rep["plan"]["share_blocks"] == 12
-    assert rep["budget_bytes"] == rep["plan"]["budget_bytes"] == 3 * 14 * 512 * 1024
+    plan = rep["plan"]
+    assert rep["scale"] == "operator" and rep["together"] and plan["share_blocks"] > 0
+    assert all(plan["measured"]["working_bytes"][c] > 0 for c in ("static", "elastic"))
+    assert plan["headroom_bytes"] == int(256 * 1024 * 1024 * 0.05)  # KVCACHED_DEVICE_HEADROOM's default, 5%
+    assert rep["budget_bytes"] == plan["budget_bytes"] == 3 * (plan["share_blocks"] + 2) * 512 * 1024
+    assert plan["used_bytes"] <= 256 * 1024 * 1024
+    traffic = rep["traffic"]
+    assert traffic["memory_rule"] and traffic["in_flight_peak_bytes"] >= 2 * rep["share_bytes"]
+    assert traffic["peak_rate"] >= 2 * rep["calibration"]["requests_per_s"] - 0.01
+    assert any(line.startswith(f"traffic: peak {traffic['peak_rate']:g} requests/s per model") for line in lines)
+    assert sorted(rep["engine_working"]) == [f"{c}-m{m}" for c in ("alone", "elastic", "static") for m in range(3)
+                                             if c != "alone" or m == 0]
     runs = rep["runs"]
     assert [(r["kind"], r["configuration"]) for r in runs] == [
         ("warm-up", "static"), ("warm-up", "elastic"), ("pair", "static"), ("pair", "elastic"),
@@ -170,7 +208,8 @@ def test_operator_scale_on_cpu_prints_its_plan_answers_everything_and_saves_kvto
     table = (tmp_path / "multimodel-transformers-cpu-operator-saturated.md").read_text()
     assert "**Check: nothing preempted by elastic that static did not preempt too:" in table
     assert "**The limit of sharing (m0, the busy model): tokens/s elastic/alone median" in table
-    assert "- device 128.0 MiB; 3 x tiny Llama-shaped" in table and "kvtop's screen (kvtop.svg, 160x50)" in table
+    assert "- device 256.0 MiB, 256.0 MiB free; 3 x tiny Llama-shaped" in table
+    assert "kvtop's screen (kvtop.svg, 160x50)" in table
     root = ET.parse(svg).getroot()
     assert root.tag == "{http://www.w3.org/2000/svg}svg"
     text = svg.read_text()

@@ -31,11 +31,13 @@ class Slot:
     pair: int
 
 
-def schedule(pairs: int) -> list[Slot]:
-    """Warm-ups first (one per configuration, not counted), then ABBA: pair 1 static first, pair 2 elastic first..."""
+def schedule(pairs: int, *, in_turn: bool = False) -> list[Slot]:
+    """Warm-ups first (one per configuration, not counted), then ABBA: pair 1 static first, pair 2 elastic first...
+    ``in_turn`` (one configuration's engines alive at a time): pair 1 elastic first, going on from the elastic
+    warm-up, so that the engines are switched once a pair rather than twice; still ABBA."""
     slots = [Slot(c, "warm-up", 0) for c in CONFIGS]
     for p in range(1, pairs + 1):
-        order = CONFIGS if p % 2 else CONFIGS[::-1]
+        order = CONFIGS if (p % 2) != in_turn else CONFIGS[::-1]
         slots += [Slot(c, "pair", p) for c in order]
     return slots
 
@@ -93,12 +95,39 @@ def replay(side: Side, trace: list[dict], run: str, timeout_s: float) -> dict:
         rid = f"{run}-{i}"
         rids.add(rid)
         side.submit(rid, row, t0 + row["t"])
-    answers = side.collect(rids, timeout_s)
-    stop.set()
-    if watcher is not None:
-        watcher.join()
+    try:
+        answers = side.collect(rids, timeout_s)
+    finally:
+        stop.set()
+        if watcher is not None:
+            watcher.join()
+    problem = unanswered(answers, len(trace), timeout_s)
+    if problem:
+        raise RunFailed(f"run {run}: {problem}")
     return {**figures(answers, t0, len(trace)), **counted(before, side.counters()), **segment_figures(samples),
             "elapsed_s": round(time.perf_counter() - began, 1), "kv_samples": samples}
+
+
+class RunFailed(RuntimeError):
+    """A run in which not every request was answered: the comparison ends there."""
+
+
+def unanswered(answers: list[Answer], requests: int, timeout_s: float) -> str | None:
+    """What is wrong with a run's answers, in one line, or None when every request of the ``requests`` sent was
+    answered without error and with at least one token."""
+    failed = [a for a in answers if a.error]
+    empty = [a for a in answers if not a.error and (a.first is None or a.tokens < 1)]
+    missing = requests - len(answers)
+    if not (failed or empty or missing):
+        return None
+    parts = [f"{requests - len(failed) - len(empty) - missing} of {requests} requests answered"]
+    if missing:
+        parts.append(f"{missing} with no answer within {timeout_s:.0f} s")
+    if empty:
+        parts.append(f"{len(empty)} answered with no token")
+    if failed:
+        parts.append(f"{len(failed)} failed (first: {failed[0].error})")
+    return "; ".join(parts)
 
 
 def percentile99(values: list[float]) -> float:
@@ -118,8 +147,10 @@ def figures(answers: list[Answer], t0: float, requests: int) -> dict:
     # decode time per output token, each request's own (first token to last, over the tokens after the first)
     tpot = [(a.end - a.first) / (a.tokens - 1) for a in done if a.end is not None and a.first is not None
             and a.tokens > 1]
+    decode = [a.end - a.first for a in done if a.end is not None and a.first is not None]  # first token to last
     return {"requests": requests, "answered": len(done), "errors": sorted({a.error for a in answers if a.error}),
             "tpot_mean_s": round(statistics.fmean(tpot), 5) if tpot else None,
+            "decode_s_mean": round(statistics.fmean(decode), 4) if decode else None,
             "ttft_p99_s": round(percentile99(ttft), 4),
             "ttft_mean_s": round(statistics.fmean(ttft), 4) if ttft else float("nan"),
             "tokens": tokens, "tokens_per_s": round(tokens / (max(ends) - t0), 2) if ends else 0.0,
@@ -204,13 +235,36 @@ def segment_figures(samples: list[dict]) -> dict:
 Around = Callable[[Slot], AbstractContextManager]  # entered before a run's replay starts, left after it ends
 
 
+@dataclass
+class Clock:
+    """A wall-clock limit on the comparison: no pair (or the ``alone`` runs) starts unless it fits in what is left,
+    judged by the longest slot so far (a run with what ``around`` did before it, such as starting engines)."""
+
+    deadline: float | None  # time.monotonic; None: no limit
+    longest_s: float = 0.0
+    stopped: str = ""  # why runs were left out, once they were
+
+    def fits(self, slots: int, what: str) -> bool:
+        if self.deadline is None or self.stopped:
+            return not self.stopped
+        left = self.deadline - time.monotonic()
+        if slots * self.longest_s <= left:
+            return True
+        self.stopped = (f"{what} left out: {slots} runs of up to {self.longest_s:.0f} s each (the longest so far, "
+                        f"engine starts included) would not end within the time limit ({max(0.0, left):.0f} s left)")
+        return False
+
+
 def compare(sides: dict[str, Side], trace: list[dict], pairs: int, timeout_s: float,
-            done: Callable[[dict], None], around: Around | None = None) -> list[dict]:
+            done: Callable[[dict], None], around: Around | None = None, *, in_turn: bool = False,
+            clock: Clock | None = None) -> list[dict]:
     """Every run of :func:`schedule` in order; ``done`` is called with each run as it ends (the report is rewritten
     then, so a comparison stopped part-way leaves the runs it finished). ``around(slot)`` (a driver's) is entered
     before each run's replay and left after it: outside the replay's clock (engines started in turn, a screenshot
-    taken while it runs). Returns every run, warm-ups included."""
-    return _runs(sides, trace, schedule(pairs), timeout_s, done, around, first=1)
+    taken while it runs). ``clock``: a pair starts only if it fits the time left. Returns every run, warm-ups
+    included."""
+    return _runs(sides, trace, schedule(pairs, in_turn=in_turn), timeout_s, done, around, first=1,
+                 clock=clock or Clock(None))
 
 
 def alone_schedule(pairs: int) -> list[Slot]:
@@ -219,18 +273,24 @@ def alone_schedule(pairs: int) -> list[Slot]:
 
 
 def compare_alone(side: Side, trace: list[dict], pairs: int, timeout_s: float, done: Callable[[dict], None],
-                  first: int) -> list[dict]:
+                  first: int, clock: Clock | None = None) -> list[dict]:
     """The ``alone`` configuration's runs (:func:`alone_schedule`; not counted in the static/elastic ratios),
     numbered from ``first``."""
-    return _runs({"alone": side}, trace, alone_schedule(pairs), timeout_s, done, None, first=first)
+    return _runs({"alone": side}, trace, alone_schedule(pairs), timeout_s, done, None, first=first,
+                 clock=clock or Clock(None))
 
 
 def _runs(sides: dict[str, Side], trace: list[dict], slots: list[Slot], timeout_s: float,
-          done: Callable[[dict], None], around: Around | None, first: int) -> list[dict]:
+          done: Callable[[dict], None], around: Around | None, first: int, clock: Clock) -> list[dict]:
     runs: list[dict] = []
     for i, slot in enumerate(slots, start=first):
+        opens_pair = slot.kind == "pair" and (i == first or slots[i - first - 1].pair != slot.pair)
+        if opens_pair and not clock.fits(2, f"pairs {slot.pair} to {slots[-1].pair}"):
+            break
+        began = time.monotonic()
         with around(slot) if around is not None else contextlib.nullcontext():
             result = replay(sides[slot.configuration], trace, f"{slot.configuration}{i - 1}", timeout_s)
+        clock.longest_s = max(clock.longest_s, time.monotonic() - began)
         runs.append({"run": i, "configuration": slot.configuration, "kind": slot.kind, "pair": slot.pair,
                      "counted": slot.kind == "pair", **result})
         done(runs[-1])

@@ -125,7 +125,8 @@ def markdown(report: dict) -> str:
              f"Command: `{report['command']}`. Machine: {report['machine']}. Seed {report['seed']}.", "",
              *report.get("setup_lines", []),
              f"Method: one warm-up replay per configuration (not counted), then {report['pairs']} ABBA pairs "
-             f"(S E, E S, ...), every engine up throughout; {report['trace_requests']} requests a run.", "",
+             f"{_order(report)}; {report['trace_requests']} requests a run.", "",
+             *([f"**Time limit: {report['stopped_early']}.**", ""] if report.get("stopped_early") else []),
              f"**p99 TTFT static/elastic: median {report['ttft_p99_ratio_median']}x (range "
              f"{report['ttft_p99_ratio_min']}-{report['ttft_p99_ratio_max']}x); throughput elastic/static: median "
              f"{report['throughput_ratio_median']}x (range {report['throughput_ratio_min']}-"
@@ -140,6 +141,14 @@ def markdown(report: dict) -> str:
     if report.get("picture"):
         lines += ["", f"![TTFT by arrival and KV memory per model]({report['picture']})"]
     return "\n".join(lines) + "\n"
+
+
+def _order(report: dict) -> str:
+    """The order of the runs, as the method line says it."""
+    if report.get("together", True):
+        return "(S E, E S, ...), every engine up throughout"
+    return ("(E S, S E, ...: pair 1 goes on from the elastic warm-up), one configuration's engines up at a time, "
+            "started before its runs outside the timed replays")
 
 
 def save(report: dict, stem: Path) -> None:

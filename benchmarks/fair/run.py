@@ -1,7 +1,8 @@
 """A comparison from start to end, whatever the engine: the driver starts both configurations' engines and makes
 the trace; :func:`.method.compare` runs the schedule; on the saturated shape a driver that can (``alone``) then
 runs the limit of sharing, one plain engine given the whole budget; the report is rewritten after every run,
-printed at the end, and drawn. Engines are stopped on Ctrl-C (exit 130) and on failure (exit 1)."""
+printed at the end, and drawn. Engines are stopped on Ctrl-C (exit 130) and on failure (exit 1): an engine that
+dies or a run with a request unanswered ends the comparison at once, with one line on stderr."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from . import report as rep
-from .method import Side, compare, compare_alone
+from .method import Clock, Side, compare, compare_alone
 
 
 class Driver(Protocol):
@@ -34,16 +35,19 @@ class Driver(Protocol):
         (markdown), ``counters_note``, ``timeout_s`` (one run's answers), and any of its own."""
         ...
 
-    def stop(self) -> None:
-        """Stop every engine (also those half started); called once, whatever happened."""
+    def stop(self, failed: bool = False) -> None:
+        """Stop every engine (also those half started); called once, whatever happened. ``failed``: the comparison
+        did not end (a driver keeps what explains it, such as the engines' logs)."""
         ...
 
 
 def run(driver: Driver, *, pairs: int, seed: int, shape: str, single: bool, command: str,
-        stem: Path | None) -> int:
+        stem: Path | None, time_limit_s: float | None = None) -> int:
     """Run the comparison; write ``stem``.json/.md/.png (none when ``stem`` is None). 0 when every request of every
-    run was answered, 1 otherwise or on failure, 130 on Ctrl-C."""
+    run was answered, 1 otherwise or on failure, 130 on Ctrl-C. ``time_limit_s``: from the command's start, no pair
+    starts that would not end within it (judged by the longest run so far); the report says what was left out."""
     started = time.monotonic()
+    clock = Clock(None if time_limit_s is None else started + time_limit_s)
     report: dict = {"title": driver.title, "device": driver.device, "command": command, "shape": shape,
                     "single": single, "seed": seed, "pairs": pairs,
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "runs": []}
@@ -60,16 +64,25 @@ def run(driver: Driver, *, pairs: int, seed: int, shape: str, single: bool, comm
         if stem is not None:
             rep.save(report, stem)
 
+    failed = True
     try:
         sides = driver.start()
         trace = driver.trace()
         about = driver.describe()
         report.update({k: v for k, v in about.items() if k != "timeout_s"}, trace_requests=len(trace))
-        compare(sides, trace, pairs, about["timeout_s"], done, getattr(driver, "around", None))
+        compare(sides, trace, pairs, about["timeout_s"], done, getattr(driver, "around", None),
+                in_turn=not getattr(driver, "together", True), clock=clock)
         alone = getattr(driver, "alone", None)
-        if shape == "saturated" and not single and alone is not None:
+        if shape == "saturated" and not single and alone is not None and \
+                clock.fits(pairs + 2, "the runs of one engine alone"):  # its start, its warm-up, its runs
             busy = [row for row in trace if row["model"] == "m0"]
-            compare_alone(alone(), busy, pairs, about["timeout_s"], done, first=len(report["runs"]) + 1)
+            compare_alone(alone(), busy, pairs, about["timeout_s"], done, first=len(report["runs"]) + 1, clock=clock)
+        if clock.stopped:
+            print(f"time limit: {clock.stopped}", flush=True)
+            report["stopped_early"] = clock.stopped
+            if stem is not None:
+                rep.save(report, stem)
+        failed = False
     except KeyboardInterrupt:
         print("interrupted: every engine was stopped", file=sys.stderr)
         return 130
@@ -77,7 +90,7 @@ def run(driver: Driver, *, pairs: int, seed: int, shape: str, single: bool, comm
         print(f"multimodel: {exc}", file=sys.stderr)
         return 1
     finally:
-        driver.stop()
+        driver.stop(failed)
     if stem is not None and report["runs"]:
         png = rep.plot(report, stem.with_suffix(".png"))
         if png is not None:

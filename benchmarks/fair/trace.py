@@ -3,7 +3,9 @@ mix (:mod:`.longctx`), output lengths uniformly; seeded."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 from .longctx import Bucket, draw
 
@@ -57,3 +59,29 @@ def make_trace(*, shape: str, models: int, duration_s: float, peak_rate: float, 
                          "max_tokens": rng.randint(*output_tokens), "seed": rng.randrange(1 << 30), **extra})
     rows.sort(key=lambda r: r["t"])
     return rows
+
+
+FIELDS = ("t", "model", "prompt_tokens", "max_tokens", "seed")
+
+
+def read_trace(path: Path, models: int) -> list[dict]:
+    """A recorded trace: a JSON object whose ``requests`` are rows of :data:`FIELDS` (``t`` in seconds from the
+    start, ``model`` one of ``m0``... ``m{models-1}``, token counts of at least 1, an integer seed), sorted by
+    ``t``. ValueError (one line) when the file is not such a trace."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--trace {path}: cannot be read as JSON ({exc})") from None
+    rows = data.get("requests") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"--trace {path}: no 'requests' list")
+    names = {f"m{m}" for m in range(models)}
+    for i, row in enumerate(rows):
+        ok = isinstance(row, dict) and all(k in row for k in FIELDS) and row["model"] in names and \
+            isinstance(row["t"], (int, float)) and row["t"] >= 0 and all(
+                isinstance(row[k], int) and not isinstance(row[k], bool) for k in ("prompt_tokens", "max_tokens", "seed")) \
+            and row["prompt_tokens"] >= 1 and row["max_tokens"] >= 1
+        if not ok:
+            raise ValueError(f"--trace {path}: request {i} is not {{t >= 0, model in m0..m{models - 1}, "
+                             f"prompt_tokens >= 1, max_tokens >= 1, seed}}")
+    return sorted(({k: row[k] for k in FIELDS} for row in rows), key=lambda r: r["t"])

@@ -524,5 +524,6 @@ class VllmDriver:
                                  "requests per step nor refused admissions); preemptions are vLLM's; claimed but "
                                  "unused is the elastic segments' reserved pages (sampled every 0.5 s)."}
 
-    def stop(self) -> None:
+    def stop(self, failed: bool = False) -> None:
+        """Every server stopped (their logs are kept by the command line when it failed)."""
         stop_all([e for group in self.engines.values() for e in group])

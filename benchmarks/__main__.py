@@ -57,32 +57,43 @@ RUNNING = [
     ".venv-vllm/bin/python -m benchmarks multimodel --quick   # real vLLM servers on CPU, the same method",
     "```", "",
     "At operator scale (`--scale operator`: three models of the largest Llama shape whose engines of both "
-    "configurations fit the GPU at once, each static share what is left after weights and activations, at "
-    "least 4 GiB; prompts of 1k-8k tokens; the plan printed before the engines start), one command per shape,"
-    " each within one 10-minute GPU command (each writes "
-    "`benchmarks/results/multimodel-transformers-cuda-operator-<shape>.{json,md,png}`):",
+    "configurations fit the GPU at once, else the largest that fits with the configurations in turn (one "
+    "configuration's engines alive at a time, started outside the timed runs; the output and the report say so), "
+    "or `--model`'s shape; a profiling pass measures each configuration's working-memory peak at "
+    "`max_batch_tokens` with the longest prompts (`torch.cuda.max_memory_allocated`), and each static share is "
+    "what is left of the free memory after every engine's weights, CUDA context and measured peak and the "
+    "headroom (`KVCACHED_DEVICE_HEADROOM`), at least 4 GiB; prompts of 1k-8k tokens; the plan printed before the "
+    "engines start; the peak rate set so that at the peak the KV in flight reaches two shares, steady excepted), "
+    "one command per shape (each writes `benchmarks/results/multimodel-transformers-cuda-"
+    "operator-<shape>.{json,md,png}`; `--screenshot PATH` adds kvtop's screen where textual is installed). The "
+    "first is the headline on an H100 80 GB: 8B-shaped models, in turn, within 9 minutes:",
     "",
     "```bash",
-    "python -m benchmarks multimodel --engine transformers --device cuda --scale operator --shape ramps "
-    "--pairs 4 --screenshot benchmarks/results/kvtop-operator-ramps.svg",
-    "python -m benchmarks multimodel --engine transformers --device cuda --scale operator --shape bursty "
-    "--pairs 4",
+    "python -m benchmarks multimodel --engine transformers --device cuda --scale operator --model Llama-3.1-8B "
+    "--shape ramps --pairs 2 --duration 20 --time-limit 500",
+    "python -m benchmarks multimodel --engine transformers --device cuda --scale operator --shape bursty --pairs "
+    "4",
     "python -m benchmarks multimodel --engine transformers --device cuda --scale operator --shape saturated "
     "--pairs 4   # + one engine alone with the whole budget",
-    "python -m benchmarks multimodel --engine transformers --device cuda --scale operator --shape steady "
-    "--pairs 4",
+    "python -m benchmarks multimodel --engine transformers --device cuda --scale operator --shape steady --pairs "
+    "4",
     "python -m benchmarks multimodel --engine transformers --device cpu --scale operator --shape saturated "
-    "--pairs 1 --duration 1.5 --device-memory 128MiB --no-write   # CPU smoke",
+    "--pairs 1 --duration 1.5 --device-memory 256MiB --no-write   # CPU smoke",
     "```",
     "",
-    "The traces' lengths (ramps 30 s, bursty 25 s, saturated 12 s, steady 25 s; `--duration` changes them) "
-    "are chosen for about 8 minutes a command on an H100 with 3B-shaped models, an estimate, not a "
-    "measurement: about 1 minute to start six engines and calibrate, then 10 runs (15 and a second engine "
-    "start on saturated), each the trace plus about 12 s for its last requests to finish (a share of 4.6 GiB "
-    "holds about 11 requests of 3.5k tokens; at an estimated 60 ms a decode step, 64-256 new tokens take 4-15"
-    " s), and on saturated static's runs twice the trace (its share is loaded at twice what it serves). Every"
-    " run prints its elapsed time and the report is rewritten after each, so a command stopped at 10 minutes "
-    "keeps the runs it finished; on an H200 (8B-shaped models) start with shorter `--duration`s.",
+    "How the headline command was sized, an estimate, not a measurement (its own output will say): six engines of"
+    " 8B shape (16 GB of weights each) do not fit 80 GB, so the configurations run in turn; pair 1 goes on from "
+    "the elastic warm-up, so the engines are started 4 times (about 25 s each: spawn, imports, weights built on "
+    "the GPU, a one-share warm-up pass) and the profiling child once (about 60 s: the model built, then two "
+    "passes filling about 9 GiB of static cache and 18 GiB of elastic budget with 8k-token prompts); calibration "
+    "about 20 s; then 6 runs of the 20 s trace plus about 25 s for the requests queued at the peaks (a share of "
+    "about 5 GB holds about 10 requests of 3.7k tokens; an estimated 0.2 s a 2,048-token prefill step and 40 ms a"
+    " decode step): about 460 s in all. `--time-limit 500` starts the second pair only if two runs as long as the"
+    " longest so far (its engine start included) still fit, so a slower device ends with one pair, said in the "
+    "report, rather than past 9 minutes. The other shapes' traces (ramps 30 s, bursty 25 s, saturated 12 s, "
+    "steady 25 s; `--duration` changes them) are longer; every run prints its elapsed time and the report is "
+    "rewritten after each, so a command stopped at its limit keeps the runs it finished. An engine that dies ends"
+    " the command within seconds with its own error line, its log kept under `/tmp/kvc-tcb-logs-*`.",
     "",
 ]
 RESULTS = Path(__file__).resolve().parent / "results"

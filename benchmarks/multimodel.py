@@ -18,9 +18,9 @@ elastic with a budget equal to one static share, against plain static: the cost 
   model, the peak rate calibrated on a static share in the run;
 - ``--engine vllm`` (``benchmarks/fair/vllm.py``, the default): real vLLM servers on the tiny Llama (CPU).
 
-The peak rate (transformers, ``benchmarks/fair/load.py``): at least twice what one static share serves, and
-high enough that at the peak the KV of the requests in flight reaches twice a share (steady excepted: each model at
-its share's capacity); both figures measured in the run, the rule printed.
+The peak rate (transformers, ``benchmarks/fair/load.py``): twice what one static share serves and, at operator
+scale, high enough that at the peak the KV of the requests in flight reaches twice a share (steady excepted: each
+model at its share's capacity); both figures measured in the run, the rule printed.
 
 ``--scale operator`` (transformers): the largest Llama shape (or ``--model``'s) whose engines of both configurations
 fit the device at once, else in turn; each static share what is left of the device's free memory after every

@@ -162,10 +162,11 @@ def test_a_device_nothing_fits_is_one_line() -> None:
 
 @pytest.mark.slow
 def test_operator_scale_on_cpu_prints_its_plan_answers_everything_and_saves_kvtops_screen(tmp_path: Path) -> None:
-    """The saturated shape, one pair: a profiling pass first, then the plan from what it measured; the traffic's rule
-    printed and met (the KV in flight of the busy model reaches two shares); every run of static, elastic and alone
-    answers every request; the report holds the plan, the limit of sharing and the preemption check; kvtop's screen
-    is an SVG naming the elastic models."""
+    """The saturated shape, one pair, on a declared device too small for both configurations at once: the profiling
+    passes first, then the plan from what they measured, in turn (pair 1 goes on from the elastic warm-up); the
+    traffic's rule printed and met (the KV in flight of the busy model reaches two shares); every run of static,
+    elastic and alone answers every request; the report holds the plan, the limit of sharing and the preemption
+    check; kvtop's screen is an SVG naming the elastic models."""
     from test_bench_multimodel_tcb import UNSUPPORTED
 
     if UNSUPPORTED is not None:
@@ -179,14 +180,14 @@ def test_operator_scale_on_cpu_prints_its_plan_answers_everything_and_saves_kvto
     assert lines[0].startswith("profiling tiny Llama-shaped engines (a pass at max_batch_tokens 512 with prompts of "
                                "800 tokens)"), out[:500]
     assert lines[1].startswith("plan: device 256.0 MiB, 256.0 MiB free; 3 x tiny Llama-shaped"), out[:500]
-    assert "both configurations' engines alive at once" in lines[1]
+    assert "the configurations in turn (both cannot live at once" in lines[1]
     assert "measured working peak (static " in lines[2] and "peak resident memory (VmHWM)" in lines[2]
     rep = json.loads((tmp_path / "multimodel-transformers-cpu-operator-saturated.json").read_text())
     plan = rep["plan"]
-    assert rep["scale"] == "operator" and rep["together"] and plan["share_blocks"] > 0
+    assert rep["scale"] == "operator" and not rep["together"] and plan["share_blocks"] > 0
     assert all(plan["measured"]["working_bytes"][c] > 0 for c in ("static", "elastic"))
     assert plan["headroom_bytes"] == int(256 * 1024 * 1024 * 0.05)  # KVCACHED_DEVICE_HEADROOM's default, 5%
-    assert rep["budget_bytes"] == plan["budget_bytes"] == 3 * (plan["share_blocks"] + 2) * 512 * 1024
+    assert rep["budget_bytes"] == plan["budget_bytes"] == 3 * (plan["share_blocks"] + 2) * 2 * 1024 * 1024
     assert plan["used_bytes"] <= 256 * 1024 * 1024
     traffic = rep["traffic"]
     assert traffic["memory_rule"] and traffic["in_flight_peak_bytes"] >= 2 * rep["share_bytes"]
@@ -196,8 +197,9 @@ def test_operator_scale_on_cpu_prints_its_plan_answers_everything_and_saves_kvto
                                              if c != "alone" or m == 0]
     runs = rep["runs"]
     assert [(r["kind"], r["configuration"]) for r in runs] == [
-        ("warm-up", "static"), ("warm-up", "elastic"), ("pair", "static"), ("pair", "elastic"),
+        ("warm-up", "static"), ("warm-up", "elastic"), ("pair", "elastic"), ("pair", "static"),
         ("warm-up", "alone"), ("alone", "alone")]
+    assert rep["engine_starts"] == ["static", "elastic", "static", "alone"]  # in turn: one switch inside the pair
     for run in runs:
         assert run["answered"] == run["requests"] == (rep["trace_requests"] if run["configuration"] != "alone"
                                                       else run["requests"]) > 0, run["run"]

@@ -1,5 +1,5 @@
 """The traffic's peak rate, from a measured rate and from memory: where memory binds, so that elastic has something
-to win on every shape but steady.
+to win on every shape but steady (the memory rule serves operator scale; see :mod:`.tcb`).
 
 Two rules, both declared, both applied to figures measured in the run (:func:`.tcb.calibrate`):
 

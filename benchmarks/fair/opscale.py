@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .longctx import MIX, OUTPUT_TOKENS, Bucket, bounds, scaled
-from .scale import CONFIGS, CPU_SHAPES, DTYPE_BYTES, GPU_SHAPES, GiB, Measured, MiB, Plan, Shape, choose
+from .scale import CONFIGS, CPU_SHAPES, DTYPE_BYTES, GPU_SHAPES, GiB, Measured, MiB, Plan, Shape, choose, plan
 from .tcb_setup import PAGE_TOKENS, Setup
 from .trace import SHAPES
 
@@ -117,8 +117,13 @@ class Planner:
         def measured(shape: Shape) -> Measured:
             print(f"profiling {shape.name}-shaped engines (a pass at max_batch_tokens "
                   f"{self.op.max_batch_tokens} with prompts of {bounds(self.op.prompt_mix)[1]} tokens)...", flush=True)
+
+            def elastic_budget(static: Measured) -> int:  # the largest budget a plan could give, in turn
+                return plan(static, shape, dtype=self.op.dtype, headroom_bytes=self.headroom, models=self.models,
+                            together=False, page_tokens=PAGE_TOKENS).budget_bytes
+
             found, figures = measure(setup_for(self.device, shape, 0, duration_s), models=self.models, seed=seed,
-                                     shm=shm, logs=logs, declared_bytes=self.declared)
+                                     shm=shm, logs=logs, declared_bytes=self.declared, elastic_budget=elastic_budget)
             self.profiles[shape.name] = figures
             return found
 

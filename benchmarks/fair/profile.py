@@ -1,51 +1,80 @@
-"""The profiling pass: an engine's working-memory peak, measured as vLLM's profile run measures it.
+"""The profiling passes: each configuration's working-memory peak, measured as vLLM's profile run measures it.
 
 One child process (as an engine is one) builds the model and, for each configuration in turn, starts transformers'
-continuous batching on it (static beside a fixed cache; elastic on kvcached), answers a warm-up request, then runs
-the pass: the longest prompts the trace draws, enough of them to fill a step of ``max_batch_tokens``, two new tokens
-each. Working memory is what the pass took beside the weights and the KV cache:
+continuous batching on it (static beside a fixed cache; elastic on kvcached under a budget), answers a warm-up
+request, then runs a pass (:func:`fill_pass`): the longest prompts the trace draws, as many as the cache or budget
+holds, prefilled at ``max_batch_tokens`` a step and all running at once by its end, so that a step reads as much
+KV as that memory can give one batch. Working memory is what the pass took beside the weights and the KV cache:
 
 - on CUDA, torch's peak of allocated bytes over the pass (``torch.cuda.reset_peak_memory_stats`` before it,
   ``torch.cuda.max_memory_allocated`` after) less what was allocated before it; the CUDA context (the process's
   device memory outside torch's allocator) is measured once, through NVML when it answers;
 - on CPU, the process's peak resident memory over the pass (``VmHWM``, reset through ``/proc/self/clear_refs``) less
-  its resident memory before it, less the KV pages kvcached mapped meanwhile (its host pages are resident too);
+  its resident memory before it, less the most KV pages kvcached mapped meanwhile (its host pages are resident too);
   glibc is told to give freed blocks back at once, so that memory freed before the pass cannot hide its needs.
 
-The static cache the pass runs beside is the largest share any plan could give (:func:`.scale.upper_share_blocks`):
-transformers' attention inputs grow with the cache, so a plan's engines never need more than was measured.
-Engines at operator scale run the same pass as their warm-up (:func:`run_pass`), so an engine that cannot hold it
-fails at its start, and an elastic engine's registered working memory (the plugin's) covers it before any run.
+Both passes run beside the most memory a plan could give them, since transformers' attention inputs grow with the
+cache (static) or with what a batch reads (elastic): the static cache is the largest share any plan could give
+(:func:`.scale.upper_share_blocks`), and the elastic budget the largest a plan could give once static's peak is
+known (the parent computes it from the static figures). So a plan's engines never need more than was measured.
+Engines at operator scale run one share's pass as their warm-up (:func:`.tcb_child.warm_pass`), so an engine that
+cannot hold it fails at its start, and an elastic engine's registered working memory (the plugin's) starts there.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from .scale import CONFIGS, Measured, upper_share_blocks
+from .scale import PADDING_BLOCKS, Measured, upper_share_blocks
 from .tcb_child import build_model, error_line, log_to, setup_of, start_batching
 
-PASS_NEW_TOKENS = 2
 PASS_TIMEOUT_S = 300.0
+MAPPED_POLL_S = 0.002  # on the host, how often the pages kvcached has mapped are looked at during a pass
 
 
-def pass_requests(longest: int, max_batch_tokens: int, vocab: int, seed: int) -> list[list[int]]:
-    """The pass's prompts: ``longest`` tokens each, enough for their prefill to fill a step of ``max_batch_tokens``
-    (at least two, so that a step can carry the chunks of two of them)."""
+MAX_PASS_REQUESTS = 24  # a pass's requests at most (a CPU pass stays short; an 8B GPU pass fills 18 GiB with 17)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A profiling pass: prompts of the longest length the trace draws, and the tokens each generates."""
+
+    prompts: list[list[int]]
+    new_tokens: int
+
+
+def fill_pass(blocks: int, setup: Any, seed: int) -> Pass:
+    """As many of the longest prompts as ``blocks`` hold (at least one, at most :data:`MAX_PASS_REQUESTS`), each
+    generating enough tokens to be still running when the last one's prefill ends, so that the last steps read all
+    of them at once at ``max_batch_tokens`` a step: the most a cache of ``blocks`` gives one batch to read."""
+    from .tcb_setup import PAGE_TOKENS
+
+    longest = setup.prompt_range()[1]
+    count = max(1, min(MAX_PASS_REQUESTS, blocks // -(-(longest + PAGE_TOKENS) // PAGE_TOKENS)))
+    new = min(PAGE_TOKENS, -(-count * longest // setup.max_batch_tokens) + 2)
     rng = random.Random(seed)
-    count = max(2, -(-max_batch_tokens // longest) + 1)
-    return [[1] + [rng.randrange(4, vocab) for _ in range(longest - 1)] for _ in range(count)]
+    return Pass([[1] + [rng.randrange(4, setup.vocab) for _ in range(longest - 1)] for _ in range(count)], new)
 
 
-def run_pass(manager: Any, prompts: list[list[int]], timeout_s: float = PASS_TIMEOUT_S) -> None:
-    """Send ``prompts`` to a started continuous batching manager and wait for every answer (before the engine's
-    own reader thread runs); RuntimeError with the engine's error if one fails or the loop stops."""
-    for i, ids in enumerate(prompts):
-        manager.add_request(ids, request_id=f"profile-{i}", max_new_tokens=PASS_NEW_TOKENS, eos_token_id=-1)
-    left = {f"profile-{i}" for i in range(len(prompts))}
+def blocks_of(p: Pass) -> int:
+    """The blocks the pass's requests hold at their end, all together."""
+    from .tcb_setup import PAGE_TOKENS
+
+    return sum(-(-(len(ids) + p.new_tokens) // PAGE_TOKENS) for ids in p.prompts)
+
+
+def run_pass(manager: Any, p: Pass, timeout_s: float = PASS_TIMEOUT_S) -> None:
+    """Send the pass to a started continuous batching manager and wait for every answer (before the engine's own
+    reader thread runs); RuntimeError with the engine's error if one fails or the loop stops."""
+    for i, ids in enumerate(p.prompts):
+        manager.add_request(ids, request_id=f"profile-{i}", max_new_tokens=p.new_tokens, eos_token_id=-1)
+    left = {f"profile-{i}" for i in range(len(p.prompts))}
     deadline = time.monotonic() + timeout_s
     while left:
         if time.monotonic() > deadline:
@@ -65,7 +94,7 @@ def run_pass(manager: Any, prompts: list[list[int]], timeout_s: float = PASS_TIM
 
 def wait_warm(manager: Any) -> None:
     """One short request answered: the cache is built (on kvcached, by the loop's first batch)."""
-    run_pass(manager, [[1, 5, 6, 7]])
+    run_pass(manager, Pass([[1, 5, 6, 7]], 2))
 
 
 class Meter:
@@ -149,73 +178,109 @@ def _status_bytes(key: str) -> int:
 
 
 def profile_child(spec: dict, inbox: Any, outbox: Any) -> None:
-    """A child: measure (see the module docstring) and put ``("profile", name, None, figures, ...)`` on the outbox,
-    or ``("died", ...)`` with the error line."""
+    """A child: the static pass, its figures put on the outbox as ``("profile-static", name, None, figures, ...)``;
+    then, given ``("elastic", budget_bytes)`` on the inbox, the elastic pass over that budget and every figure as
+    ``("profile", ...)``; ``("died", ...)`` with the error line when it fails. It ends when told (``None``)."""
     log_to(spec.get("log"))
     os.environ.update(spec["env"])
     try:
-        figures = _profile(spec)
+        profiler = _Profiler(spec)
+        outbox.put(("profile-static", spec["name"], None, profiler.static(), None, 0, None))
+        asked = inbox.get()
+        if asked is None:
+            return
+        outbox.put(("profile", spec["name"], None, profiler.elastic(asked[1]), None, 0, None))
     except Exception as exc:
         outbox.put(("died", spec["name"], None, None, None, 0, error_line(exc)))
         raise
-    outbox.put(("profile", spec["name"], None, figures, None, 0, None))
-    inbox.get()  # ends when told, as an engine does
+    inbox.get()
 
 
-def _profile(spec: dict) -> dict:
-    import gc
+class _Profiler:
+    """The model, built once, and each configuration's pass on it (see the module docstring)."""
 
-    from kvcached_core.settings import settings
+    def __init__(self, spec: dict) -> None:
+        from kvcached_core.settings import settings
 
-    setup = setup_of(spec)
-    meter = Meter(setup.device)
-    total, free = (spec["declared_bytes"],) * 2 if spec.get("declared_bytes") else (meter.total_bytes, meter.free_bytes)
-    model = build_model(setup, spec["seed"])
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    headroom = settings().device_headroom.of(total)
-    blocks = upper_share_blocks(free, weights, meter.context_bytes, headroom_bytes=headroom,
-                                block_bytes=setup.block_bytes, models=spec["models"])
-    longest = setup.prompt_range()[1]
-    prompts = pass_requests(longest, setup.max_batch_tokens, setup.vocab, spec["seed"])
-    per_request = -(-(longest + PASS_NEW_TOKENS) // spec["page_tokens"])
-    if blocks < per_request:
-        raise RuntimeError(f"the device leaves no room for a cache of one longest request ({per_request} blocks) "
-                           f"beside {spec['models']} engines' weights")
-    prompts = prompts[:max(1, blocks // per_request)]
-    budget = spec["models"] * (blocks + 2) * setup.block_bytes
-    os.environ["KVCACHED_DEVICE_BUDGET" if setup.device == "cuda" else "KVCACHED_HOST_CAPACITY"] = f"{budget >> 20}MiB"
-    working: dict[str, int] = {}
-    for config in CONFIGS:
-        elastic = config == "elastic"
-        manager, handle = start_batching(model, setup, elastic=elastic, name=f"{spec['name']}-{config}",
-                                         num_blocks=spec["models"] * (blocks + 2) - 2 if elastic else blocks)
+        self.spec = spec
+        self.setup = setup = setup_of(spec)
+        self.meter = meter = Meter(setup.device)
+        declared = spec.get("declared_bytes")
+        total, free = (declared, declared) if declared else (meter.total_bytes, meter.free_bytes)
+        self.model = build_model(setup, spec["seed"])
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.figures: dict = {"total_bytes": total, "free_bytes": free, "context_bytes": meter.context_bytes,
+                              "weights_bytes": weights, "working_bytes": {}, "how": meter.how}
+        self.cache_blocks = upper_share_blocks(free, weights, meter.context_bytes,
+                                               headroom_bytes=settings().device_headroom.of(total),
+                                               block_bytes=setup.block_bytes, models=spec["models"])
+
+    def static(self) -> dict:
+        """The static pass, beside the largest static cache any plan could give."""
+        p = fill_pass(self.cache_blocks, self.setup, self.spec["seed"])
+        if blocks_of(p) > self.cache_blocks:
+            raise RuntimeError(f"the device leaves no room for a static cache of one longest request "
+                               f"({blocks_of(p)} blocks) beside {self.spec['models']} engines' weights")
+        self.figures.update(profile_cache_blocks=self.cache_blocks, pass_requests=len(p.prompts),
+                            pass_prompt_tokens=len(p.prompts[0]), static_pass_blocks=blocks_of(p))
+        self.figures["working_bytes"]["static"] = self._measure(False, self.cache_blocks, p)
+        return dict(self.figures)
+
+    def elastic(self, budget_bytes: int) -> dict:
+        """The elastic pass under a budget of ``budget_bytes`` (the largest a plan could give, from the static
+        figures), reading as much of it at once as the pass holds."""
+        setup = self.setup
+        os.environ["KVCACHED_DEVICE_BUDGET" if setup.device == "cuda" else "KVCACHED_HOST_CAPACITY"] = \
+            f"{budget_bytes >> 20}MiB"
+        blocks = budget_bytes // setup.block_bytes - PADDING_BLOCKS
+        p = fill_pass(blocks, setup, self.spec["seed"])
+        self.figures.update(profile_budget_bytes=budget_bytes, elastic_pass_blocks=blocks_of(p))
+        self.figures["working_bytes"]["elastic"] = self._measure(True, blocks, p)
+        return dict(self.figures)
+
+    def _measure(self, elastic: bool, blocks: int, p: Pass) -> int:
+        import gc
+
+        manager, handle = start_batching(self.model, self.setup, elastic=elastic, num_blocks=blocks,
+                                         name=f"{self.spec['name']}-{'elastic' if elastic else 'static'}")
         try:
             wait_warm(manager)
-            working[config] = measure_pass(manager, handle, meter, prompts)
+            return measure_pass(manager, handle, self.meter, p)
         finally:
             manager.stop(block=True, timeout=60)
             if handle is not None:
                 handle.close()
-        del manager, handle
-        gc.collect()
-        if meter.cuda:
-            import torch
+            del manager, handle
+            gc.collect()
+            if self.meter.cuda:
+                import torch
 
-            torch.cuda.empty_cache()
-    return {"total_bytes": total, "free_bytes": free, "context_bytes": meter.context_bytes, "weights_bytes": weights,
-            "working_bytes": working, "how": meter.how, "profile_cache_blocks": blocks,
-            "pass_requests": len(prompts), "pass_prompt_tokens": longest}
+                torch.cuda.empty_cache()
 
 
-def measure_pass(manager: Any, handle: Any, meter: Meter, prompts: list[list[int]]) -> int:
-    """The working memory of one pass of ``prompts`` on a started, warm engine (``handle``: the plugin's, or None)."""
-    mapped_before = _mapped(handle)
+def measure_pass(manager: Any, handle: Any, meter: Meter, p: Pass) -> int:
+    """The working memory of one pass on a started, warm engine (``handle``: the plugin's, or None)."""
+    if meter.cuda or handle is None:
+        meter.reset()
+        run_pass(manager, p)
+        return meter.peak()
+    # on the host, kvcached's pages are resident too: the most it had mapped over the pass is KV, not working memory
+    mapped_before, most = _mapped(handle), [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(MAPPED_POLL_S):
+            most[0] = max(most[0], _mapped(handle))
+
+    watcher = threading.Thread(target=watch, daemon=True)
     meter.reset()
-    run_pass(manager, prompts)
-    peak = meter.peak()
-    if not meter.cuda:  # kvcached's host pages are resident too: they are KV, not working memory
-        peak = max(0, peak - (_mapped(handle) - mapped_before))
-    return peak
+    watcher.start()
+    try:
+        run_pass(manager, p)
+    finally:
+        done.set()
+        watcher.join()
+    return max(0, meter.peak() - max(0, max(most[0], _mapped(handle)) - mapped_before))
 
 
 def _mapped(handle: Any) -> int:
@@ -226,13 +291,15 @@ def _mapped(handle: Any) -> int:
 
 def measured_from(figures: dict) -> Measured:
     return Measured(**{k: figures[k] for k in ("total_bytes", "free_bytes", "context_bytes", "weights_bytes",
-                                               "working_bytes", "how", "profile_cache_blocks")})
+                                               "working_bytes", "how", "profile_cache_blocks",
+                                               "profile_budget_bytes")})
 
 
 def measure(setup: Any, *, models: int, seed: int, shm: Any, logs: Any, declared_bytes: int | None,
-            timeout_s: float = 900.0) -> tuple[Measured, dict]:
-    """Run the profiling pass for ``setup``'s model in a child process; what it measured, and its figures as it
-    gave them (the pass's requests too). EngineDied with its error line when it fails."""
+            elastic_budget: Callable[[Measured], int], timeout_s: float = 900.0) -> tuple[Measured, dict]:
+    """Run the profiling passes for ``setup``'s model in a child process: static first, then elastic under
+    ``elastic_budget(what static measured)`` bytes. What it measured, and its figures as it gave them. EngineDied
+    with its error line when it fails."""
     from .tcb import WARM_POOL, context
     from .tcb_engines import Engines
     from .tcb_setup import PAGE_TOKENS
@@ -245,8 +312,15 @@ def measure(setup: Any, *, models: int, seed: int, shm: Any, logs: Any, declared
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             msg = child.get(deadline - time.monotonic())
-            if msg is not None and msg[0] == "profile":
-                return measured_from(msg[3]), msg[3]
-        raise RuntimeError(f"the profiling pass did not end within {timeout_s:.0f} s")
+            if msg is None:
+                continue
+            figures = msg[3]
+            if msg[0] == "profile-static":
+                partial = measured_from({**figures, "working_bytes": {**figures["working_bytes"], "elastic": 0},
+                                         "profile_budget_bytes": 0})
+                child.inboxes["profile"].put(("elastic", elastic_budget(partial)))
+            elif msg[0] == "profile":
+                return measured_from(figures), figures
+        raise RuntimeError(f"the profiling passes did not end within {timeout_s:.0f} s")
     finally:
         child.stop()

@@ -68,8 +68,9 @@ GPU_SHAPES = (
     Shape("Llama-3.2-1B", layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, intermediate=8192,
           vocab=128256, tie_embeddings=True),
 )
-# On CPU, the one size the smoke test runs: a tiny Llama.
-CPU_SHAPES = (Shape("tiny Llama", layers=2, hidden=256, heads=8, kv_heads=4, head_dim=32, intermediate=512, vocab=512,
+# On CPU, the one size the smoke test runs: a tiny Llama. Eight layers and no grouped KV heads, so that a layer's
+# attention inputs (a copy of the KV it reads, per query head) are a small part of the KV, as on a real model.
+CPU_SHAPES = (Shape("tiny Llama", layers=8, hidden=128, heads=4, kv_heads=4, head_dim=32, intermediate=256, vocab=512,
                     tie_embeddings=False),)
 
 
@@ -86,7 +87,8 @@ class Measured:
     weights_bytes: int  # one model's parameters
     working_bytes: dict[str, int] = field(default_factory=dict)  # per configuration: the profiling pass's peak
     how: str = ""  # how the working memory was measured, as the plan prints it
-    profile_cache_blocks: int = 0  # the static cache the pass ran beside (its working memory grows with it)
+    profile_cache_blocks: int = 0  # the static cache the static pass ran beside (its working memory grows with it)
+    profile_budget_bytes: int = 0  # the budget the elastic pass ran under
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,8 @@ class Plan:
         return [f"plan: device {g(m.total_bytes)}, {g(m.free_bytes)} free; {self.models} x {self.shape.name}-shaped "
                 f"({self.dtype}, {params} parameters); {how}",
                 f"plan: per engine {g(m.weights_bytes)} weights + {g(m.context_bytes)} CUDA context + measured working "
-                f"peak ({working}; {m.how}, beside a static cache of {m.profile_cache_blocks} blocks)",
+                f"peak ({working}; {m.how}, beside a static cache of {m.profile_cache_blocks} blocks and under an "
+                f"elastic budget of {g(m.profile_budget_bytes)})",
                 f"plan: headroom {g(self.headroom_bytes)} (KVCACHED_DEVICE_HEADROOM) kept free; {alive} placed; the KV "
                 f"memory left split in {self.engines} shares",
                 f"plan: a static share {self.share_blocks} blocks of {self.page_tokens} tokens (+{PADDING_BLOCKS} "

@@ -9,8 +9,9 @@ both configurations), random weights built in place (``MODELS`` says which sizes
 
 The peak rate comes from declared rules applied to figures measured in the run (:mod:`.load`): the requests per
 second one static share serves and a request's service time there, measured by a short calibration
-(``CALIBRATION_FACTOR`` times the requests its cache holds at once, all submitted together to one static engine),
-so that at the peak the KV of the requests in flight reaches twice a share (steady excepted).
+(``CALIBRATION_FACTOR`` times the requests its cache holds at once, all submitted together to one static engine):
+twice that rate, and at operator scale at least the rate at which the KV of the requests in flight reaches twice a
+share at the peak (steady excepted; the small scale's recorded results were made with the rate rule alone).
 Counters per run, read in every engine: steps and the requests they carried (transformers' ``schedule_batch``),
 steps that left requests waiting, offload rounds; admissions refused by the shared budget and pooled bytes come
 from the plugin's ``stats`` where it has one (``n/a`` otherwise).
@@ -29,7 +30,6 @@ from typing import Any
 
 from .load import request_kv_bytes, traffic
 from .opscale import OPERATOR, Planner, setup_for
-from .profile import PASS_NEW_TOKENS
 from .scale import Plan
 from .tcb_engines import Engines
 from .tcb_setup import MODELS, PAGE_TOKENS, Setup, share_bytes
@@ -173,13 +173,9 @@ class TcbDriver:
         return group
 
     def _pass_requests(self) -> int:
-        """At operator scale, the profiling pass each engine runs as its warm-up: as many of the profile's requests
-        as a share holds (0: no pass)."""
-        if self.plan is None or self.planner is None:
-            return 0
-        figures = self.planner.profiles[self.plan.shape.name]
-        longest = -(-(figures["pass_prompt_tokens"] + PASS_NEW_TOKENS) // PAGE_TOKENS)
-        return max(1, min(figures["pass_requests"], self.setup.share_blocks // longest))
+        """At operator scale, the blocks of the profiling pass each engine runs as its warm-up: one share's (0: no
+        pass)."""
+        return 0 if self.plan is None else self.setup.share_blocks
 
     def _ready(self, group: Engines) -> None:
         group.wait_ready(600)
@@ -262,7 +258,7 @@ class TcbDriver:
 
         found = traffic(make, share_rate=cal["requests_per_s"], service_s=cal["service_s"],
                         share_bytes=share_bytes(s), kv_of=lambda row: request_kv_bytes(row, s.block_bytes, PAGE_TOKENS),
-                        memory_rule=self.shape != "steady")
+                        memory_rule=self.scale == "operator" and self.shape != "steady")
         self.traffic, self.peak_rate = found.to_dict(), found.peak_rate
         self.traffic_lines = found.lines()
         for line in self.traffic_lines:

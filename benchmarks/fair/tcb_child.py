@@ -133,15 +133,15 @@ def start_batching(model: Any, setup: Any, *, elastic: bool, num_blocks: int, na
 
 
 def warm_pass(spec: dict, setup: Any, manager: Any, handle: Any) -> int | None:
-    """At operator scale (``spec["profile_pass"]``), the profiling pass as the engine's warm-up (see
-    :mod:`.profile`): its working memory, measured; None otherwise."""
+    """At operator scale (``spec["profile_pass"]``: the blocks it fills, one share), a profiling pass as the
+    engine's warm-up (see :mod:`.profile`): its working memory, measured; None otherwise."""
     if not spec.get("profile_pass"):
         return None
-    from .profile import Meter, measure_pass, pass_requests, wait_warm
+    from .profile import Meter, fill_pass, measure_pass, wait_warm
 
     wait_warm(manager)
-    prompts = pass_requests(setup.prompt_range()[1], setup.max_batch_tokens, setup.vocab, spec["seed"])
-    return measure_pass(manager, handle, Meter(setup.device, device_figures=False), prompts[:spec["profile_pass"]])
+    p = fill_pass(spec["profile_pass"], setup, spec["seed"])
+    return measure_pass(manager, handle, Meter(setup.device, device_figures=False), p)
 
 
 def loop_error(manager: Any) -> str:

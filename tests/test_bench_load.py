@@ -65,9 +65,12 @@ def test_the_rate_rule_stands_where_it_already_binds_memory_and_steady_keeps_it(
     found = load.traffic(make("ramps"), share_rate=5.0, service_s=2.0, share_bytes=share, kv_of=kv, memory_rule=True)
     assert found.peak_rate == 10.0 and found.busiest.bytes >= 2 * share
     steady = load.traffic(make("steady"), share_rate=0.5, service_s=1.0, share_bytes=64 * BLOCK, kv_of=kv,
-                          memory_rule=False)
+                          memory_rule=True, steady=True)
     assert steady.peak_rate == 1.0 and steady.busiest.bytes < 2 * 64 * BLOCK  # a share's capacity, nothing to win
-    assert "every model at 0.5 requests/s" in steady.lines()[0]
+    assert not steady.memory_rule and "every model at 0.5 requests/s" in steady.lines()[0]
+    small = load.traffic(make("ramps"), share_rate=0.5, service_s=1.0, share_bytes=64 * BLOCK, kv_of=kv,
+                         memory_rule=False)  # the small scale: the rate rule alone
+    assert small.peak_rate == 1.0 and small.lines()[0].startswith("traffic: peak 1 requests/s per model (2 x a share")
 
 
 def test_a_rule_that_would_take_more_requests_than_a_run_can_replay_is_refused_in_one_line() -> None:

@@ -86,3 +86,20 @@ def test_a_bad_trace_file_is_a_usage_error_in_one_line(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines() == [
         f"multimodel: --trace {bad}: cannot be read as JSON (Expecting property name enclosed in double quotes: "
         "line 1 column 2 (char 1))"]
+
+
+def test_the_benchmark_path_imports_no_textual_and_a_screenshot_without_it_is_a_usage_error() -> None:
+    """The GPU hosts run the benchmark without textual: no module of the harness imports it (kvtop's screen, the
+    one part that needs it, is imported only for --screenshot), and --screenshot there is refused in one line."""
+    code = ("import sys, pkgutil, importlib, importlib.util\n"
+            "sys.modules['textual'] = None  # importing it now raises ImportError\n"
+            "import benchmarks.fair, benchmarks.multimodel\n"
+            "for info in pkgutil.iter_modules(benchmarks.fair.__path__):\n"
+            "    importlib.import_module('benchmarks.fair.' + info.name)\n"
+            "importlib.util.find_spec = lambda name, *a: None\n"
+            "sys.exit(benchmarks.multimodel.main(['--engine', 'transformers', '--screenshot', 'x.svg']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "error: --screenshot needs textual (kvtop's screen), which is not installed here: leave it out"), proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -68,7 +68,8 @@ class Traffic:
     service_s: float
     share_bytes: int
     busiest: InFlight
-    memory_rule: bool  # whether the memory rule applies (every shape but steady)
+    memory_rule: bool  # whether the memory rule applied
+    steady: bool  # the steady shape: every model at half the peak rate all along
 
     def lines(self) -> list[str]:
         """The rule and what it gave, as the run prints them."""
@@ -76,9 +77,13 @@ class Traffic:
 
         held = f"{self.busiest.model} holds {g(self.busiest.bytes)} ({self.busiest.bytes / self.share_bytes:.2f} " \
                f"shares, {self.busiest.requests} requests) at {self.busiest.t:.1f} s"
-        if not self.memory_rule:
+        if self.steady:
             return [f"traffic: every model at {self.peak_rate / 2:g} requests/s (half of {PEAK_RULE:g} x a share's "
                     f"rate: a share's capacity, nothing for elastic to win); KV in flight at most: {held}"]
+        if not self.memory_rule:
+            return [f"traffic: peak {self.peak_rate:g} requests/s per model ({PEAK_RULE:g} x a share's rate); KV in "
+                    f"flight at most (the requests of the last {self.service_s:.2f} s, the measured service time): "
+                    f"{held}"]
         return [f"traffic: peak {self.peak_rate:g} requests/s per model, the larger of {PEAK_RULE:g} x a share's "
                 f"rate ({self.rate_rule_rate:g}) and the rate at which the KV in flight (the requests of the last "
                 f"{self.service_s:.2f} s, the measured service time, each with its prompt's and new tokens' KV) "
@@ -86,15 +91,18 @@ class Traffic:
 
     def to_dict(self) -> dict:
         return {"peak_rate": self.peak_rate, "rate_rule_rate": self.rate_rule_rate, "service_s": self.service_s,
-                "share_bytes": self.share_bytes, "memory_rule": self.memory_rule, "peak_rule": PEAK_RULE,
+                "share_bytes": self.share_bytes, "memory_rule": self.memory_rule, "steady": self.steady,
+                "peak_rule": PEAK_RULE,
                 "memory_rule_shares": MEMORY_RULE, "in_flight_peak_bytes": self.busiest.bytes,
                 "in_flight_peak_model": self.busiest.model, "in_flight_peak_t": self.busiest.t,
                 "in_flight_peak_requests": self.busiest.requests}
 
 
 def traffic(make: Callable[[float], list[dict]], *, share_rate: float, service_s: float, share_bytes: int,
-            kv_of: Callable[[dict], int], memory_rule: bool) -> Traffic:
-    """The trace ``make(peak_rate)`` at the peak rate the rules give (see the module docstring)."""
+            kv_of: Callable[[dict], int], memory_rule: bool, steady: bool = False) -> Traffic:
+    """The trace ``make(peak_rate)`` at the peak rate the rules give (see the module docstring); ``memory_rule``
+    False (and always for ``steady``): the rate rule alone."""
+    memory_rule = memory_rule and not steady
     rate = round(PEAK_RULE * share_rate, 3)
     base = rate
     want = MEMORY_RULE * share_bytes
@@ -102,7 +110,7 @@ def traffic(make: Callable[[float], list[dict]], *, share_rate: float, service_s
         trace = make(rate)
         busiest = in_flight(trace, service_s, kv_of)
         if not memory_rule or busiest.bytes >= want:
-            return Traffic(trace, rate, base, service_s, share_bytes, busiest, memory_rule)
+            return Traffic(trace, rate, base, service_s, share_bytes, busiest, memory_rule, steady)
         if len(trace) > MAX_REQUESTS:
             raise RuntimeError(f"the KV in flight reaches {busiest.bytes / share_bytes:.2f} of the {MEMORY_RULE:g} "
                                f"shares the rule asks only with more than {MAX_REQUESTS} requests a run (peak "

@@ -179,9 +179,9 @@ class TcbDriver:
 
     def _ready(self, group: Engines) -> None:
         group.wait_ready(600)
-        for name, working in group.working.items():
-            self.engine_working.setdefault(name, []).append(working)
-        if self.plan is not None:
+        if self.plan is not None:  # operator scale: each engine ran a profiling pass as its warm-up
+            for name, working in group.working.items():
+                self.engine_working.setdefault(name, []).append(working)
             from kvcached_core.sizes import format_bytes
 
             print("engines up: " + ", ".join(f"{n} (working peak {format_bytes(w) if w is not None else 'n/a'} at its "
@@ -258,7 +258,7 @@ class TcbDriver:
 
         found = traffic(make, share_rate=cal["requests_per_s"], service_s=cal["service_s"],
                         share_bytes=share_bytes(s), kv_of=lambda row: request_kv_bytes(row, s.block_bytes, PAGE_TOKENS),
-                        memory_rule=self.scale == "operator" and self.shape != "steady")
+                        memory_rule=self.scale == "operator", steady=self.shape == "steady")
         self.traffic, self.peak_rate = found.to_dict(), found.peak_rate
         self.traffic_lines = found.lines()
         for line in self.traffic_lines:

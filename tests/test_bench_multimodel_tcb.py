@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -134,6 +135,7 @@ def test_ctrl_c_while_it_runs_stops_every_engine_and_removes_its_segments() -> N
     assert "Traceback" not in err, err[-2000:]
     assert not still_running(seen)
     assert not segment_dirs(proc.pid), segment_dirs(proc.pid)
+    assert not list(Path(tempfile.gettempdir()).glob(f"kvc-tcb-logs-{proc.pid}-*"))  # logs are kept on failure only
 
 
 def test_bad_duration_is_a_usage_error() -> None:

@@ -84,6 +84,7 @@ def run(driver: Driver, *, pairs: int, seed: int, shape: str, single: bool, comm
                 rep.save(report, stem)
         failed = False
     except KeyboardInterrupt:
+        failed = False  # asked for: nothing to look into
         print("interrupted: every engine was stopped", file=sys.stderr)
         return 130
     except RuntimeError as exc:

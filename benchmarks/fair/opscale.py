@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .longctx import MIX, OUTPUT_TOKENS, Bucket, bounds, scaled
+from .profile import measure
 from .scale import CONFIGS, CPU_SHAPES, DTYPE_BYTES, GPU_SHAPES, GiB, Measured, MiB, Plan, Shape, choose, plan
 from .tcb_setup import PAGE_TOKENS, Setup
 from .trace import SHAPES
@@ -112,8 +113,6 @@ class Planner:
     def plan(self, *, seed: int, shm: Path, logs: Path, duration_s: float) -> Plan:
         """Profile the candidate shapes (each in a child process, alone on the device) and plan from what they
         measured. RuntimeError when the measured plan fits no shape, or a profiling pass fails."""
-        from .profile import measure
-
         def measured(shape: Shape) -> Measured:
             print(f"profiling {shape.name}-shaped engines (a pass at max_batch_tokens "
                   f"{self.op.max_batch_tokens} with prompts of {bounds(self.op.prompt_mix)[1]} tokens)...", flush=True)

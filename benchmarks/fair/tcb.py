@@ -20,7 +20,6 @@ from the plugin's ``stats`` where it has one (``n/a`` otherwise).
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import random
 import shutil
@@ -31,13 +30,11 @@ from typing import Any
 from .load import request_kv_bytes, traffic
 from .opscale import OPERATOR, Planner, setup_for
 from .scale import Plan
-from .tcb_engines import Engines
-from .tcb_setup import MODELS, PAGE_TOKENS, Setup, share_bytes
+from .tcb_engines import Engines, context
+from .tcb_setup import MODELS, PAGE_TOKENS, WARM_POOL, Setup, share_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 CALIBRATION_FACTOR = 3  # calibration: three times the requests a static share holds at once
-# elastic engines' warm pools, as the vLLM driver sets them: a shared budget is not held in idle pools
-WARM_POOL = {"KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_MAX_RESERVED_PAGES": "1", "KVCACHED_IDLE_RETURN_S": "1"}
 
 
 # -- one configuration's engines -------------------------------------------------------------------
@@ -106,10 +103,6 @@ def machine(device: str) -> dict:
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
-
-
-def context() -> Any:
-    return mp.get_context("spawn")
 
 
 class TcbDriver:

@@ -24,15 +24,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from .passes import Meter, fill_pass, measure_pass, wait_warm
+from .tcb_errors import error_line, loop_error
+from .tcb_setup import PAGE_TOKENS, Setup
+
 ROOT = Path(__file__).resolve().parents[2]
-LINE_CHARS = 400  # an error line is cut here
-
-
-def error_line(exc: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    text = str(exc).strip().splitlines()
-    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-    return line if len(line) <= LINE_CHARS else line[:LINE_CHARS - 3] + "..."
 
 
 def log_to(path: str | None) -> None:
@@ -83,9 +79,7 @@ def plugin_stats(handle: Any) -> dict:
 
 
 def setup_of(spec: dict) -> Any:
-    """The :class:`.tcb.Setup` a spec carries (as plain fields, so that it crosses to a spawned process)."""
-    from .tcb_setup import Setup
-
+    """The :class:`.tcb_setup.Setup` a spec carries (as plain fields, so that it crosses to a spawned process)."""
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["setup"].items()}
     fields["prompt_mix"] = tuple(tuple(b) for b in fields["prompt_mix"])
     return Setup(**fields)
@@ -120,8 +114,6 @@ def start_batching(model: Any, setup: Any, *, elastic: bool, num_blocks: int, na
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from .tcb_setup import PAGE_TOKENS
-
     handle = None
     if elastic:
         from kvcached_transformers import cb
@@ -142,18 +134,9 @@ def warm_pass(spec: dict, setup: Any, manager: Any, handle: Any) -> int | None:
     engine's warm-up (see :mod:`.profile`): its working memory, measured; None otherwise."""
     if not spec.get("profile_pass"):
         return None
-    from .profile import Meter, fill_pass, measure_pass, wait_warm
-
     wait_warm(manager)
     p = fill_pass(spec["profile_pass"], setup, spec["seed"])
     return measure_pass(manager, handle, Meter(setup.device, device_figures=False), p)
-
-
-def loop_error(manager: Any) -> str:
-    """Why transformers' generation loop stopped: its fatal error as one line."""
-    status = getattr(manager, "background_thread_status", None)
-    fatal = getattr(status, "fatal_error", None)
-    return error_line(fatal) if isinstance(fatal, BaseException) else "the generation loop stopped"
 
 
 def serve(spec: dict, inbox: Any, outbox: Any) -> None:

@@ -9,6 +9,7 @@ dead engine.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import queue
 import time
 from collections.abc import Callable
@@ -19,6 +20,11 @@ from .method import Answer
 from .tcb_child import serve
 
 POLL_S = 0.5  # the longest wait on the answers before the engines' processes are looked at again
+
+
+def context() -> Any:
+    """Engines' processes are spawned: a fresh interpreter each, with none of the harness's threads or CUDA state."""
+    return mp.get_context("spawn")
 
 
 class EngineDied(RuntimeError):

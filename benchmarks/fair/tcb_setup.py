@@ -1,6 +1,6 @@
 """What one transformers comparison runs: the model's shape, a static share, the trace's lengths and the engines'
-batching limits (:class:`Setup`), and the small-scale setups per device (:data:`MODELS`); operator scale makes its
-own (:mod:`.opscale`)."""
+batching limits (:class:`Setup`), the small-scale setups per device (:data:`MODELS`; operator scale makes its own,
+:mod:`.opscale`), and the elastic engines' warm pools (:data:`WARM_POOL`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from .longctx import bounds, draw
 
 PAGE_TOKENS = 256  # transformers' block (page_size): one kvcached block per sector
+# elastic engines' warm pools, as the vLLM driver sets them: a shared budget is not held in idle pools
+WARM_POOL = {"KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_MAX_RESERVED_PAGES": "1", "KVCACHED_IDLE_RETURN_S": "1"}
 
 
 @dataclass(frozen=True)
